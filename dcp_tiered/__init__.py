@@ -1,0 +1,57 @@
+"""dcp_tiered: smaller, faster, cheaper PyTorch Distributed Checkpoint saves.
+
+Public names load lazily so that ``import dcp_tiered`` stays light: torch and the codec
+libraries are imported only when a writer, reader or planner is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dcp_tiered.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CodecError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpTieredError,
+    StorageError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "CompressedWriter": "dcp_tiered.dcp.writer",
+    "CompressedReader": "dcp_tiered.dcp.reader",
+}
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CodecError",
+    "CompressedReader",
+    "CompressedWriter",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DcpTieredError",
+    "StorageError",
+    "UnsafeCheckpointError",
+    "UnsupportedFormatError",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcp_tiered' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

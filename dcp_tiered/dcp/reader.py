@@ -1,0 +1,379 @@
+"""``CompressedReader``: a DCP ``StorageReader`` for checkpoints of this package and of stock DCP.
+
+Reads are planned as frames: each requested tensor chunk needs only the frames that cover
+it.  Adjacent frames are fetched with one ranged read, the next read is prefetched while
+the current frames are verified and decoded in parallel, and a whole contiguous tensor is
+decoded straight into its destination.  ``.metadata`` goes through the allow-list unpickler.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_tiered.codecs import FrameCodec, verify_frame
+from dcp_tiered.dcp.format import (
+    KIND_BYTES,
+    METADATA_FILE,
+    check_record,
+    dtype_from_name,
+    is_native_record,
+)
+from dcp_tiered.dcp.safe_pickle import safe_loads
+from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
+from dcp_tiered.dcp.tensors import writable_bytes
+from dcp_tiered.dcp.writer import default_threads
+from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
+
+# Largest single ranged read; bounds host memory held by one read.
+READ_CHUNK = 64 << 20
+
+
+@dataclass
+class _Request:
+    """One read item of a native record, with where its frames decode to."""
+
+    req: ReadItem
+    record: dict
+    key: str
+    buf: np.ndarray  # uint8 destination covering frames [first_frame, last_frame]
+    tensor: torch.Tensor | None  # tensor whose bytes are ``buf`` (None for bytes items)
+    direct: bool  # ``tensor`` is the planner's destination itself
+    elem_skip: int  # elements of ``buf`` before the first requested element
+    first_frame: int = 0
+    frames_left: int = 0
+
+
+@dataclass
+class _FrameTask:
+    file_offset: int
+    stored_len: int
+    index: int
+    owner: _Request
+    raw_start: int  # within owner.buf
+    raw_end: int
+
+
+@dataclass
+class _ReadChunk:
+    file: str
+    start: int
+    end: int
+    tasks: list[_FrameTask] = field(default_factory=list)
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return out[::-1]
+
+
+class CompressedReader(StorageReader):
+    """Read a checkpoint written by :class:`CompressedWriter`, ``FileSystemWriter`` or ``FsspecWriter``.
+
+    Args:
+        path: checkpoint directory: a local path or any fsspec URL.
+        storage_options: passed to fsspec.
+        verify: check every frame's checksum before decoding it (on by default).
+        threads: decompression threads (default: cores of this node divided by its ranks).
+    """
+
+    def __init__(
+        self,
+        path: "str | os.PathLike[str]",
+        *,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        threads: int | None = None,
+    ) -> None:
+        super().__init__()
+        if threads is not None and threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {threads}")
+        self.storage_options = dict(storage_options or {})
+        self.storage = Storage(path, self.storage_options)
+        self.verify = verify
+        self.threads = threads
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+        self._tensor_dtypes: dict[str, torch.dtype] = {}
+        self._prefix_sums: dict[int, list[int]] = {}
+
+    # -- DCP protocol ---------------------------------------------------------------
+
+    def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+        if checkpoint_id:
+            self.storage = Storage(checkpoint_id, self.storage_options)
+        self.load_id = uuid.uuid4().hex
+        self.storage_data = {}
+        self._prefix_sums = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        where = self.storage.url_of(METADATA_FILE)
+        try:
+            data = self.storage.read_bytes(METADATA_FILE)
+        except MissingFileError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.storage.url} is not a committed checkpoint: {METADATA_FILE} is missing "
+                "(wrong path, or the save was interrupted before it committed)"
+            ) from exc
+        metadata = safe_loads(data, where)
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise CorruptCheckpointError(f"{self.storage.url}/{METADATA_FILE} has no storage records")
+        for index, record in metadata.storage_data.items():
+            key = getattr(index, "fqn", "?")
+            if is_native_record(record):
+                check_record(record, key, self.storage.url)
+                safe_relative_name(record["file"], f"record of {key!r} in {self.storage.url}")
+            else:
+                safe_relative_name(getattr(record, "relative_path", None), f"record of {key!r} in {self.storage.url}")
+        self.storage_data = metadata.storage_data
+        self._chunk_sizes = {}
+        self._tensor_dtypes = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                self._tensor_dtypes[fqn] = md.properties.dtype
+                for chunk in md.chunks:
+                    self._chunk_sizes[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        fut: Future[None] = Future()
+        try:
+            self._read(plan, planner)
+            fut.set_result(None)
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.url
+
+    # -- reading --------------------------------------------------------------------
+
+    def _record(self, req: ReadItem) -> Any:
+        try:
+            return self.storage_data[req.storage_index]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.storage.url}/{METADATA_FILE} has no storage record for {req.storage_index.fqn!r}"
+            ) from None
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        native, stock = [], []
+        for req in plan.items:
+            (native if is_native_record(self._record(req)) else stock).append(req)
+        for req in stock:
+            self._read_stock(req, planner)
+        if not native:
+            return
+        requests = [self._plan_request(req, planner) for req in native]
+        tasks = [t for r in requests for t in self._frame_tasks(r)]
+        chunks = self._chunks(tasks)
+        for r in requests:
+            if r.frames_left == 0:
+                self._finish(r, planner)
+        with ThreadPoolExecutor(self.threads or default_threads(), thread_name_prefix="dcp_tiered-decode") as pool:
+            reads = iter(chunks)
+            nxt = next(reads, None)
+            pending = pool.submit(self._fetch, nxt) if nxt is not None else None
+            while nxt is not None:
+                data = pending.result()
+                chunk = nxt
+                nxt = next(reads, None)
+                pending = pool.submit(self._fetch, nxt) if nxt is not None else None
+                done = list(pool.map(lambda t: self._decode(t, chunk, data), chunk.tasks))
+                for owner in done:
+                    owner.frames_left -= 1
+                    if owner.frames_left == 0:
+                        self._finish(owner, planner)
+
+    def _prefix(self, record: dict) -> list[int]:
+        key = id(record)
+        sums = self._prefix_sums.get(key)
+        if sums is None:
+            sums = self._prefix_sums[key] = [0, *itertools.accumulate(record["frames"])]
+        return sums
+
+    def _plan_request(self, req: ReadItem, planner: LoadPlanner) -> _Request:
+        record = self._record(req)
+        key = req.storage_index.fqn
+        if record["kind"] == KIND_BYTES:
+            buf = np.empty(record["raw"], dtype=np.uint8)
+            return _Request(req, record, key, buf, None, False, 0)
+        shape = record["shape"]
+        itemsize = record["itemsize"]
+        offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
+        if len(offsets) != len(shape) or any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
+            raise CorruptCheckpointError(
+                f"read of {key!r} asks {offsets}+{lengths}, outside the stored chunk {shape} in {self.storage.url}"
+            )
+        strides = _strides(shape)
+        numel = 1
+        for n in lengths:
+            numel *= n
+        if numel == 0:
+            first = last = 0
+        else:
+            first = sum(o * s for o, s in zip(offsets, strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides)) + 1
+        step = record["frame"] - record["frame"] % itemsize
+        f0 = (first * itemsize) // step
+        covered_start = f0 * step
+        covered_end = min(record["raw"], -(-(last * itemsize) // step) * step) if numel else covered_start
+        dtype = dtype_from_name(record["dtype"])
+        target = planner.resolve_tensor(req).detach()
+        whole = numel * itemsize == record["raw"]
+        if (
+            whole
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and target.is_contiguous()
+            and tuple(target.shape) == tuple(lengths)
+        ):
+            return _Request(req, record, key, writable_bytes(target), target, True, 0)
+        n_elems = (covered_end - covered_start) // itemsize
+        tmp = torch.empty(n_elems, dtype=dtype)
+        return _Request(req, record, key, writable_bytes(tmp), tmp, False, first - covered_start // itemsize, f0)
+
+    def _frame_tasks(self, r: _Request) -> list[_FrameTask]:
+        record = r.record
+        step = record["frame"] - record["frame"] % record["itemsize"]
+        sums = self._prefix(record)
+        f0 = r.first_frame
+        f1 = f0 + -(-r.buf.nbytes // step)
+        base = f0 * step
+        tasks = []
+        for i in range(f0, f1):
+            raw_s, raw_e = i * step - base, min(record["raw"], (i + 1) * step) - base
+            tasks.append(_FrameTask(record["offset"] + sums[i], record["frames"][i], i, r, raw_s, raw_e))
+        r.frames_left = len(tasks)
+        return tasks
+
+    @staticmethod
+    def _chunks(tasks: list[_FrameTask]) -> list[_ReadChunk]:
+        out: list[_ReadChunk] = []
+        for t in sorted(tasks, key=lambda t: (t.owner.record["file"], t.file_offset)):
+            file = t.owner.record["file"]
+            last = out[-1] if out else None
+            end = t.file_offset + t.stored_len
+            if last is not None and last.file == file and last.start <= t.file_offset <= last.end and end - last.start <= READ_CHUNK:
+                last.end = max(last.end, end)
+                last.tasks.append(t)
+            else:
+                out.append(_ReadChunk(file, t.file_offset, end, [t]))
+        return out
+
+    def _fetch(self, chunk: _ReadChunk) -> bytes:
+        data = self.storage.read_range(chunk.file, chunk.start, chunk.end)
+        if len(data) != chunk.end - chunk.start:
+            raise CorruptCheckpointError(
+                f"data file {self.storage.url_of(chunk.file)} is truncated: needed bytes {chunk.start}..{chunk.end}, "
+                f"got {len(data)}; restore from another tier or an older step"
+            )
+        return data
+
+    def _decode(self, t: _FrameTask, chunk: _ReadChunk, data: bytes) -> _Request:
+        r = t.owner
+        rec = r.record
+        stored = memoryview(data)[t.file_offset - chunk.start : t.file_offset - chunk.start + t.stored_len]
+        where = f"frame {t.index} of {r.key!r} in {self.storage.url_of(rec['file'])}"
+        if self.verify and not verify_frame(stored, rec["sums"][t.index]):
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {where}: the file is corrupted; restore from another tier or an older step"
+            )
+        codec = FrameCodec(rec["codec"], rec["filter"], rec["itemsize"])
+        try:
+            codec.decode(stored, r.buf[t.raw_start : t.raw_end])
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{where} does not decode: {exc}") from exc
+        return r
+
+    def _finish(self, r: _Request, planner: LoadPlanner) -> None:
+        if r.record["kind"] == KIND_BYTES:
+            self._load_bytes(r.req, r.buf.tobytes(), planner)
+            return
+        if r.direct:
+            planner.commit_tensor(r.req, r.tensor)
+            return
+        lengths = tuple(r.req.lengths)
+        view = r.tensor[r.elem_skip :].as_strided(lengths, _strides(r.record["shape"])) if r.tensor.numel() else r.tensor.reshape(lengths)
+        self._copy_into(r.req, view, planner)
+
+    def _copy_into(self, req: ReadItem, tensor: torch.Tensor, planner: LoadPlanner) -> None:
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise CorruptCheckpointError(
+                f"tensor {req.storage_index.fqn!r} in {self.storage.url} has shape {tuple(tensor.shape)} "
+                f"but the destination expects {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _load_bytes(self, req: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:
+            raise UnsafeCheckpointError(
+                f"item {req.storage_index.fqn!r} in {self.storage.url} does not load with weights_only=True "
+                f"({type(exc).__name__}: {str(exc)[:200]}); refusing to unpickle it"
+            ) from exc
+        planner.load_bytes(req, io.BytesIO(data))
+
+    def _read_stock(self, req: ReadItem, planner: LoadPlanner) -> None:
+        info = self._record(req)
+        key = req.storage_index.fqn
+        name = safe_relative_name(info.relative_path, f"record of {key!r}")
+        data = self.storage.read_range(name, info.offset, info.offset + info.length)
+        if len(data) != info.length:
+            raise CorruptCheckpointError(
+                f"data file {self.storage.url_of(name)} is truncated at item {key!r}: {len(data)} of {info.length} bytes"
+            )
+        bound = stock_raw_bound(req, self._chunk_sizes, self._tensor_dtypes, info.length)
+        raw = decode_stock_item(data, info.transform_descriptors or (), bound, f"{key!r} in {self.storage.url_of(name)}")
+        if req.type == LoadItemType.BYTE_IO:
+            self._load_bytes(req, raw, planner)
+            return
+        try:
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"tensor {key!r} in {self.storage.url_of(name)} does not load: {exc}") from exc
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpointError(f"item {key!r} in {self.storage.url_of(name)} is not a tensor")
+        for dim, (off, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            tensor = tensor.narrow(dim, off, n)
+        self._copy_into(req, tensor, planner)
+

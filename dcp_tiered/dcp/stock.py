@@ -1,0 +1,57 @@
+"""Decoding items written by stock DCP writers (``FileSystemWriter``, ``FsspecWriter``).
+
+Stock items are ``torch.save`` payloads, optionally passed through DCP's experimental
+``stream.zstd`` transform.  Decompression is bounded by the size the metadata implies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import zstandard
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
+
+# torch.save wraps tensor bytes in a zip with a small pickle; this covers that overhead.
+_TORCH_SAVE_SLACK = 1 << 20
+# Bytes items carry no size in metadata; this bounds their decompressed size.
+_BYTES_ITEM_LIMIT = 1 << 30
+
+
+def stock_raw_bound(
+    req: ReadItem,
+    chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]],
+    dtypes: dict[str, torch.dtype],
+    stored_len: int,
+) -> int:
+    """Largest decoded size a stock item may legitimately have."""
+    fqn = req.storage_index.fqn
+    if req.type == LoadItemType.BYTE_IO or fqn not in dtypes:
+        return max(_BYTES_ITEM_LIMIT, stored_len)
+    offsets = tuple(req.storage_index.offset or ())
+    sizes = chunk_sizes.get((fqn, offsets))
+    if sizes is None:
+        return max(_BYTES_ITEM_LIMIT, stored_len)
+    numel = 1
+    for s in sizes:
+        numel *= s
+    return numel * dtypes[fqn].itemsize + _TORCH_SAVE_SLACK
+
+
+def decode_stock_item(data: bytes, descriptors: Sequence[str], bound: int, where: str) -> bytes:
+    """Undo the stream transforms named by ``descriptors`` (outermost last)."""
+    out = data
+    for descriptor in reversed(list(descriptors)):
+        name, _, version = str(descriptor).partition("/")
+        if name != "stream.zstd" or version.partition(".")[0] != "1":
+            raise UnsupportedFormatError(f"item {where} uses stream transform {descriptor!r}, which this reader does not know")
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(out)
+            out = reader.read(bound + 1)
+        except zstandard.ZstdError as exc:
+            raise CorruptCheckpointError(f"item {where} does not decompress: {exc}") from exc
+        if len(out) > bound:
+            raise CorruptCheckpointError(f"item {where} decompresses past its size bound of {bound} bytes")
+    return out

@@ -1,0 +1,44 @@
+"""The error hierarchy of dcp_tiered.
+
+Every error raised on purpose by this package derives from :class:`DcpTieredError` and
+also from the builtin that fits, so ``except FileNotFoundError`` keeps working.  Messages
+name the file, tier and tensor key where known, and say what to do.
+"""
+
+from __future__ import annotations
+
+
+class DcpTieredError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class ConfigError(DcpTieredError, ValueError):
+    """An argument or configuration value is invalid (raised at construction)."""
+
+
+class CodecError(ConfigError):
+    """Unknown codec name or level in a codec spec string."""
+
+
+class StorageError(DcpTieredError, OSError):
+    """A storage operation failed (unreachable URL, missing bucket, I/O error, full disk)."""
+
+
+class CheckpointNotFoundError(DcpTieredError, FileNotFoundError):
+    """The path holds no committed checkpoint (no ``.metadata``) or a file it names is missing."""
+
+
+class CheckpointExistsError(DcpTieredError, FileExistsError):
+    """A committed checkpoint already exists where a save was asked, and ``overwrite`` is off."""
+
+
+class CorruptCheckpointError(DcpTieredError, ValueError):
+    """Stored bytes fail verification: checksum mismatch, truncation, or an undecodable frame."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint tried to run code, reference a disallowed class, or escape its directory."""
+
+
+class UnsupportedFormatError(DcpTieredError, ValueError):
+    """The checkpoint was written in a format version or transform this version cannot read."""

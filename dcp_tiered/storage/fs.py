@@ -1,0 +1,218 @@
+"""fsspec access for one directory (local path, ``file://``, ``memory://``, ``s3://``, ...).
+
+:class:`Storage` owns a root directory and offers exactly what checkpoints need: write a
+file and make it durable, commit a small file atomically, read byte ranges, list and
+delete.  Errors come out as :class:`StorageError` or :class:`MissingFileError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from dcp_tiered.errors import DcpTieredError, StorageError
+from dcp_tiered.storage.paths import safe_relative_name
+
+
+class MissingFileError(StorageError, FileNotFoundError):
+    """A file that should exist in storage does not."""
+
+
+def _map_error(exc: BaseException, url: str, action: str) -> DcpTieredError:
+    if isinstance(exc, DcpTieredError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return MissingFileError(errno.ENOENT, f"{action}: {url} does not exist")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return StorageError(errno.ENOSPC, f"{action}: no space left writing {url}; free space or point the tier elsewhere")
+    if isinstance(exc, PermissionError):
+        return StorageError(errno.EACCES, f"{action}: permission denied on {url}")
+    return StorageError(f"{action} failed on {url}: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, action: str) -> Iterator[None]:
+    """Translate fsspec/OS/botocore exceptions inside the block into this package's errors."""
+    try:
+        yield
+    except DcpTieredError:
+        raise
+    except Exception as exc:  # fsspec backends raise anything; map it once here
+        raise _map_error(exc, url, action) from exc
+
+
+class Storage:
+    """One directory on any fsspec filesystem."""
+
+    def __init__(self, url: "str | os.PathLike[str]", storage_options: dict[str, Any] | None = None) -> None:
+        self.url = os.fspath(url)
+        self.storage_options = dict(storage_options or {})
+        with storage_errors(self.url, "open filesystem"):
+            fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.root: str = root.rstrip("/") or root
+        self.is_local = isinstance(fs, LocalFileSystem)
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    def child(self, name: str) -> "Storage":
+        """A Storage for a subdirectory ``name`` (contained)."""
+        sub = safe_relative_name(name, self.url)
+        return Storage(self.url.rstrip("/") + "/" + sub, self.storage_options)
+
+    def path(self, name: str) -> str:
+        """The filesystem path of ``name`` inside the root (containment checked)."""
+        return posixpath.join(self.root, safe_relative_name(name, self.url)) if not self.is_local else os.path.join(
+            self.root, safe_relative_name(name, self.url)
+        )
+
+    def url_of(self, name: str) -> str:
+        return self.url.rstrip("/") + "/" + name
+
+    def _refresh(self, path: str | None = None) -> None:
+        if not self.is_local:
+            self.fs.invalidate_cache(path)
+
+    def makedirs(self) -> None:
+        """Create the root directory (a no-op on object stores) and check it is reachable."""
+        with storage_errors(self.url, "create directory"):
+            if self.is_local or self.fs.protocol in ("memory",) or "memory" in self.fs.protocol:
+                self.fs.makedirs(self.root, exist_ok=True)
+            else:
+                bucket = self.root.split("/", 1)[0]
+                self._refresh()
+                if not self.fs.exists(bucket):
+                    raise MissingFileError(errno.ENOENT, f"bucket or container {bucket!r} of {self.url} does not exist; create it first")
+
+    def exists(self, name: str = "") -> bool:
+        path = self.path(name) if name else self.root
+        with storage_errors(self.url_of(name), "check existence"):
+            self._refresh(path)
+            return bool(self.fs.exists(path))
+
+    def size(self, name: str) -> int:
+        with storage_errors(self.url_of(name), "stat"):
+            self._refresh(self.path(name))
+            return int(self.fs.size(self.path(name)))
+
+    def listdir(self) -> list[str]:
+        """Names directly inside the root (files and directories); empty if the root is missing."""
+        with storage_errors(self.url, "list"):
+            self._refresh(self.root)
+            try:
+                entries = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+        return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {""})
+
+    def file_sizes(self) -> dict[str, int]:
+        """Every file under the root, by relative name, with its size."""
+        with storage_errors(self.url, "list"):
+            self._refresh(self.root)
+            try:
+                found = self.fs.find(self.root, detail=True)
+            except FileNotFoundError:
+                return {}
+        out = {}
+        for p, info in found.items():
+            rel = posixpath.relpath(str(p).replace(os.sep, "/"), self.root.replace(os.sep, "/"))
+            out[rel] = int(info.get("size") or 0)
+        return out
+
+    @contextlib.contextmanager
+    def open_write(self, name: str, durable: bool = True) -> Iterator[BinaryIO]:
+        """Open ``name`` for writing; on clean exit the bytes are flushed, fsynced (local) and closed."""
+        url = self.url_of(name)
+        with storage_errors(url, "write"):
+            if self.is_local:
+                path = self.path(name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    yield f
+                    f.flush()
+                    if durable:
+                        os.fsync(f.fileno())
+            else:
+                f = self.fs.open(self.path(name), "wb")
+                try:
+                    yield f
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        f.discard() if hasattr(f, "discard") else None
+                    raise
+                f.flush()
+                f.close()
+
+    def commit_bytes(self, name: str, data: bytes) -> None:
+        """Make ``name`` hold ``data`` atomically: temp file + fsync + rename locally, one PUT remotely."""
+        url = self.url_of(name)
+        with storage_errors(url, "commit"):
+            if self.is_local:
+                final = self.path(name)
+                tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, final)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                fd = os.open(os.path.dirname(final), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            else:
+                self.fs.pipe_file(self.path(name), data)
+                self._refresh(self.path(name))
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``name``; fewer bytes mean the file is short."""
+        with storage_errors(self.url_of(name), "read"):
+            if self.is_local:
+                with open(self.path(name), "rb") as f:
+                    f.seek(start)
+                    return f.read(end - start)
+            return self.fs.cat_file(self.path(name), start=start, end=end)
+
+    def read_bytes(self, name: str) -> bytes:
+        with storage_errors(self.url_of(name), "read"):
+            if self.is_local:
+                with open(self.path(name), "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(self.path(name))
+
+    def remove(self, name: str) -> None:
+        """Delete one file; a missing file is not an error."""
+        with storage_errors(self.url_of(name), "delete"):
+            try:
+                self.fs.rm_file(self.path(name))
+            except FileNotFoundError:
+                pass
+            self._refresh(self.path(name))
+
+    def remove_tree(self) -> None:
+        """Delete the root and everything under it; a missing root is not an error."""
+        with storage_errors(self.url, "delete"):
+            try:
+                self.fs.rm(self.root, recursive=True)
+            except FileNotFoundError:
+                pass
+            self._refresh(self.root)
