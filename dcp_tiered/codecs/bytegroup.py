@@ -8,9 +8,22 @@ the exponent alone (worth about 2 points of ratio on bf16).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
+
+_scratch = threading.local()
+
+
+def _scratch_buffer(nbytes: int) -> np.ndarray:
+    # Strided writes into freshly allocated pages run at a fraction of the speed of writes
+    # into touched memory, so planes are interleaved in a reused per-thread buffer and the
+    # result is copied out sequentially.
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _scratch.buf = np.zeros(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
 
 FILTER_NONE = "none"
 FILTER_BYTEGROUP = "bytegroup"
@@ -37,10 +50,10 @@ def split_planes(raw: np.ndarray, filter_name: str, itemsize: int) -> list[np.nd
     if filter_name == FILTER_BYTEGROUP_SIGNROT:
         u = raw.view(np.uint16)
         raw = ((u << np.uint16(1)) | (u >> np.uint16(15))).view(np.uint8)
-    grid = raw.reshape(-1, itemsize)
-    planes = np.empty((itemsize, grid.shape[0]), dtype=np.uint8)
-    for k in range(itemsize):
-        planes[k] = grid[:, k]
+    planes = np.empty((itemsize, raw.size // itemsize), dtype=np.uint8)
+    # One transposing copy is ~5x faster than a strided copy per plane in numpy; the
+    # reverse direction is fastest per plane (see merge_planes).
+    np.copyto(planes, raw.reshape(-1, itemsize).T)
     return list(planes)
 
 
@@ -49,9 +62,12 @@ def merge_planes(planes: Sequence[object], filter_name: str, itemsize: int, out:
     if filter_name == FILTER_NONE:
         out[:] = np.frombuffer(planes[0], dtype=np.uint8)
         return
-    grid = out.reshape(-1, itemsize)
+    work = _scratch_buffer(out.nbytes)
+    grid = work.reshape(-1, itemsize)
     for k in range(itemsize):
         grid[:, k] = np.frombuffer(planes[k], dtype=np.uint8)
     if filter_name == FILTER_BYTEGROUP_SIGNROT:
-        u = out.view(np.uint16)
-        u[:] = (u >> np.uint16(1)) | (u << np.uint16(15))
+        u = work.view(np.uint16)
+        np.bitwise_or(u >> np.uint16(1), u << np.uint16(15), out=out.view(np.uint16))
+    else:
+        out[:] = work

@@ -70,16 +70,16 @@ class Lz4Compressor:
 class ZstdCompressor:
     """zstd at a given level; ``for_planes`` tunes match finding for byte-grouped planes.
 
-    Exponent planes are low-entropy byte streams: zstd's default short matches cost time
-    and ratio there, so a minimum match of 7 is both faster and smaller (measured on MiniLM).
+    Exponent planes are low-entropy byte streams with few useful matches: at the fast
+    levels a tiny hash table (``hash_log=6``) leaves them to the entropy coder, which is
+    both faster (~2.5x) and smaller (0.331 vs 0.364 on MiniLM exponents, entropy 0.333).
     """
 
     def __init__(self, level: int, for_planes: bool = False) -> None:
         self.spec = CodecSpec("zstd", level)
-        if for_planes and level <= 4:
-            self._params = zstandard.ZstdCompressionParameters.from_level(level, min_match=7, write_content_size=True)
-        else:
-            self._params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=True)
+        self._for_planes = for_planes
+        overrides = {"hash_log": 6} if for_planes and level <= 2 else {}
+        self._params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=True, **overrides)
         self._local = threading.local()
 
     def _compressor(self) -> zstandard.ZstdCompressor:
@@ -110,13 +110,10 @@ class ZstdCompressor:
         return out
 
     def __getstate__(self) -> dict:
-        return {"spec": self.spec, "params": (self._params.compression_level, self._params.min_match)}
+        return {"level": self.spec.level, "for_planes": self._for_planes}
 
     def __setstate__(self, state: dict) -> None:
-        level, min_match = state["params"]
-        self.spec = state["spec"]
-        self._params = zstandard.ZstdCompressionParameters.from_level(level, min_match=min_match, write_content_size=True)
-        self._local = threading.local()
+        self.__init__(state["level"], state["for_planes"])  # type: ignore[misc]
 
 
 def make_compressor(spec: "str | CodecSpec", for_planes: bool = False) -> Compressor:

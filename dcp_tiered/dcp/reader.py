@@ -113,6 +113,7 @@ class CompressedReader(StorageReader):
         self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
         self._tensor_dtypes: dict[str, torch.dtype] = {}
         self._prefix_sums: dict[int, list[int]] = {}
+        self._codecs: dict[tuple[str, str, int], FrameCodec] = {}
 
     # -- DCP protocol ---------------------------------------------------------------
 
@@ -206,15 +207,17 @@ class CompressedReader(StorageReader):
         for r in requests:
             if r.frames_left == 0:
                 self._finish(r, planner)
-        with ThreadPoolExecutor(self.threads or default_threads(), thread_name_prefix="dcp_tiered-decode") as pool:
-            reads = iter(chunks)
-            nxt = next(reads, None)
-            pending = pool.submit(self._fetch, nxt) if nxt is not None else None
-            while nxt is not None:
+        # Two read buffers alternate: one is decoded while the next chunk is fetched into the other.
+        size = max((c.end - c.start for c in chunks), default=0)
+        buffers = [bytearray(size), bytearray(size if len(chunks) > 1 else 0)]
+        with ThreadPoolExecutor(1, thread_name_prefix="dcp_tiered-read") as reader, ThreadPoolExecutor(
+            self.threads or default_threads(), thread_name_prefix="dcp_tiered-decode"
+        ) as pool:
+            pending = reader.submit(self._fetch, chunks[0], buffers[0]) if chunks else None
+            for i, chunk in enumerate(chunks):
                 data = pending.result()
-                chunk = nxt
-                nxt = next(reads, None)
-                pending = pool.submit(self._fetch, nxt) if nxt is not None else None
+                if i + 1 < len(chunks):
+                    pending = reader.submit(self._fetch, chunks[i + 1], buffers[(i + 1) % 2])
                 done = list(pool.map(lambda t: self._decode(t, chunk, data), chunk.tasks))
                 for owner in done:
                     owner.frames_left -= 1
@@ -297,30 +300,38 @@ class CompressedReader(StorageReader):
                 out.append(_ReadChunk(file, t.file_offset, end, [t]))
         return out
 
-    def _fetch(self, chunk: _ReadChunk) -> bytes:
-        data = self.storage.read_range(chunk.file, chunk.start, chunk.end)
-        if len(data) != chunk.end - chunk.start:
+    def _fetch(self, chunk: _ReadChunk, buf: bytearray) -> memoryview:
+        view = memoryview(buf)[: chunk.end - chunk.start]
+        got = self.storage.read_range_into(chunk.file, chunk.start, view)
+        if got != len(view):
             raise CorruptCheckpointError(
                 f"data file {self.storage.url_of(chunk.file)} is truncated: needed bytes {chunk.start}..{chunk.end}, "
-                f"got {len(data)}; restore from another tier or an older step"
+                f"got {got}; restore from another tier or an older step"
             )
-        return data
+        return view
 
-    def _decode(self, t: _FrameTask, chunk: _ReadChunk, data: bytes) -> _Request:
+    def _decode(self, t: _FrameTask, chunk: _ReadChunk, data: memoryview) -> _Request:
         r = t.owner
         rec = r.record
-        stored = memoryview(data)[t.file_offset - chunk.start : t.file_offset - chunk.start + t.stored_len]
+        stored = data[t.file_offset - chunk.start : t.file_offset - chunk.start + t.stored_len]
         where = f"frame {t.index} of {r.key!r} in {self.storage.url_of(rec['file'])}"
         if self.verify and not verify_frame(stored, rec["sums"][t.index]):
             raise CorruptCheckpointError(
                 f"checksum mismatch in {where}: the file is corrupted; restore from another tier or an older step"
             )
-        codec = FrameCodec(rec["codec"], rec["filter"], rec["itemsize"])
+        codec = self._codec(rec)
         try:
             codec.decode(stored, r.buf[t.raw_start : t.raw_end])
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{where} does not decode: {exc}") from exc
         return r
+
+    def _codec(self, rec: dict) -> FrameCodec:
+        key = (rec["codec"], rec["filter"], rec["itemsize"])
+        codec = self._codecs.get(key)
+        if codec is None:
+            codec = self._codecs.setdefault(key, FrameCodec(*key))
+        return codec
 
     def _finish(self, r: _Request, planner: LoadPlanner) -> None:
         if r.record["kind"] == KIND_BYTES:

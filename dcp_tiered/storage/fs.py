@@ -192,6 +192,27 @@ class Storage:
                     return f.read(end - start)
             return self.fs.cat_file(self.path(name), start=start, end=end)
 
+    def read_range_into(self, name: str, start: int, buf: "bytearray | memoryview") -> int:
+        """Fill ``buf`` from offset ``start`` of ``name``; return the bytes read (short at EOF).
+
+        Local files read straight into the caller's (reused) buffer; other filesystems copy.
+        """
+        view = memoryview(buf).cast("B")
+        with storage_errors(self.url_of(name), "read"):
+            if self.is_local:
+                with open(self.path(name), "rb", buffering=0) as f:
+                    f.seek(start)
+                    got = 0
+                    while got < len(view):
+                        n = f.readinto(view[got:])
+                        if not n:
+                            break
+                        got += n
+                    return got
+            data = self.fs.cat_file(self.path(name), start=start, end=start + len(view))
+        view[: len(data)] = data
+        return len(data)
+
     def read_bytes(self, name: str) -> bytes:
         with storage_errors(self.url_of(name), "read"):
             if self.is_local:
