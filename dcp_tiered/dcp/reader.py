@@ -105,7 +105,7 @@ class CompressedReader(StorageReader):
         if threads is not None and threads < 1:
             raise ConfigError(f"threads must be at least 1, got {threads}")
         self.storage_options = dict(storage_options or {})
-        self.storage = Storage(path, self.storage_options)
+        self.storage = self._open(path)
         self.verify = verify
         self.threads = threads
         self.load_id = uuid.uuid4().hex
@@ -117,9 +117,21 @@ class CompressedReader(StorageReader):
 
     # -- DCP protocol ---------------------------------------------------------------
 
+    def _open(self, path: "str | os.PathLike[str]") -> Storage:
+        # Checked here, not only in read_metadata: DCP turns read_metadata failures into an
+        # AssertionError, while errors from the constructor and reset() reach the caller as they are.
+        storage = Storage(path, self.storage_options)
+        if not storage.exists(METADATA_FILE):
+            storage.check_reachable()
+            raise CheckpointNotFoundError(
+                f"{storage.url} is not a committed checkpoint: {METADATA_FILE} is missing "
+                "(wrong path, or the save was interrupted before it committed)"
+            )
+        return storage
+
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
         if checkpoint_id:
-            self.storage = Storage(checkpoint_id, self.storage_options)
+            self.storage = self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self._prefix_sums = {}

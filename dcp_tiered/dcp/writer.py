@@ -86,6 +86,7 @@ class CompressedWriter(StorageWriter):
         self.overwrite = overwrite
         self.sync_files = sync_files
         self.storage = Storage(path, self.storage_options)
+        self.storage.check_reachable()
         self.is_coordinator = False
         self.rank: int | None = None
         self.save_id = uuid.uuid4().hex
@@ -186,7 +187,7 @@ class CompressedWriter(StorageWriter):
         fields = {
             "kind": KIND_TENSOR,
             "itemsize": keep.element_size(),
-            "filter": filter_for(keep.dtype.is_floating_point, keep.element_size(), self.byte_group),
+            "filter": filter_for(keep.dtype.is_floating_point, keep.element_size(), self.byte_group and self.codec != "none"),
             "dtype": dtype_name(keep.dtype),
             "orig_dtype": dtype_name(orig),
             "shape": tuple(int(d) for d in keep.shape),

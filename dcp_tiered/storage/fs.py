@@ -88,16 +88,22 @@ class Storage:
         if not self.is_local:
             self.fs.invalidate_cache(path)
 
+    def check_reachable(self) -> None:
+        """Raise a clear error now if the bucket (object stores) of the root does not exist."""
+        if self.is_local or "memory" in self.fs.protocol:
+            return
+        bucket = self.root.split("/", 1)[0]
+        with storage_errors(self.url, "reach storage"):
+            self._refresh()
+            if not self.fs.exists(bucket):
+                raise MissingFileError(errno.ENOENT, f"bucket or container {bucket!r} of {self.url} does not exist; create it first")
+
     def makedirs(self) -> None:
         """Create the root directory (a no-op on object stores) and check it is reachable."""
-        with storage_errors(self.url, "create directory"):
-            if self.is_local or self.fs.protocol in ("memory",) or "memory" in self.fs.protocol:
+        self.check_reachable()
+        if self.is_local or "memory" in self.fs.protocol:
+            with storage_errors(self.url, "create directory"):
                 self.fs.makedirs(self.root, exist_ok=True)
-            else:
-                bucket = self.root.split("/", 1)[0]
-                self._refresh()
-                if not self.fs.exists(bucket):
-                    raise MissingFileError(errno.ENOENT, f"bucket or container {bucket!r} of {self.url} does not exist; create it first")
 
     def exists(self, name: str = "") -> bool:
         path = self.path(name) if name else self.root
