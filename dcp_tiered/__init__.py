@@ -26,6 +26,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "CompressedWriter": "dcp_tiered.dcp.writer",
     "CompressedReader": "dcp_tiered.dcp.reader",
+    "DowncastSavePlanner": "dcp_tiered.dcp.planners",
+    "DowncastReport": "dcp_tiered.dcp.planners",
+    "SaveStats": "dcp_tiered.dcp.report",
 }
 
 __all__ = [
@@ -36,6 +39,9 @@ __all__ = [
     "CompressedWriter",
     "ConfigError",
     "CorruptCheckpointError",
+    "DowncastReport",
+    "DowncastSavePlanner",
+    "SaveStats",
     "DcpTieredError",
     "StorageError",
     "UnsafeCheckpointError",

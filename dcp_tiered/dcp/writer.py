@@ -25,6 +25,7 @@ from torch.futures import Future
 
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
 from dcp_tiered.dcp.format import DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, dtype_name
+from dcp_tiered.dcp.report import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
 from dcp_tiered.storage import Storage
@@ -91,6 +92,8 @@ class CompressedWriter(StorageWriter):
         self.rank: int | None = None
         self.save_id = uuid.uuid4().hex
         self._replacing = False
+        #: Sizes and ratio of the last checkpoint this writer committed (coordinator only).
+        self.last_stats: SaveStats | None = None
 
     # -- DCP protocol ---------------------------------------------------------------
 
@@ -155,6 +158,7 @@ class CompressedWriter(StorageWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         self.storage.commit_bytes(METADATA_FILE, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+        self.last_stats = stats_from_records((i.fqn, r) for i, r in storage_md.items())
         if self._replacing:
             for name in self.storage.listdir():
                 if name.endswith(DATA_SUFFIX) and name not in expected:

@@ -1,0 +1,160 @@
+"""``DowncastSavePlanner``: store floating tensors in 16 bits, safely, and get dtypes back on load.
+
+The planner keeps DCP's metadata in the original dtype and hands the storage writer a
+16-bit copy of each selected tensor.  Readers copy the 16-bit values into destinations of
+the original dtype (``copy_`` upcasts), and loading into an empty state dict creates
+tensors from the metadata, so the original dtypes come back either way.  float16 is
+range-checked per tensor: values that would overflow (|x| > 65504) or nonzero values that
+would flush to zero (beyond ``underflow_tolerance``) keep the tensor in its own dtype.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from dcp_tiered.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Keys left in their own dtype unless ``exclude`` is given: optimizer state, whose small
+#: second moments are exactly what 16-bit storage destroys.
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    "optim.*",
+    "optimizer.*",
+    "optim_state*",
+    "*.exp_avg",
+    "*.exp_avg_sq",
+    "*.max_exp_avg_sq",
+    "*.momentum_buffer",
+    "*.square_avg",
+)
+_TARGETS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FP16_MAX = 65504.0
+FP16_MIN_SUBNORMAL = 2.0**-24
+
+
+@dataclass
+class DowncastReport:
+    """What the planner did on the last save: keys stored in 16 bits, keys kept and why."""
+
+    dtype: str
+    downcast: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    unmatched_patterns: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "downcast": list(self.downcast),
+            "kept": dict(self.kept),
+            "unmatched_patterns": list(self.unmatched_patterns),
+        }
+
+
+def fp16_range_problem(tensor: torch.Tensor, underflow_tolerance: float) -> str | None:
+    """Why ``tensor`` cannot be stored in float16 without damage, or None if it can.
+
+    NaN and Inf are representable in float16 and are not counted as overflow.
+    """
+    if tensor.numel() == 0:
+        return None
+    t = tensor.detach()
+    finite = torch.isfinite(t)
+    mag = torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device))
+    peak = float(mag.max())
+    if peak > FP16_MAX:
+        return f"overflow: max |x| = {peak:.3g} > {FP16_MAX:g}"
+    nonzero = int(torch.count_nonzero(mag))
+    if nonzero:
+        flushed = int(torch.count_nonzero((mag > 0) & (mag <= FP16_MIN_SUBNORMAL / 2)))
+        if flushed / nonzero > underflow_tolerance:
+            return f"underflow: {flushed} of {nonzero} nonzero values would become 0"
+    return None
+
+
+class DowncastSavePlanner(DefaultSavePlanner):
+    """A ``DefaultSavePlanner`` that stores selected floating tensors as bfloat16 or float16.
+
+    Args:
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        include: glob patterns of (flattened, dot-joined) keys to downcast; default all.
+        exclude: glob patterns never to downcast; default :data:`DEFAULT_EXCLUDE`
+            (optimizer state). Pass ``()`` to downcast optimizer state too.
+        underflow_tolerance: float16 only: the fraction of nonzero values allowed to flush
+            to zero before a tensor is kept in its own dtype.
+        **kwargs: passed to ``DefaultSavePlanner``.
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        include: Sequence[str] = ("*",),
+        exclude: Sequence[str] | None = None,
+        underflow_tolerance: float = 1e-3,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if dtype not in _TARGETS:
+            raise ConfigError(f"DowncastSavePlanner dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if isinstance(include, str) or (exclude is not None and isinstance(exclude, str)):
+            raise ConfigError("include/exclude take a list of glob patterns, not a single string")
+        if not 0 <= underflow_tolerance < 1:
+            raise ConfigError(f"underflow_tolerance must be in [0, 1), got {underflow_tolerance}")
+        self.dtype = dtype
+        self.include = tuple(include)
+        self.exclude = tuple(DEFAULT_EXCLUDE if exclude is None else exclude)
+        # Only patterns the caller wrote are reported when they match nothing.
+        self._explicit = (() if tuple(include) == ("*",) else tuple(include)) + (() if exclude is None else tuple(exclude))
+        self.underflow_tolerance = underflow_tolerance
+        self.report = DowncastReport(_TARGETS[dtype])
+        self._cast: set[MetadataIndex] = set()
+
+    def _selected(self, key: str, used: set[str]) -> bool:
+        inc = [p for p in self.include if fnmatch.fnmatchcase(key, p)]
+        exc = [p for p in self.exclude if fnmatch.fnmatchcase(key, p)]
+        used.update(inc, exc)
+        return bool(inc) and not exc
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self.report = DowncastReport(_TARGETS[self.dtype])
+        self._cast = set()
+        used: set[str] = set()
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                continue
+            key = item.index.fqn
+            src = item.tensor_data.properties.dtype
+            if not self._selected(key, used):
+                continue
+            if not src.is_floating_point or src.itemsize <= 2:
+                continue
+            tensor = self.lookup_object(item.index)
+            problem = fp16_range_problem(tensor, self.underflow_tolerance) if self.dtype == torch.float16 else None
+            if problem:
+                self.report.kept[key] = problem
+                continue
+            self._cast.add(item.index)
+            if key not in self.report.downcast:
+                self.report.downcast.append(key)
+        self.report.unmatched_patterns = [p for p in self._explicit if p not in used]
+        if self.report.unmatched_patterns:
+            log.warning("DowncastSavePlanner: patterns matched no key: %s", self.report.unmatched_patterns)
+        for key, why in self.report.kept.items():
+            log.info("DowncastSavePlanner: kept %s in its own dtype (%s)", key, why)
+        return plan
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:
+        if write_item.index in self._cast and isinstance(object, torch.Tensor):
+            object = object.detach().to(self.dtype)
+        return super().transform_object(write_item, object)
