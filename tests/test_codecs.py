@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_tiered.codecs import FILTERS, FrameCodec, frame_bounds, parse_codec
-from dcp_tiered.codecs.bytegroup import FILTER_BYTEGROUP, FILTER_BYTEGROUP_SIGNROT, FILTER_NONE, filter_for
+from dcp_tiered.codecs.bytegroup import FILTER_BYTEGROUP, FILTER_BYTEGROUP_SIGNSWAP, FILTER_NONE, filter_for
 from dcp_tiered.errors import CodecError, CorruptCheckpointError
 
 CODECS = ["none", "lz4", "zstd", "zstd:3", "zstd:19"]
@@ -31,9 +31,10 @@ def test_parse_codec_rejects_with_the_valid_list(spec: object) -> None:
 
 
 def test_filter_choice() -> None:
-    assert filter_for(True, 4) == FILTER_BYTEGROUP
-    assert filter_for(True, 8) == FILTER_BYTEGROUP
-    assert filter_for(True, 2) == FILTER_BYTEGROUP_SIGNROT
+    assert filter_for(True, 4) == FILTER_BYTEGROUP_SIGNSWAP
+    assert filter_for(True, 8) == FILTER_BYTEGROUP_SIGNSWAP
+    assert filter_for(True, 2) == FILTER_BYTEGROUP_SIGNSWAP
+    assert filter_for(True, 1) == FILTER_NONE
     assert filter_for(False, 4) == FILTER_NONE
     assert filter_for(True, 4, enabled=False) == FILTER_NONE
 
@@ -46,7 +47,7 @@ def _stored(enc) -> bytes:
 @given(
     data=st.binary(max_size=5000),
     codec=st.sampled_from(CODECS),
-    layout=st.sampled_from([(FILTER_NONE, 1), (FILTER_BYTEGROUP, 4), (FILTER_BYTEGROUP, 8), (FILTER_BYTEGROUP_SIGNROT, 2)]),
+    layout=st.sampled_from([(FILTER_NONE, 1), (FILTER_BYTEGROUP, 4), (FILTER_BYTEGROUP_SIGNSWAP, 4), (FILTER_BYTEGROUP_SIGNSWAP, 8), (FILTER_BYTEGROUP_SIGNSWAP, 2)]),
 )
 def test_frame_round_trip_any_bytes(data: bytes, codec: str, layout: tuple[str, int]) -> None:
     filt, itemsize = layout
@@ -67,7 +68,7 @@ def test_frame_round_trip_any_bytes(data: bytes, codec: str, layout: tuple[str, 
     codec=st.sampled_from(CODECS),
 )
 def test_float_frames_round_trip_bit_exact(values: list[float], codec: str) -> None:
-    for dtype, filt in ((np.float32, FILTER_BYTEGROUP), (np.float16, FILTER_BYTEGROUP_SIGNROT), (np.float64, FILTER_BYTEGROUP)):
+    for dtype, filt in ((np.float32, FILTER_BYTEGROUP_SIGNSWAP), (np.float16, FILTER_BYTEGROUP_SIGNSWAP), (np.float64, FILTER_BYTEGROUP_SIGNSWAP), (np.float32, FILTER_BYTEGROUP)):
         arr = np.asarray(values, dtype=dtype)
         raw = arr.view(np.uint8)
         fc = FrameCodec(codec, filt, arr.itemsize)
@@ -130,4 +131,4 @@ def test_unknown_filter_is_a_format_error() -> None:
 
     with pytest.raises(UnsupportedFormatError):
         FrameCodec("zstd", "shuffle9", 4)
-    assert set(FILTERS) == {FILTER_NONE, FILTER_BYTEGROUP, FILTER_BYTEGROUP_SIGNROT}
+    assert set(FILTERS) == {FILTER_NONE, FILTER_BYTEGROUP, FILTER_BYTEGROUP_SIGNSWAP}

@@ -33,7 +33,11 @@ CODECS = ["none", "lz4", "zstd", "zstd:3"]
 FRAME = 4096  # smallest allowed frame: small tensors still span many frames
 SPAWN_TIMEOUT = 300.0  # seconds; a hung collective fails the tests instead of hanging them
 
-# name -> (dtype, shape, shard dim in the "saved" layout)
+# Frame sizes of the 4-rank saves: not all powers of two nor multiples of every item size.
+FRAMES_WS4 = {"none": 4096, "lz4": 4099, "zstd": 5000, "zstd:3": 6144}
+
+# name -> (dtype, shape, shard dim in the "saved" layout); the "swapped" layout shards
+# dimension (d + 1) % ndim instead.
 SHARDED = {
     "f32_big": (torch.float32, (513, 130), 0),  # ~260 KiB: ~65 frames
     "f32_row": (torch.float32, (67, 45), 0),
@@ -44,7 +48,20 @@ SHARDED = {
     "i64_row": (torch.int64, (67, 45), 0),
     "i32_col": (torch.int32, (67, 45), 1),
     "bool_row": (torch.bool, (67, 45), 0),
+    "f32_3d": (torch.float32, (7, 19, 23), 1),
+    "tiny_row": (torch.float32, (3, 5), 0),  # 4 ranks: the last rank's shard is empty
+    "tiny_col": (torch.bfloat16, (5, 3), 1),
 }
+
+
+def shard_dim(name: str, swapped: bool) -> int:
+    _, shape, d = SHARDED[name]
+    return (d + 1) % len(shape) if swapped else d
+
+
+def own_state(rank: int) -> dict[str, torch.Tensor]:
+    """A key only this rank saves (its items live only in this rank's data file)."""
+    return {f"r{rank}": _values(torch.float32, (1500 + rank,), 900 + rank)}
 
 
 # -- deterministic data (identical in every process) ------------------------------------
@@ -241,18 +258,15 @@ def _sharded_state(mesh, swapped: bool) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     full = full_sharded()
-    return {
-        name: distribute_tensor(full[name].clone(), mesh, [Shard(1 - d if swapped else d)])
-        for name, (_, _, d) in SHARDED.items()
-    }
+    return {name: distribute_tensor(full[name].clone(), mesh, [Shard(shard_dim(name, swapped))]) for name in SHARDED}
 
 
 def _sharded_template(mesh, swapped: bool) -> dict:
     from torch.distributed.tensor import Shard, zeros
 
     return {
-        name: zeros(shape, dtype=dt, device_mesh=mesh, placements=[Shard(1 - d if swapped else d)])
-        for name, (dt, shape, d) in SHARDED.items()
+        name: zeros(shape, dtype=dt, device_mesh=mesh, placements=[Shard(shard_dim(name, swapped))])
+        for name, (dt, shape, _) in SHARDED.items()
     }
 
 
@@ -262,13 +276,15 @@ def _sharded_diffs(got: dict, rank: int, world_size: int, swapped: bool) -> list
 
     full = full_sharded()
     errs = []
-    for name, (_, _, d) in SHARDED.items():
-        dim = 1 - d if swapped else d
+    for name in SHARDED:
+        dim = shard_dim(name, swapped)
         t = got[name]
         if not isinstance(t, DTensor) or tuple(t.placements) != (Shard(dim),):
             errs.append(f"{name}: destination is no longer a DTensor sharded on dim {dim}: {type(t).__name__}")
             continue
-        errs.append(tensor_diff(f"{name} (rank {rank} shard)", t.to_local(), torch.chunk(full[name], world_size, dim)[rank]))
+        chunks = torch.chunk(full[name], world_size, dim)  # DTensor's Shard splits like torch.chunk
+        want = chunks[rank] if rank < len(chunks) else full[name].narrow(dim, full[name].shape[dim], 0)
+        errs.append(tensor_diff(f"{name} (rank {rank} shard)", t.to_local(), want))
         if tuple(t.shape) != tuple(full[name].shape):
             errs.append(f"{name}: global shape {tuple(t.shape)}, want {tuple(full[name].shape)}")
     return [e for e in errs if e]
@@ -277,6 +293,7 @@ def _sharded_diffs(got: dict, rank: int, world_size: int, swapped: bool) -> list
 def _full_state(mesh, swapped: bool = False) -> dict:
     sd = plain_state()
     sd["dt"] = _sharded_state(mesh, swapped)
+    sd["own"] = own_state(dist.get_rank())
     return sd
 
 
@@ -340,10 +357,35 @@ def _load_and_compare_overwrite(path: Path, mesh, rank: int, world_size: int, x:
                 + _sharded_diffs(tmpl["dt"], rank, world_size, swapped))
 
 
+def _no_collectives_check(root: Path, mesh, rank: int, world_size: int) -> None:
+    """``dcp.save(..., use_collectives=False)``: every rank plans, writes and finishes alone.
+
+    Acceptable outcomes: every rank refuses with this package's error, or the checkpoint
+    loads back equal.  Not acceptable: "success" with a checkpoint that lost ranks' data.
+    """
+    from dcp_tiered import DcpTieredError
+
+    path = root / "ws2_no_collectives"
+    try:
+        dcp.save(_full_state(mesh), storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME),
+                 use_collectives=False)
+        outcome = "saved"
+    except CheckpointException as exc:
+        errors = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        outcome = "refused" if errors and all(isinstance(e, DcpTieredError) for e in errors) else repr(exc)
+    except DcpTieredError:
+        outcome = "refused"
+    outcomes: list = [None] * world_size
+    dist.all_gather_object(outcomes, outcome)
+    assert len(set(outcomes)) == 1 and outcomes[0] in ("saved", "refused"), f"outcome per rank: {outcomes}"
+    if outcomes[0] == "saved":
+        _load_and_compare(path, mesh, rank, world_size, swapped=False)
+
+
 WS2_CHECKS = (
     [f"save_load[{c}]" for c in CODECS]
     + [f"reshard_swapped[{c}]" for c in CODECS]
-    + ["async_thread", "async_process", "overwrite"]
+    + ["async_thread", "async_process", "overwrite", "use_collectives_false"]
 )
 
 
@@ -365,6 +407,8 @@ def _ws2_worker(rank: int, world_size: int, root: str, out: str) -> None:
     _record(out_p, "async_process", rank,
             lambda: _async_check(root_p, "ws2_async_process", mesh, rank, world_size, AsyncCheckpointerType.PROCESS))
     _record(out_p, "overwrite", rank, lambda: _overwrite_check(root_p, mesh, rank, world_size))
+    # last: if this mode misbehaves the ranks may leave DCP's closing barrier unmatched
+    _record(out_p, "use_collectives_false", rank, lambda: _no_collectives_check(root_p, mesh, rank, world_size))
 
 
 WS4_CHECKS = (
@@ -389,7 +433,8 @@ def _ws4_worker(rank: int, world_size: int, root: str, out: str) -> None:
         def save_load(path=path, codec=codec):
             # Saved with the swapped layout (Shard(1) where ws2 used Shard(0)), loaded back
             # with the other one: 4-way non-contiguous partial reads.
-            dcp.save(_full_state(mesh, swapped=True), storage_writer=CompressedWriter(path, codec, frame_size=FRAME))
+            writer = CompressedWriter(path, codec, frame_size=FRAMES_WS4[codec])
+            dcp.save(_full_state(mesh, swapped=True), storage_writer=writer)
             _load_and_compare(path, mesh, rank, world_size, swapped=False)
 
         _record(out_p, f"save_load[{codec}]", rank, save_load)
@@ -442,33 +487,36 @@ def test_four_ranks(ws4, check: str) -> None:
     _read_records(ws4[0], check, 4, ws4[1])
 
 
-def _load_on_one_process(path: Path) -> None:
+def _load_on_one_process(path: Path, world_size: int) -> None:
     """Load a multi-rank checkpoint as plain full tensors in this (non-distributed) process."""
     full = full_sharded()
+    own = {k: v for r in range(world_size) for k, v in own_state(r).items()}
     tmpl, bases = plain_template()
     tmpl["dt"] = {name: torch.zeros(shape, dtype=dt) for name, (dt, shape, _) in SHARDED.items()}
+    tmpl["own"] = {k: torch.zeros_like(v) for k, v in own.items()}
     dcp.load(tmpl, storage_reader=CompressedReader(path), no_dist=True)
     errs = plain_diffs(tmpl, bases) + [tensor_diff(f"dt.{n}", tmpl["dt"][n], full[n]) for n in SHARDED]
+    errs += [tensor_diff(f"own.{k}", tmpl["own"][k], v) for k, v in own.items()]
     check_equal([e for e in errs if e])
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_two_rank_checkpoint_loads_on_one_process(ws2, root: Path, codec: str) -> None:
     _read_records(ws2[0], f"save_load[{codec}]", 2, ws2[1])
-    _load_on_one_process(root / f"ws2_{codec}")
+    _load_on_one_process(root / f"ws2_{codec}", 2)
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_four_rank_checkpoint_loads_on_one_process(ws4, root: Path, codec: str) -> None:
     _read_records(ws4[0], f"save_load[{codec}]", 4, ws4[1])
-    _load_on_one_process(root / f"ws4_{codec}")
+    _load_on_one_process(root / f"ws4_{codec}", 4)
 
 
 @pytest.mark.parametrize("name", ["ws2_async_thread", "ws2_async_process", "ws4_async_thread"])
 def test_async_multi_rank_checkpoint_loads_on_one_process(ws2, ws4, root: Path, name: str) -> None:
     ws, spawned = (4, ws4) if name.startswith("ws4") else (2, ws2)
     _read_records(spawned[0], name.split("_", 1)[1], ws, spawned[1])
-    _load_on_one_process(root / name)
+    _load_on_one_process(root / name, ws)
 
 
 @pytest.mark.parametrize("ws", [2, 4])
@@ -488,3 +536,19 @@ def test_partial_key_load_on_one_process(ws2, root: Path) -> None:
     dcp.load(tmpl, storage_reader=CompressedReader(root / "ws2_zstd:3"), no_dist=True)
     check_equal([e for e in [tensor_diff("dt.bf16_col", tmpl["dt"]["bf16_col"], full["bf16_col"])] if e])
     assert tmpl["meta"] == {"step": 42} and tmpl["epoch"] == 7
+
+
+def test_one_process_overwrites_a_four_rank_checkpoint(ws4, root: Path, tmp_path: Path) -> None:
+    """An overwrite by fewer ranks replaces the checkpoint: the old ranks' files go away."""
+    import shutil
+
+    _read_records(ws4[0], "save_load[lz4]", 4, ws4[1])
+    path = tmp_path / "ck"
+    shutil.copytree(root / "ws4_lz4", path)
+    sd = {"x": _values(torch.float32, (3000,), 77), "meta": {"step": 43}}
+    dcp.save(sd, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME, overwrite=True), no_dist=True)
+    assert {p.name for p in path.iterdir() if p.name.endswith(".distcp")} == {"__0_0.distcp"}
+    out = {"x": torch.zeros(3000), "meta": {"step": None}}
+    dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)
+    check_equal([e for e in [tensor_diff("x", out["x"], sd["x"])] if e])
+    assert out["meta"] == {"step": 43}

