@@ -366,15 +366,21 @@ def _no_collectives_check(root: Path, mesh, rank: int, world_size: int) -> None:
     from dcp_tiered import DcpTieredError
 
     path = root / "ws2_no_collectives"
+    sd = _full_state(mesh)
+    # DCP ends this mode with a barrier; on its own group with a short timeout, so that a rank
+    # that failed before it cannot leave the other rank waiting on the default group.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
     try:
-        dcp.save(_full_state(mesh), storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME),
-                 use_collectives=False)
+        dcp.save(sd, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME),
+                 process_group=group, use_collectives=False)
         outcome = "saved"
     except CheckpointException as exc:
         errors = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
         outcome = "refused" if errors and all(isinstance(e, DcpTieredError) for e in errors) else repr(exc)
     except DcpTieredError:
         outcome = "refused"
+    except BaseException as exc:  # noqa: BLE001 - reported below, after the ranks met again
+        outcome = f"{type(exc).__name__}: {exc}"
     outcomes: list = [None] * world_size
     dist.all_gather_object(outcomes, outcome)
     assert len(set(outcomes)) == 1 and outcomes[0] in ("saved", "refused"), f"outcome per rank: {outcomes}"

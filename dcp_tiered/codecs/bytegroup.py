@@ -24,6 +24,11 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 _scratch = threading.local()
 
+try:  # the optional C kernel (setup.py); the numpy code below is the reference
+    from dcp_tiered.codecs import _bytegroup as _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
 
 def _scratch_buffer(nbytes: int) -> np.ndarray:
     # Strided writes into freshly allocated pages run at a fraction of the speed of writes
@@ -60,10 +65,14 @@ def _swap_sign(src: np.ndarray, itemsize: int, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def split_planes(raw: np.ndarray, filter_name: str, itemsize: int) -> list[np.ndarray]:
+def split_planes(raw: np.ndarray, filter_name: str, itemsize: int, native: bool = True) -> list[np.ndarray]:
     """Split a uint8 frame into contiguous planes (the frame itself when unfiltered)."""
     if filter_name == FILTER_NONE:
         return [raw]
+    if native and _native is not None and raw.size:
+        planes = np.empty((itemsize, raw.size // itemsize), dtype=np.uint8)
+        _native.split(raw, planes, itemsize, filter_name == FILTER_BYTEGROUP_SIGNSWAP)
+        return list(planes)
     if filter_name == FILTER_BYTEGROUP_SIGNSWAP:
         raw = _swap_sign(raw, itemsize, _scratch_buffer(raw.nbytes))
     planes = np.empty((itemsize, raw.size // itemsize), dtype=np.uint8)
@@ -73,10 +82,13 @@ def split_planes(raw: np.ndarray, filter_name: str, itemsize: int) -> list[np.nd
     return list(planes)
 
 
-def merge_planes(planes: Sequence[object], filter_name: str, itemsize: int, out: np.ndarray) -> None:
+def merge_planes(planes: Sequence[object], filter_name: str, itemsize: int, out: np.ndarray, native: bool = True) -> None:
     """Interleave decoded planes back into ``out`` (uint8, the frame's raw length)."""
     if filter_name == FILTER_NONE:
         out[:] = np.frombuffer(planes[0], dtype=np.uint8)
+        return
+    if native and _native is not None and out.size:
+        _native.merge(planes, out, itemsize, filter_name == FILTER_BYTEGROUP_SIGNSWAP)
         return
     work = _scratch_buffer(out.nbytes)
     grid = work.reshape(-1, itemsize)
