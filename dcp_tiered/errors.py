@@ -42,3 +42,11 @@ class UnsafeCheckpointError(CorruptCheckpointError):
 
 class UnsupportedFormatError(DcpTieredError, ValueError):
     """The checkpoint was written in a format version or transform this version cannot read."""
+
+
+class PromotionError(StorageError):
+    """A background promotion to a slower tier failed after its retries."""
+
+
+class SaveError(DcpTieredError, RuntimeError):
+    """A checkpoint save (possibly in the background) failed; raised at the next call that can report it."""

@@ -186,11 +186,13 @@ def test_async_staging_response_then_mutation(tmp_path: Path) -> None:
 
 
 def test_two_async_saves_in_flight(tmp_path: Path) -> None:
+    dcp.save(make_state(0), storage_writer=CompressedWriter(tmp_path / "ck0", frame_size=FRAME), no_dist=True)
     futs = [
         dcp.async_save(make_state(seed), storage_writer=CompressedWriter(tmp_path / f"ck{seed}", codec, frame_size=FRAME),
                        no_dist=True)
         for seed, codec in ((1, "zstd"), (2, "lz4"))
     ]
+    assert_loads_equal(tmp_path / "ck0", make_state(0))  # a load while both saves may still run
     for f in futs:
         f.result(timeout=120)
     assert_loads_equal(tmp_path / "ck1", make_state(1))
@@ -207,6 +209,47 @@ def test_one_writer_reused_with_checkpoint_ids(tmp_path: Path) -> None:
         fut.result(timeout=120)
     for step in (1, 2, 3):
         assert_loads_equal(tmp_path / f"step_{step}", make_state(step))
+    # one reader, moved along the same steps by checkpoint_id
+    reader = CompressedReader(tmp_path / "step_1")
+    for step in (3, 2, 1):
+        out = template_like(make_state(step))
+        dcp.load(out, checkpoint_id=tmp_path / f"step_{step}", storage_reader=reader, no_dist=True)
+        assert not diffs(out, make_state(step))
+
+
+def test_module_and_optimizer_step_right_after_async_save(tmp_path: Path) -> None:
+    """The training-loop case: ``nn.Module`` parameters (``requires_grad``) and AdamW state,
+    then an optimizer step while the save runs; the checkpoint holds the pre-step values."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        model(torch.randn(5, 48, dtype=torch.bfloat16)).float().square().sum().backward()
+        opt.step()
+
+    train_step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
+    want = copy.deepcopy(sd)
+    fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", "zstd", frame_size=FRAME), no_dist=True)
+    train_step()  # parameters and optimizer state change in place
+    fut.result(timeout=120)
+    assert not torch.equal(model.state_dict()["0.weight"], want["model"]["0.weight"])
+
+    fresh = copy.deepcopy(model)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt.zero_grad()
+    fresh(torch.randn(5, 48, dtype=torch.bfloat16)).float().sum().backward()
+    fresh_opt.step()  # creates the optimizer state to load into
+    out = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict(), "step": 0}
+    dcp.load(out, storage_reader=CompressedReader(tmp_path / "ck"), no_dist=True)
+    errs = diffs(out, want)
+    assert not errs, errs
+    # loaded in place: the module itself holds the saved parameters
+    assert not diffs(fresh.state_dict(), want["model"])
 
 
 def test_async_save_over_committed_checkpoint_fails_through_the_future(tmp_path: Path) -> None:
@@ -274,13 +317,15 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
             assert isinstance(fut.result(timeout=240), Metadata)
             assert_loads_equal(root_p / "p1", make_state(1), no_dist=False)
 
-        def second():  # the checkpoint process is reused; no_dist inside it
+        def second():  # the checkpoint process is reused; no_dist and checkpoint_id inside it
             sd = make_state(2)
-            fut = dcp.async_save(sd, storage_writer=CompressedWriter(root_p / "p2", "lz4", frame_size=FRAME),
+            writer = CompressedWriter(root_p / "elsewhere", "lz4", frame_size=FRAME)
+            fut = dcp.async_save(sd, checkpoint_id=root_p / "p2", storage_writer=writer,
                                  async_checkpointer_type=mode, no_dist=True)
             scramble_(sd)
             fut.result(timeout=240)
             assert_loads_equal(root_p / "p2", make_state(2), no_dist=False)
+            assert not (root_p / "elsewhere" / ".metadata").exists()
 
         def error():  # a failure in the checkpoint process reaches the caller's future
             fut = dcp.async_save(make_state(3), storage_writer=CompressedWriter(root_p / "p1", "zstd", frame_size=FRAME),

@@ -5,10 +5,12 @@ fixture) and runs several checks; every check records ``ok`` or its traceback pe
 and one parametrized test per check reads those records.  Loads on a single process
 (``no_dist=True``, plain full tensors: resharding N ranks -> 1) run in the pytest process.
 
-Layouts: sharded tensors are ``DTensor``s on a 1-D CPU mesh, ``Shard(0)`` or ``Shard(1)``,
-with shapes that do not divide evenly by 2 or 4.  Loading with the other shard dimension
-(or on another world size) makes every read a partial read of a stored chunk, and the
-``Shard(1)`` <-> ``Shard(0)`` swaps make those reads non-contiguous.
+Layouts: sharded tensors are ``DTensor``s (``distribute_tensor``) on a 1-D CPU mesh,
+``Shard(0)``, ``Shard(1)`` (and ``Shard(2)`` for a 3-D tensor), with shapes that do not
+divide evenly by 2 or 4.  Loading with another shard dimension (or on another world size)
+makes reads partial reads of stored chunks, and the ``Shard(0)`` -> ``Shard(1)`` swaps make
+those reads non-contiguous.  Each rank also saves a key of its own, and replicated plain
+tensors of every dtype (0-d, empty, non-contiguous views), ints, strings, nested dicts.
 """
 
 from __future__ import annotations
@@ -482,7 +484,8 @@ def ws4(root: Path, ws2) -> tuple[Path, str | None]:
 @pytest.mark.parametrize("check", WS2_CHECKS)
 def test_two_ranks(ws2, check: str) -> None:
     """2 gloo ranks: save/load per codec, resharded Shard(0)<->Shard(1) load, async thread and
-    process saves (with tensors scrambled right after the call), overwrite protocol."""
+    process saves (with tensors scrambled right after the call), overwrite protocol,
+    ``use_collectives=False`` (must refuse on every rank or load back equal)."""
     _read_records(ws2[0], check, 2, ws2[1])
 
 

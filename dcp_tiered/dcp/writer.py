@@ -60,6 +60,8 @@ class CompressedWriter(StorageWriter):
         threads: compression threads (default: cores of this node divided by its ranks).
         overwrite: replace a committed checkpoint at ``path`` instead of refusing.
         sync_files: fsync data files on local filesystems before committing.
+        check_sizes: before committing, check every data file's size from the coordinator
+            (turn off only where other ranks' files are not visible to it, e.g. node-local disks).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class CompressedWriter(StorageWriter):
         threads: int | None = None,
         overwrite: bool = False,
         sync_files: bool = True,
+        check_sizes: bool = True,
     ) -> None:
         super().__init__()
         self.codec = str(parse_codec(codec))
@@ -86,6 +89,7 @@ class CompressedWriter(StorageWriter):
         self.threads = threads
         self.overwrite = overwrite
         self.sync_files = sync_files
+        self.check_sizes = check_sizes
         self.storage = Storage(path, self.storage_options)
         self.storage.check_reachable()
         self.is_coordinator = False
@@ -104,6 +108,12 @@ class CompressedWriter(StorageWriter):
         self._replacing = False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            # Every rank would then run finish() and commit a .metadata of its own items only.
+            raise ConfigError(
+                "CompressedWriter needs DCP's collectives (use_collectives=True): without them each rank "
+                "would commit a .metadata describing only its own items"
+            )
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
 
@@ -148,7 +158,7 @@ class CompressedWriter(StorageWriter):
                 storage_md[wr.index] = wr.storage_data
                 rec = wr.storage_data
                 expected[rec["file"]] = max(expected.get(rec["file"], 0), rec["offset"] + rec["length"])
-        for name, size in expected.items():
+        for name, size in expected.items() if self.check_sizes else ():
             actual = self.storage.size(name)
             if actual != size:
                 raise StorageError(

@@ -1,0 +1,112 @@
+"""The catalog: every checkpoint of every tier, committed or not, with what it holds."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
+from dcp_tiered.dcp.safe_pickle import safe_loads
+from dcp_tiered.errors import DcpTieredError
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.layout import INTENT_PREFIX, parse_step
+from dcp_tiered.tiers.spec import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointInfo:
+    """One checkpoint directory of one tier, as seen from this rank."""
+
+    tier: str
+    tier_index: int
+    step: int
+    name: str
+    url: str
+    committed: bool
+    size_bytes: int
+    codec: str | None = None
+    keys: frozenset[str] | None = None
+    complete: bool = False  # every file the metadata names is visible with its full size
+    pending_promotions: tuple[str, ...] = ()
+    problem: str | None = None
+    files: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def has_keys(self, required: Iterable[str]) -> bool:
+        """Whether the checkpoint holds every key in ``required`` (flattened, dot-joined)."""
+        if self.keys is None:
+            return False
+        return all(k in self.keys for k in required)
+
+    def has_prefix(self, prefixes: Sequence[str]) -> bool:
+        """Whether any key starts with one of ``prefixes`` (e.g. optimizer state)."""
+        return self.keys is not None and any(k == p or k.startswith(p + ".") for k in self.keys for p in prefixes)
+
+
+def tier_storage(tier: Tier, rank: int = 0, node: int = 0) -> Storage:
+    """The storage of ``tier`` as seen by ``rank`` on ``node``."""
+    return Storage(tier.resolved_url(rank, node), tier.storage_options)
+
+
+def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with_metadata: bool = True) -> CheckpointInfo:
+    """Describe one checkpoint directory ``name`` of ``tier``."""
+    step = parse_step(name)
+    child = storage.child(name)
+    files = child.file_sizes()
+    info = CheckpointInfo(
+        tier=tier.name, tier_index=index, step=step if step is not None else -1, name=name, url=child.url,
+        committed=METADATA_FILE in files, size_bytes=sum(files.values()), files=files,
+    )
+    pending: list[str] = []
+    for fname in files:
+        if fname.startswith(INTENT_PREFIX):
+            try:
+                pending += json.loads(child.read_bytes(fname)).get("targets", [])
+            except (DcpTieredError, ValueError) as exc:
+                log.warning("unreadable promotion intent %s/%s: %s", child.url, fname, exc)
+    info.pending_promotions = tuple(sorted(set(pending)))
+    if not (info.committed and with_metadata):
+        return info
+    try:
+        md = safe_loads(child.read_bytes(METADATA_FILE), child.url_of(METADATA_FILE))
+        info.keys = frozenset(md.state_dict_metadata)
+        needed: dict[str, int] = {}
+        codecs = set()
+        for rec in md.storage_data.values():
+            if is_native_record(rec):
+                needed[rec["file"]] = max(needed.get(rec["file"], 0), rec["offset"] + rec["length"])
+                codecs.add(rec["codec"])
+            else:
+                path = getattr(rec, "relative_path", "")
+                needed[path] = max(needed.get(path, 0), rec.offset + rec.length)
+                codecs.add("stock")
+        info.codec = ",".join(sorted(codecs)) or None
+        missing = [f for f, size in needed.items() if files.get(f, -1) < size]
+        info.complete = not missing
+        if missing:
+            info.problem = f"files missing or short: {missing[:3]}"
+    except DcpTieredError as exc:
+        info.problem = str(exc)
+    return info
+
+
+def list_tier(tier: Tier, index: int = 0, rank: int = 0, node: int = 0, with_metadata: bool = True) -> list[CheckpointInfo]:
+    """Every checkpoint directory of ``tier`` (newest step first)."""
+    storage = tier_storage(tier, rank, node)
+    names = [n for n in storage.listdir() if parse_step(n) is not None]
+    infos = [inspect_checkpoint(storage, tier, index, n, with_metadata) for n in names]
+    return sorted(infos, key=lambda i: i.step, reverse=True)
+
+
+def list_tiers(tiers: Sequence[Tier], rank: int = 0, node: int = 0, with_metadata: bool = True) -> list[CheckpointInfo]:
+    """Every checkpoint of every tier, tier by tier (fastest first), newest first within a tier."""
+    out: list[CheckpointInfo] = []
+    for i, t in enumerate(tiers):
+        try:
+            out += list_tier(t, i, rank, node, with_metadata)
+        except DcpTieredError as exc:
+            log.warning("cannot list tier %s (%s): %s", t.name, t.url, exc)
+    return out

@@ -1,0 +1,338 @@
+"""``TieredCheckpointer``: the training-loop API over tiers.
+
+``maybe_save(step, state_dict)`` is cheap when nothing is due.  When tiers are due, the
+state is serialized once to the fastest of them (synchronously, or staged and written in
+the background with ``async_save=True``) and promoted to the others in the background.
+``restore(state_dict)`` loads the newest good checkpoint, preferring the fastest tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from dcp_tiered.dcp.planners import DowncastSavePlanner
+from dcp_tiered.dcp.reader import CompressedReader
+from dcp_tiered.errors import ConfigError, SaveError
+from dcp_tiered.storage.retry import RetryPolicy
+from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
+from dcp_tiered.tiers.layout import step_name
+from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, includes_optimizer, record_save, restore_order
+from dcp_tiered.tiers.promotion import Promoter, PromotionReport
+from dcp_tiered.tiers.report import EventLog, SaveReport
+from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, validate_tiers
+from dcp_tiered.tiers.writer import TieredWriter, node_of
+
+log = logging.getLogger(__name__)
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def flatten_keys(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dot-joined leaf keys the way DCP flattens a state dict (mappings, and lists holding tensors)."""
+    out: list[str] = []
+    for k, v in state_dict.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out += flatten_keys(v, key + ".")
+        elif isinstance(v, list) and any(isinstance(x, torch.Tensor) for x in v):
+            out += flatten_keys({str(i): x for i, x in enumerate(v)}, key + ".")
+        else:
+            out.append(key)
+    return out
+
+
+def _state_bytes(state_dict: Mapping[str, Any]) -> int:
+    total = 0
+    for v in state_dict.values():
+        if isinstance(v, Mapping):
+            total += _state_bytes(v)
+        elif isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+class TieredCheckpointer:
+    """Save to tiers on their schedules, promote in the background, restore with fallback.
+
+    Args:
+        tiers: tiers, fastest first (see :class:`Tier`).
+        async_save: stage the state to host memory and write in the background; at most
+            one save is in flight, staging buffers are reused between saves.
+        optimizer_every: every Nth save holds the optimizer state (top-level keys in
+            ``optimizer_keys``); the others hold the model only.
+        on_busy: ``"wait"`` (default) or ``"skip"`` when a save is due while one is in flight.
+        clock: wall-clock function for schedules (inject a fake one in tests).
+        process_group: group whose ranks save together (default: the default group).
+        event_log: path of a JSON-lines file receiving every save/promotion/restore report.
+        retry: backoff policy for promotions.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        async_save: bool = False,
+        optimizer_every: int = 1,
+        optimizer_keys: Sequence[str] = ("optim", "optimizer"),
+        on_busy: str = "wait",
+        clock: Callable[[], float] = time.time,
+        process_group: Any = None,
+        event_log: "str | os.PathLike[str] | None" = None,
+        retry: RetryPolicy = RetryPolicy(),
+        threads: int | None = None,
+        frame_size: int | None = None,
+        resume_promotions: bool = True,
+    ) -> None:
+        self.tiers = validate_tiers(tiers)
+        if not isinstance(optimizer_every, int) or optimizer_every < 1:
+            raise ConfigError(f"optimizer_every must be a positive integer, got {optimizer_every!r}")
+        if on_busy not in ("wait", "skip"):
+            raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        self.async_save = async_save
+        self.optimizer_every = optimizer_every
+        self.optimizer_keys = tuple(optimizer_keys)
+        self.on_busy = on_busy
+        self.clock = clock
+        self.threads, self.frame_size = threads, frame_size
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.world = dist.get_world_size(process_group) if self.distributed else 1
+        self.node = node_of(self.rank)
+        self._pg = process_group
+        # DCP's own collectives for async saves run on a background thread: give them a group
+        # of their own so they never interleave with this object's main-thread collectives.
+        self._save_pg = dist.new_group(backend="gloo") if self.distributed else None
+        self._decide_pg = dist.new_group(backend="gloo") if self.distributed else None
+        self.events = EventLog(event_log)
+        self.promoter = Promoter(self.tiers, rank=self.rank, node=self.node, is_coordinator=self.rank == 0,
+                                 retry=retry, on_report=self._on_promotion)
+        self.histories = {t.name: TierHistory() for t in self.tiers}
+        self.reports: list[SaveReport] = []
+        self.restore_failures = 0
+        self.skipped = 0
+        self._saves = 0
+        self._inflight: tuple[Future, SaveReport, float, TieredWriter, DowncastSavePlanner | None] | None = None
+        self._failed: BaseException | None = None
+        self._sync_next = False
+        self._stager: DefaultStager | None = None
+        self._closed = False
+        if resume_promotions:
+            n = self.promoter.resume()
+            if n:
+                log.info("resuming %d unfinished promotion(s)", n)
+
+    @classmethod
+    def from_yaml(cls, path: "str | os.PathLike[str]", **overrides: Any) -> "TieredCheckpointer":
+        """Build from a YAML file with ``tiers:`` and optional checkpointer options (``async_save``, ...)."""
+        tiers, options = load_tiers_yaml(path)
+        allowed = {"async_save", "optimizer_every", "optimizer_keys", "on_busy", "event_log", "threads", "frame_size"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise ConfigError(f"{path}: unknown option(s) {unknown}; known: {sorted(allowed)}")
+        return cls(tiers, **{**options, **overrides})
+
+    # -- saving ---------------------------------------------------------------------
+
+    def _check_background(self) -> None:
+        fut = self._inflight[0] if self._inflight else None
+        if fut is not None and fut.done():
+            self._finish_inflight()
+        if self._failed is not None:
+            exc, self._failed = self._failed, None
+            self._sync_next = True
+            raise SaveError(f"a background checkpoint save failed: {exc}; the next save runs synchronously") from exc
+
+    def _decide(self, step: int) -> list[str]:
+        now = self.clock()
+        schedules = [Schedule(t.every, t.every_steps, t.max_per_hour) for t in self.tiers]
+        idx = due_tiers(schedules, [self.histories[t.name] for t in self.tiers], step, now)
+        if self.distributed:
+            mask = torch.tensor([sum(1 << i for i in idx)], dtype=torch.int64)
+            dist.broadcast(mask, src=dist.get_global_rank(self._decide_pg, 0) if self._pg else 0, group=self._decide_pg)
+            idx = [i for i in range(len(self.tiers)) if int(mask.item()) >> i & 1]
+        names = [self.tiers[i].name for i in idx]
+        for n in names:
+            self.histories[n] = record_save(self.histories[n], step, now)
+        return names
+
+    def maybe_save(self, step: int, state_dict: Mapping[str, Any], *, force: bool = False) -> SaveReport | None:
+        """Save ``state_dict`` as ``step`` to the tiers that are due; return the report, or None.
+
+        Raises :class:`SaveError` if the previous background save failed (the save asked
+        for now is then not attempted; the next one runs synchronously).
+        """
+        if self._closed:
+            raise ConfigError("this TieredCheckpointer is closed")
+        self._check_background()
+        due = [t.name for t in self.tiers] if force else self._decide(step)
+        if not due:
+            return None
+        if self._inflight is not None:
+            if self.on_busy == "skip" and not self._inflight[0].done():
+                self.skipped += 1
+                log.info("step %d: a save is still in flight; skipping (on_busy='skip')", step)
+                return None
+            self._finish_inflight(wait=True)
+            self._check_background()
+        return self._save(step, state_dict, due)
+
+    def _save(self, step: int, state_dict: Mapping[str, Any], due: list[str]) -> SaveReport:
+        with_optim = includes_optimizer(self._saves, self.optimizer_every)
+        self._saves += 1
+        sd = dict(state_dict) if with_optim else {k: v for k, v in state_dict.items() if k not in self.optimizer_keys}
+        primary = next(t for t in self.tiers if t.name == due[0])
+        planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
+        writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.threads, frame_size=self.frame_size)
+        use_async = self.async_save and not self._sync_next
+        self._sync_next = False
+        report = SaveReport(step, list(due), with_optim, use_async, raw_bytes=_state_bytes(sd))
+        name = step_name(step)
+        kwargs: dict[str, Any] = {"storage_writer": writer, "planner": planner, "checkpoint_id": name}
+        if self.distributed:
+            kwargs["process_group"] = self._save_pg
+        else:
+            kwargs["no_dist"] = True
+        t0 = time.perf_counter()
+        if use_async:
+            if self._stager is None:
+                cuda = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
+            fut = dcp.async_save(sd, async_stager=self._stager, **kwargs)
+            report.blocked_s = time.perf_counter() - t0
+            self._inflight = (fut, report, t0, writer, planner)  # type: ignore[assignment]
+            self.reports.append(report)
+            return report
+        try:
+            dcp.save(sd, **kwargs)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
+            report.total_s = report.blocked_s = time.perf_counter() - t0
+            self.reports.append(report)
+            self.events.emit(report.as_dict())
+            raise SaveError(f"checkpoint save of step {step} to tier {due[0]!r} failed: {exc}") from exc
+        report.total_s = report.blocked_s = time.perf_counter() - t0
+        self._complete(report, writer, planner)
+        self.reports.append(report)
+        return report
+
+    def _complete(self, report: SaveReport, writer: TieredWriter, planner: DowncastSavePlanner | None) -> None:
+        report.ok = True
+        stats = writer.last_stats
+        if stats is not None:
+            report.stored_bytes = stats.stored_bytes
+            report.raw_bytes = stats.raw_bytes or report.raw_bytes
+        if planner is not None:
+            report.downcast_kept = dict(planner.report.kept)
+        self.events.emit(report.as_dict())
+
+    def _finish_inflight(self, wait: bool = False) -> None:
+        if self._inflight is None:
+            return
+        fut, report, t0, writer, planner = self._inflight  # type: ignore[misc]
+        if not wait and not fut.done():
+            return
+        self._inflight = None
+        try:
+            fut.result()
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
+            report.total_s = time.perf_counter() - t0
+            self.events.emit(report.as_dict())
+            self._failed = exc
+            return
+        report.total_s = time.perf_counter() - t0
+        self._complete(report, writer, planner)
+
+    def _on_promotion(self, report: PromotionReport) -> None:
+        self.events.emit({"event": "promotion", **report.as_dict()})
+
+    def wait(self) -> None:
+        """Block until the save in flight and every promotion are done; raise the first failure."""
+        self._finish_inflight(wait=True)
+        self._check_background()
+        self.promoter.wait()
+
+    def close(self) -> None:
+        """:meth:`wait`, then stop background work. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self.promoter.close(wait=False)
+            if self._stager is not None:
+                self._stager.close()
+
+    def __enter__(self) -> "TieredCheckpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- catalog and restore -------------------------------------------------------------
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint of every tier as this rank sees it (committed or not)."""
+        return list_tiers(self.tiers, self.rank, self.node)
+
+    def restore(self, state_dict: dict[str, Any], *, step: int | None = None) -> int | None:
+        """Load the newest good checkpoint holding every key of ``state_dict`` into it.
+
+        Candidates are ordered newest step first, fastest tier first; a candidate whose
+        files are not all visible (node-local tiers), that lacks a key, or that fails to load
+        or verify is skipped with a warning and counted in ``restore_failures``.  Returns
+        the step restored, or None when there is nothing to restore.
+        """
+        self._finish_inflight(wait=True)
+        required = flatten_keys(state_dict)
+        infos = {(i.step, i.tier_index): i for i in self.list() if i.committed and i.complete and i.has_keys(required)}
+        if step is not None:
+            infos = {k: v for k, v in infos.items() if k[0] == step}
+        candidates = set(infos)
+        if self.distributed:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, sorted(candidates), group=self._decide_pg)
+            candidates = set.intersection(*(set(map(tuple, g)) for g in gathered))
+        for cand in restore_order(candidates):
+            info = infos[cand]
+            tier = self.tiers[cand[1]]
+            t0 = time.perf_counter()
+            try:
+                reader = CompressedReader(tier.resolved_url(self.rank, self.node).rstrip("/") + "/" + info.name,
+                                          storage_options=tier.storage_options, threads=self.threads)
+                kwargs: dict[str, Any] = {"process_group": self._save_pg} if self.distributed else {"no_dist": True}
+                dcp.load(state_dict, storage_reader=reader, **kwargs)
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                self.restore_failures += 1
+                log.warning("restore: step %d on tier %s failed (%s); trying the next candidate", cand[0], tier.name, exc)
+                self.events.emit({"event": "restore_failure", "step": cand[0], "tier": tier.name, "error": str(exc)[:500]})
+                continue
+            now = self.clock()
+            for t in self.tiers:
+                steps = [c[0] for c in candidates if self.tiers[c[1]].name == t.name]
+                if steps:
+                    self.histories[t.name] = TierHistory(max(steps), now, ())
+            self.events.emit({"event": "restore", "step": cand[0], "tier": tier.name, "seconds": time.perf_counter() - t0})
+            return cand[0]
+        return None
+
+    def raise_if_failed(self) -> None:
+        """Raise a recorded background save failure now (also done by ``maybe_save``/``wait``)."""
+        self._check_background()
+

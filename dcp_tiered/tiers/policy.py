@@ -1,0 +1,104 @@
+"""Pure scheduling and retention policies over plain values (no I/O, no clocks).
+
+Every function here takes the facts (step, wall time, previous saves, checkpoints found)
+and returns a decision, so the rules are tested exhaustively without storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The scheduling fields of a tier."""
+
+    every: float | None = None
+    every_steps: int | None = None
+    max_per_hour: int | None = None
+
+
+@dataclass(frozen=True)
+class TierHistory:
+    """Saves already made to a tier: the last one and the wall times of recent ones."""
+
+    last_step: int | None = None
+    last_time: float | None = None
+    recent_times: tuple[float, ...] = ()
+
+
+def is_due(schedule: Schedule, history: TierHistory, step: int, now: float) -> bool:
+    """Whether a tier with ``schedule`` is due at ``step`` / ``now``.
+
+    A tier never saved before is due.  ``every`` and ``every_steps`` must both have elapsed
+    when both are set; ``max_per_hour`` caps saves in any rolling hour.
+    """
+    if history.last_step is not None and step <= history.last_step:
+        return False
+    if schedule.max_per_hour is not None:
+        in_hour = sum(1 for t in history.recent_times if now - t < HOUR)
+        if in_hour >= schedule.max_per_hour:
+            return False
+    if history.last_step is None:
+        return True
+    if schedule.every_steps is not None and step - history.last_step < schedule.every_steps:
+        return False
+    if schedule.every is not None and history.last_time is not None and now - history.last_time < schedule.every:
+        return False
+    return True
+
+
+def due_tiers(schedules: Sequence[Schedule], histories: Sequence[TierHistory], step: int, now: float) -> list[int]:
+    """Indexes of the due tiers, in tier order (fastest first)."""
+    return [i for i, (s, h) in enumerate(zip(schedules, histories)) if is_due(s, h, step, now)]
+
+
+def record_save(history: TierHistory, step: int, now: float) -> TierHistory:
+    """The history after a save at ``step`` / ``now`` (recent times pruned to one hour)."""
+    recent = tuple(t for t in history.recent_times if now - t < HOUR) + (now,)
+    return TierHistory(step, now, recent)
+
+
+def includes_optimizer(save_index: int, optimizer_every: int) -> bool:
+    """Whether the ``save_index``-th save (0-based) carries optimizer state."""
+    return optimizer_every <= 1 or save_index % optimizer_every == 0
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What retention needs to know about one checkpoint directory of a tier."""
+
+    step: int
+    committed: bool
+    busy: bool = False  # being written, or being read by a promotion
+
+
+def retention_victims(found: Iterable[CheckpointFacts], keep: int, protect: Iterable[int] = ()) -> list[int]:
+    """Steps to delete so that ``keep`` committed checkpoints remain.
+
+    Never deletes: the newest committed checkpoint, any of the ``keep`` newest committed
+    ones, a busy one, or a protected step (e.g. the newest that verified).  Uncommitted
+    leftovers are deleted only when they are older than the newest committed checkpoint
+    and not busy (so a save in progress is never touched).
+    """
+    keep = max(1, keep)
+    facts = sorted(found, key=lambda f: f.step, reverse=True)
+    protected = set(protect)
+    committed = [f for f in facts if f.committed]
+    newest_committed = committed[0].step if committed else None
+    kept = {f.step for f in committed[:keep]}
+    victims = []
+    for f in facts:
+        if f.busy or f.step in protected or f.step in kept:
+            continue
+        if f.committed or (newest_committed is not None and f.step < newest_committed):
+            victims.append(f.step)
+    return sorted(victims)
+
+
+def restore_order(candidates: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Order ``(step, tier_index)`` candidates: newest step first, then fastest tier."""
+    return sorted(candidates, key=lambda c: (-c[0], c[1]))

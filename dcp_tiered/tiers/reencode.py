@@ -1,0 +1,61 @@
+"""Copying one data file between tiers: byte for byte, or re-encoded when codecs differ."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from dcp_tiered.codecs import FrameCodec, frame_bounds, verify_frame
+from dcp_tiered.codecs.bytegroup import FILTER_NONE
+from dcp_tiered.errors import CorruptCheckpointError
+from dcp_tiered.storage import Storage
+
+COPY_CHUNK = 8 << 20
+
+
+def copy_file(src: Storage, dst: Storage, name: str) -> int:
+    """Stream ``name`` from ``src`` to ``dst`` in bounded chunks; return the bytes copied."""
+    size = src.size(name)
+    buf = bytearray(min(COPY_CHUNK, max(size, 1)))
+    done = 0
+    with dst.open_write(name) as f:
+        while done < size:
+            n = src.read_range_into(name, done, memoryview(buf)[: min(len(buf), size - done)])
+            if n == 0:
+                raise CorruptCheckpointError(f"{src.url_of(name)} shrank while being copied ({done} of {size} bytes)")
+            f.write(memoryview(buf)[:n])
+            done += n
+    return done
+
+
+def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[object, dict]], codec: str) -> tuple[int, list[tuple[object, dict]]]:
+    """Decode every item of ``name`` (verifying checksums) and write it re-encoded with ``codec``.
+
+    Returns the bytes written and the new records (same keys, new offsets/lengths/frames).
+    """
+    out_records = []
+    offset = 0
+    with dst.open_write(name) as f:
+        for key, rec in sorted(records, key=lambda kr: kr[1]["offset"]):
+            old = FrameCodec(rec["codec"], rec["filter"], rec["itemsize"])
+            new_filter = rec["filter"] if codec != "none" else FILTER_NONE
+            new = FrameCodec(codec, new_filter, rec["itemsize"])
+            starts = list(itertools.accumulate(rec["frames"], initial=rec["offset"]))
+            frames, sums = [], []
+            for i, (s, e) in enumerate(frame_bounds(rec["raw"], rec["frame"], rec["itemsize"])):
+                stored = src.read_range(rec["file"], starts[i], starts[i] + rec["frames"][i])
+                if len(stored) != rec["frames"][i] or not verify_frame(stored, rec["sums"][i]):
+                    raise CorruptCheckpointError(f"frame {i} of {key!r} in {src.url_of(name)} fails its checksum; not promoting it")
+                raw = np.empty(e - s, dtype=np.uint8)
+                old.decode(stored, raw)
+                enc = new.encode(raw)
+                for piece in enc.pieces:
+                    f.write(piece)
+                frames.append(enc.stored_len)
+                sums.append(enc.digest)
+            length = sum(frames)
+            out_records.append((key, {**rec, "offset": offset, "length": length, "codec": str(new.codec),
+                                      "filter": new_filter, "frames": tuple(frames), "sums": tuple(sums)}))
+            offset += length
+    return offset, out_records

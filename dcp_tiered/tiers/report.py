@@ -1,0 +1,68 @@
+"""Reports of saves and restores, and the JSON-lines event log they go to."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger("dcp_tiered.events")
+
+
+@dataclass
+class SaveReport:
+    """One save: where it went, how big, how long training was blocked, how long in total."""
+
+    step: int
+    tiers: list[str]
+    optimizer: bool
+    async_save: bool
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    blocked_s: float = 0.0
+    total_s: float | None = None
+    ok: bool | None = None  # None while an async save is in flight
+    error: str | None = None
+    downcast_kept: dict[str, str] = field(default_factory=dict)
+    event: str = "save"
+
+    @property
+    def ratio(self) -> float:
+        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+    @property
+    def throughput_mb_s(self) -> float | None:
+        return self.raw_bytes / 1e6 / self.total_s if self.total_s else None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = round(self.ratio, 4)
+        d["throughput_mb_s"] = round(self.throughput_mb_s, 1) if self.throughput_mb_s else None
+        return d
+
+
+class EventLog:
+    """Fan-out of report dicts: a JSON-lines file, the ``dcp_tiered.events`` logger, and hooks."""
+
+    def __init__(self, path: "str | os.PathLike[str] | None" = None) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.hooks: list[Callable[[dict[str, Any]], None]] = []
+        self._lock = threading.Lock()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, default=str, sort_keys=True)
+        log.info(line)
+        if self.path is not None:
+            with self._lock:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(line + "\n")
+        for hook in list(self.hooks):
+            try:
+                hook(event)
+            except Exception:  # observers must never break checkpointing
+                log.exception("event hook failed")

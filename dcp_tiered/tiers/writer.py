@@ -1,0 +1,204 @@
+"""``TieredWriter``: a ``StorageWriter`` that serializes once to the fastest due tier and
+promotes the committed files to the other due tiers in the background."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_tiered.dcp.report import SaveStats
+from dcp_tiered.dcp.writer import CompressedWriter
+from dcp_tiered.errors import ConfigError
+from dcp_tiered.storage import safe_relative_name
+from dcp_tiered.tiers.layout import parse_step, step_name
+from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save
+from dcp_tiered.tiers.promotion import Promoter, _Intent
+from dcp_tiered.dcp.writer import _Prefix
+from dcp_tiered.tiers.spec import Tier, validate_tiers
+
+
+def node_of(rank: int) -> int:
+    """Node index of ``rank`` from ``LOCAL_WORLD_SIZE`` (torchrun sets it); 0 when unknown."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return rank // local if local > 0 else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredPlan:
+    """What every rank learns from the coordinator through the save plan."""
+
+    prefix: str
+    tiers: tuple[str, ...]  # due tiers, the first one is written, the others promoted to
+
+
+class TieredWriter(StorageWriter):
+    """Route a DCP save to tiers: write to the fastest due one, promote to the rest.
+
+    Args:
+        tiers: tiers, fastest first.
+        due: names of the tiers to save to (decided by the caller, e.g. ``TieredCheckpointer``);
+            when omitted the coordinator applies each tier's schedule with ``clock``
+            (a tier never saved by this writer is due; if none is due the fastest is used).
+        promoter: the background promoter to use (default: one owned by this writer;
+            call :meth:`wait` / :meth:`close` to finish its work).
+        clock: wall-clock function for schedules.
+        threads, frame_size: passed to each tier's ``CompressedWriter``.
+
+    ``checkpoint_id`` (``dcp.save(..., checkpoint_id="step_100")``) names the checkpoint
+    directory inside every tier.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        due: Sequence[str] | None = None,
+        promoter: Promoter | None = None,
+        clock: Callable[[], float] = time.time,
+        threads: int | None = None,
+        frame_size: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tiers = validate_tiers(tiers)
+        self.by_name = {t.name: t for t in self.tiers}
+        if due is not None:
+            unknown = [d for d in due if d not in self.by_name]
+            if unknown or not due:
+                raise ConfigError(f"due tiers {list(due)} must be a non-empty subset of {list(self.by_name)}")
+            due = [t.name for t in self.tiers if t.name in due]
+        self.due = tuple(due) if due is not None else None
+        self._own_promoter = promoter is None
+        self.promoter = promoter
+        self.clock = clock
+        self.threads = threads
+        self.frame_size = frame_size
+        self.step = step
+        self.name: str | None = None
+        self.rank = 0
+        self.is_coordinator = True
+        self.histories: dict[str, TierHistory] = {t.name: TierHistory() for t in self.tiers}
+        self.last_tiers: tuple[str, ...] = ()
+        self.last_stats: SaveStats | None = None
+        self._inner: CompressedWriter | None = None
+        self._intent: _Intent | None = None
+        self._plan_tiers: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["promoter"] = None if self._own_promoter else state["promoter"]
+        state["clock"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.clock = time.time
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _promoter(self) -> Promoter:
+        if self.promoter is None:
+            self.promoter = Promoter(self.tiers, rank=self.rank, node=node_of(self.rank), is_coordinator=self.is_coordinator)
+        return self.promoter
+
+    def wait(self) -> None:
+        """Block until this writer's promotions finished; raise if any failed."""
+        if self.promoter is not None:
+            self.promoter.wait()
+
+    def close(self) -> None:
+        """Finish promotions and stop the promoter this writer owns."""
+        if self.promoter is not None and self._own_promoter:
+            self.promoter.close()
+
+    def _decide(self) -> tuple[str, ...]:
+        if self.due is not None:
+            return self.due
+        now = self.clock()
+        step = self.step if self.step is not None else (parse_step(self.name or "") or 0)
+        schedules = [Schedule(t.every, t.every_steps, t.max_per_hour) for t in self.tiers]
+        idx = due_tiers(schedules, [self.histories[t.name] for t in self.tiers], step, now)
+        names = tuple(self.tiers[i].name for i in idx) or (self.tiers[0].name,)
+        for n in names:
+            self.histories[n] = record_save(self.histories[n], step, now)
+        return names
+
+    # -- DCP protocol -------------------------------------------------------------
+
+    def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+        if checkpoint_id is not None:
+            name = os.fspath(checkpoint_id)
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ConfigError(f"checkpoint_id {name!r} must be a plain directory name such as 'step_000000100'")
+            self.name = safe_relative_name(name)
+        elif self.step is not None:
+            self.name = step_name(self.step)
+        self._inner = None
+        self._intent = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError("TieredWriter needs DCP's collectives (use_collectives=True)")
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if self.name is None:
+            raise ConfigError("TieredWriter needs a checkpoint name: pass checkpoint_id='step_100' to dcp.save or step=")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        tiers = self._decide()
+        return [dataclasses.replace(p, storage_data=TieredPlan(f"__{i}_", tiers)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        tp: TieredPlan = plan.storage_data
+        self._plan_tiers = tp.tiers
+        primary = self.by_name[tp.tiers[0]]
+        kwargs: dict[str, Any] = {"storage_options": primary.storage_options, "threads": self.threads,
+                                  "check_sizes": not primary.node_local}
+        if self.frame_size:
+            kwargs["frame_size"] = self.frame_size
+        url = primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name
+        inner = CompressedWriter(url, primary.codec, **kwargs)
+        inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
+        inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=_Prefix(tp.prefix)))
+        self._inner = inner
+        fut = inner.write_data(inner_plan, planner)
+        targets = tp.tiers[1:]
+        if targets:
+            results = fut.value()  # CompressedWriter completes synchronously; raises its failure
+            records = [(r.index, r.storage_data) for r in results]
+            data_file = records[0][1]["file"] if records else None
+            promoter = self._promoter()
+            self._intent = promoter.record_intent(self.name, primary, targets, data_file, records, self.is_coordinator)
+            if self._intent is not None and not self.is_coordinator:
+                promoter.submit(self._intent)  # data files are final; the coordinator commits targets later
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self._inner is not None, "finish called before write_data"
+        self._inner.finish(metadata, results)
+        self.last_stats = self._inner.last_stats
+        self.last_tiers = self._plan_tiers
+        promoter = self._promoter()
+        if self._intent is not None:
+            promoter.submit(self._intent)
+        step = parse_step(self.name or "")
+        promoter.retention(self.by_name[self._plan_tiers[0]], protect=[step] if step is not None else [])
+
+    def storage_meta(self) -> StorageMeta | None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
