@@ -22,6 +22,9 @@ from dcp_tiered.errors import DcpTieredError, StorageError
 from dcp_tiered.storage.paths import safe_relative_name
 
 
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2", "oss"}
+
+
 class MissingFileError(StorageError, FileNotFoundError):
     """A file that should exist in storage does not."""
 
@@ -59,7 +62,11 @@ class Storage:
             fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") or root
-        self.is_local = isinstance(fs, LocalFileSystem)
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        # A subclass of the local filesystem with its own protocol (e.g. a fault injector)
+        # is treated as remote, so that every access goes through it.
+        self.is_local = isinstance(fs, LocalFileSystem) and bool(protocols & {"file", "local"})
+        self.is_object_store = bool(protocols & _OBJECT_STORES)
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "storage_options": self.storage_options}
@@ -90,7 +97,7 @@ class Storage:
 
     def check_reachable(self) -> None:
         """Raise a clear error now if the bucket (object stores) of the root does not exist."""
-        if self.is_local or "memory" in self.fs.protocol:
+        if not self.is_object_store:
             return
         bucket = self.root.split("/", 1)[0]
         with storage_errors(self.url, "reach storage"):
@@ -98,10 +105,15 @@ class Storage:
             if not self.fs.exists(bucket):
                 raise MissingFileError(errno.ENOENT, f"bucket or container {bucket!r} of {self.url} does not exist; create it first")
 
+    def _parent_dirs(self, name: str) -> None:
+        # Object stores have no directories; other filesystems need the parent to exist.
+        if not self.is_object_store:
+            self.fs.makedirs(posixpath.dirname(self.path(name)), exist_ok=True)
+
     def makedirs(self) -> None:
         """Create the root directory (a no-op on object stores) and check it is reachable."""
         self.check_reachable()
-        if self.is_local or "memory" in self.fs.protocol:
+        if not self.is_object_store:
             with storage_errors(self.url, "create directory"):
                 self.fs.makedirs(self.root, exist_ok=True)
 
@@ -154,6 +166,7 @@ class Storage:
                     if durable:
                         os.fsync(f.fileno())
             else:
+                self._parent_dirs(name)
                 f = self.fs.open(self.path(name), "wb")
                 try:
                     yield f
@@ -186,6 +199,7 @@ class Storage:
                 finally:
                     os.close(fd)
             else:
+                self._parent_dirs(name)
                 self.fs.pipe_file(self.path(name), data)
                 self._refresh(self.path(name))
 

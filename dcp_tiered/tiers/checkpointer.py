@@ -36,17 +36,32 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _is_leaf(value: Any) -> bool:
+    # DCP's rule: mappings are traversed; a list is traversed when it holds (at any depth)
+    # a tensor or a mapping; everything else is a leaf.
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and not _is_leaf(v)) for v in value)
+
+
 def flatten_keys(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dot-joined leaf keys the way DCP flattens a state dict (mappings, and lists holding tensors)."""
+    """Dot-joined leaf keys exactly as DCP flattens a state dict into metadata keys."""
     out: list[str] = []
-    for k, v in state_dict.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out += flatten_keys(v, key + ".")
-        elif isinstance(v, list) and any(isinstance(x, torch.Tensor) for x in v):
-            out += flatten_keys({str(i): x for i, x in enumerate(v)}, key + ".")
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(f"{path}.{k}", v)
+        elif _is_leaf(value):
+            out.append(path)
         else:
-            out.append(key)
+            for i, v in enumerate(value):
+                walk(f"{path}.{i}", v)
+
+    for k, v in state_dict.items():
+        walk(f"{prefix}{k}", v)
     return out
 
 

@@ -296,6 +296,8 @@ class Promoter:
                 self._save_intent(intent)
         for target_name in list(intent.meta):
             target = self.by_name.get(target_name)
+            if target_name in intent.targets:
+                continue  # this rank's own data did not get there: committing would only wait; a restart resumes it
             if target is None:
                 intent.meta.remove(target_name)
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -29,8 +30,8 @@ def parse_duration(value: "str | float | int | None", where: str = "duration") -
         if not m:
             raise ConfigError(f"{where}: cannot read {value!r} as a duration; use e.g. '30s', '5m', '1h' or seconds")
         seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2).lower() if m.group(2) else None]
-    if seconds <= 0:
-        raise ConfigError(f"{where}: must be positive, got {value!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{where}: must be a positive finite number of seconds, got {value!r}")
     return seconds
 
 
@@ -106,7 +107,7 @@ class Tier:
             raise ConfigError(f"tier #{index + 1}: expected a mapping of fields, got {type(data).__name__}")
         name = data.get("name", f"#{index + 1}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
             raise ConfigError(f"tier {name!r}: unknown field(s) {unknown}; known: {sorted(known)}")
         for required in ("name", "url"):
@@ -141,9 +142,9 @@ def load_tiers_yaml(path: "str | os.PathLike[str]") -> tuple[list[Tier], dict[st
     except ImportError as exc:  # pragma: no cover - optional extra
         raise ConfigError("reading tiers from YAML needs PyYAML: pip install 'dcp-tiered[yaml]'") from exc
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read tier file {path}: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"tier file {path} is not valid YAML: {exc}") from exc
