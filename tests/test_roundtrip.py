@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_tiered import CheckpointNotFoundError, CompressedReader, CompressedWriter
 from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
-from dcp_tiered.dcp.safe_pickle import safe_loads
+from dcp_tiered.dcp.metadata_io import decode_metadata
 
 CODECS = ["none", "lz4", "zstd", "zstd:3"]
 
@@ -101,7 +101,7 @@ def test_metadata_holds_only_builtins_and_is_written_last(tmp_path) -> None:
     names = sorted(os.listdir(path))
     assert names == [METADATA_FILE, "__0_0.distcp"]
     assert os.stat(path / METADATA_FILE).st_mtime_ns >= os.stat(path / "__0_0.distcp").st_mtime_ns
-    md = safe_loads((path / METADATA_FILE).read_bytes())
+    md = decode_metadata((path / METADATA_FILE).read_bytes(), "test")
 
     def builtins_only(x: object) -> bool:
         if isinstance(x, dict):

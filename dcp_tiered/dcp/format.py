@@ -26,11 +26,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str, where: str = "checkpoint metadata") -> torch.dtype:
     """Inverse of :func:`dtype_name`, refusing anything that is not a torch dtype."""
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
-        raise UnsupportedFormatError(f"unknown dtype {name!r} in checkpoint metadata")
+        raise UnsupportedFormatError(f"unknown dtype {name!r} in {where}")
     return value
 
 
@@ -39,8 +39,19 @@ def is_native_record(record: Any) -> bool:
     return isinstance(record, dict) and "fmt" in record
 
 
-def check_record(record: dict, key: str, checkpoint: str) -> dict:
-    """Validate one native record; raise naming the tensor key and the checkpoint."""
+# Largest frame header: one byte plus five per plane, eight planes at most.
+_FRAME_OVERHEAD = 1 + 5 * 8
+#: Default cap on the decoded size of one non-tensor item (its size is not in DCP's metadata).
+MAX_OBJECT_BYTES = 256 << 20
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_record(record: dict, key: str, checkpoint: str, max_object_bytes: int = MAX_OBJECT_BYTES) -> dict:
+    """Validate one native record so that no size in it can be trusted blindly; raise naming the key."""
+    where = f"record of {key!r} in {checkpoint}"
     if record.get("fmt") != FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"tensor {key!r} in {checkpoint} uses dcp_tiered format version {record.get('fmt')!r}; "
@@ -48,31 +59,68 @@ def check_record(record: dict, key: str, checkpoint: str) -> dict:
         )
     missing = [f for f in _REQUIRED if f not in record]
     if missing:
-        raise CorruptCheckpointError(f"record of {key!r} in {checkpoint} lacks fields {missing}")
+        raise CorruptCheckpointError(f"{where} lacks fields {missing}")
     if record["kind"] not in (KIND_TENSOR, KIND_BYTES) or record["filter"] not in FILTERS:
-        raise UnsupportedFormatError(f"record of {key!r} in {checkpoint} has kind {record['kind']!r} / filter {record['filter']!r}")
-    parse_codec(record["codec"])
-    ints = [record[f] for f in ("offset", "length", "raw", "itemsize", "frame")]
-    if not all(isinstance(v, int) and v >= 0 for v in ints) or record["frame"] <= 0 or record["itemsize"] <= 0:
-        raise CorruptCheckpointError(f"record of {key!r} in {checkpoint} has invalid sizes")
+        raise UnsupportedFormatError(f"{where} has kind {record['kind']!r} / filter {record['filter']!r}")
+    try:
+        parse_codec(record["codec"])
+    except ValueError as exc:
+        raise UnsupportedFormatError(f"{where} uses codec {record['codec']!r}, which this version cannot read") from exc
+    if not all(_is_uint(record[f]) for f in ("offset", "length", "raw", "itemsize", "frame")) or not isinstance(record["file"], str):
+        raise CorruptCheckpointError(f"{where} has invalid sizes")
+    if record["frame"] <= 0 or record["itemsize"] not in (1, 2, 4, 8, 16):
+        raise CorruptCheckpointError(f"{where} has an invalid frame or item size")
     frames, sums = record["frames"], record["sums"]
     if not isinstance(frames, tuple) or not isinstance(sums, tuple) or len(frames) != len(sums):
-        raise CorruptCheckpointError(f"record of {key!r} in {checkpoint} has an invalid frame table")
-    if sum(frames) != record["length"] or any(not isinstance(n, int) or n < 0 for n in frames):
+        raise CorruptCheckpointError(f"{where} has an invalid frame table")
+    if not all(_is_uint(n) for n in frames) or not all(_is_uint(n) for n in sums):
+        raise CorruptCheckpointError(f"{where} has a frame table with non-integer entries")
+    if sum(frames) != record["length"]:
         raise CorruptCheckpointError(f"frame table of {key!r} in {checkpoint} does not add up to its stored length")
-    expected_frames = -(-record["raw"] // (record["frame"] - record["frame"] % record["itemsize"] or record["itemsize"]))
-    if len(frames) != expected_frames:
-        raise CorruptCheckpointError(f"record of {key!r} in {checkpoint} has {len(frames)} frames for {record['raw']} raw bytes")
+    step = record["frame"] - record["frame"] % record["itemsize"] or record["itemsize"]
+    if len(frames) != -(-record["raw"] // step):
+        raise CorruptCheckpointError(f"{where} has {len(frames)} frames for {record['raw']} raw bytes")
+    if any(n > min(step, record["raw"] - i * step) + _FRAME_OVERHEAD for i, n in enumerate(frames)):
+        raise CorruptCheckpointError(f"{where} has a frame larger than its raw size allows")
+    if record["kind"] == KIND_BYTES and record["raw"] > max_object_bytes:
+        raise CorruptCheckpointError(
+            f"{where}: non-tensor item claims {record['raw']} bytes, above the {max_object_bytes}-byte limit "
+            "(raise max_object_bytes if this checkpoint is trusted)"
+        )
     if record["kind"] == KIND_TENSOR:
-        stored = dtype_from_name(record.get("dtype", ""))
+        stored = dtype_from_name(record.get("dtype", ""), where)
+        if "orig_dtype" in record:
+            dtype_from_name(record["orig_dtype"], where)
         if stored.itemsize != record["itemsize"]:
-            raise CorruptCheckpointError(f"record of {key!r} in {checkpoint}: dtype {stored} does not match item size")
+            raise CorruptCheckpointError(f"{where}: dtype {stored} does not match item size")
         shape = record.get("shape")
-        if not isinstance(shape, tuple) or any(not isinstance(d, int) or d < 0 for d in shape):
-            raise CorruptCheckpointError(f"record of {key!r} in {checkpoint} has an invalid shape")
+        if not isinstance(shape, tuple) or not all(_is_uint(d) for d in shape):
+            raise CorruptCheckpointError(f"{where} has an invalid shape")
         numel = 1
         for d in shape:
             numel *= d
         if numel * record["itemsize"] != record["raw"]:
-            raise CorruptCheckpointError(f"record of {key!r} in {checkpoint}: shape {shape} does not match {record['raw']} raw bytes")
+            raise CorruptCheckpointError(f"{where}: shape {shape} does not match {record['raw']} raw bytes")
     return record
+
+
+def chunk_sizes(state_dict_metadata: dict) -> dict[tuple[str, tuple[int, ...]], tuple[int, ...]]:
+    """``(fqn, chunk offsets) -> chunk sizes`` for every tensor chunk DCP's metadata lists."""
+    out: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+    for fqn, md in state_dict_metadata.items():
+        for chunk in getattr(md, "chunks", ()) or ():
+            out[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
+    return out
+
+
+def check_against_chunks(record: dict, index: Any, sizes: dict, checkpoint: str) -> None:
+    """A tensor record's shape must be the chunk DCP's metadata says it is."""
+    if record["kind"] != KIND_TENSOR:
+        return
+    key = (index.fqn, tuple(index.offset or ()))
+    expected = sizes.get(key)
+    if expected is None or tuple(expected) != record["shape"]:
+        raise CorruptCheckpointError(
+            f"record of {index.fqn!r} in {checkpoint} has shape {record['shape']}, but the checkpoint's "
+            f"tensor table says {expected}: the metadata is inconsistent"
+        )

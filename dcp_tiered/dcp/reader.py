@@ -26,12 +26,15 @@ from torch.futures import Future
 from dcp_tiered.codecs import FrameCodec, verify_frame
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
+    MAX_OBJECT_BYTES,
     METADATA_FILE,
+    check_against_chunks,
     check_record,
+    chunk_sizes,
     dtype_from_name,
     is_native_record,
 )
-from dcp_tiered.dcp.safe_pickle import safe_loads
+from dcp_tiered.dcp.metadata_io import decode_metadata
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
 from dcp_tiered.dcp.writer import default_threads
@@ -91,6 +94,12 @@ class CompressedReader(StorageReader):
         storage_options: passed to fsspec.
         verify: check every frame's checksum before decoding it (on by default).
         threads: decompression threads (default: cores of this node divided by its ranks).
+        max_object_bytes: largest decoded non-tensor item accepted (their size is not in
+            DCP's metadata, so a hostile checkpoint could otherwise claim any size).
+
+    The constructor reads and validates ``.metadata``, so a path that is not a checkpoint,
+    or a damaged or hostile ``.metadata``, raises here with this package's error (inside
+    ``dcp.load`` DCP would re-wrap it in an ``AssertionError``).
     """
 
     def __init__(
@@ -100,11 +109,14 @@ class CompressedReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         threads: int | None = None,
+        max_object_bytes: int = MAX_OBJECT_BYTES,
     ) -> None:
         super().__init__()
         if threads is not None and threads < 1:
             raise ConfigError(f"threads must be at least 1, got {threads}")
         self.storage_options = dict(storage_options or {})
+        self.max_object_bytes = max_object_bytes
+        self._metadata: Metadata | None = None
         self.storage = self._open(path)
         self.verify = verify
         self.threads = threads
@@ -118,59 +130,62 @@ class CompressedReader(StorageReader):
     # -- DCP protocol ---------------------------------------------------------------
 
     def _open(self, path: "str | os.PathLike[str]") -> Storage:
-        # Checked here, not only in read_metadata: DCP turns read_metadata failures into an
-        # AssertionError, while errors from the constructor and reset() reach the caller as they are.
+        # Read and validated here, not only in read_metadata: DCP turns read_metadata failures
+        # into an AssertionError, while errors from the constructor and reset() reach the caller.
         storage = Storage(path, self.storage_options)
-        if not storage.exists(METADATA_FILE):
+        try:
+            data = storage.read_bytes(METADATA_FILE)
+        except MissingFileError:
             storage.check_reachable()
             raise CheckpointNotFoundError(
                 f"{storage.url} is not a committed checkpoint: {METADATA_FILE} is missing "
                 "(wrong path, or the save was interrupted before it committed)"
-            )
+            ) from None
+        metadata = decode_metadata(data, storage.url_of(METADATA_FILE))
+        self._validate(metadata, storage.url)
+        self._metadata = metadata
         return storage
 
+    def _validate(self, metadata: Metadata, url: str) -> None:
+        sizes = chunk_sizes(metadata.state_dict_metadata)
+        for index, record in metadata.storage_data.items():
+            key = getattr(index, "fqn", "?")
+            where = f"record of {key!r} in {url}"
+            if is_native_record(record):
+                check_record(record, key, url, self.max_object_bytes)
+                safe_relative_name(record["file"], where)
+                check_against_chunks(record, index, sizes, url)
+            else:
+                safe_relative_name(getattr(record, "relative_path", None), where)
+                if not all(isinstance(getattr(record, f, None), int) and getattr(record, f) >= 0 for f in ("offset", "length")):
+                    raise CorruptCheckpointError(f"{where} has invalid offset/length")
+
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
-        if checkpoint_id:
+        if checkpoint_id and os.fspath(checkpoint_id) != self.storage.url:
             self.storage = self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self._prefix_sums = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        where = self.storage.url_of(METADATA_FILE)
-        try:
-            data = self.storage.read_bytes(METADATA_FILE)
-        except MissingFileError as exc:
-            raise CheckpointNotFoundError(
-                f"{self.storage.url} is not a committed checkpoint: {METADATA_FILE} is missing "
-                "(wrong path, or the save was interrupted before it committed)"
-            ) from exc
-        metadata = safe_loads(data, where)
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+        if self._metadata is None:
+            self.storage = self._open(self.storage.url)
+        metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(metadata.storage_data, dict):
-            raise CorruptCheckpointError(f"{self.storage.url}/{METADATA_FILE} has no storage records")
-        for index, record in metadata.storage_data.items():
-            key = getattr(index, "fqn", "?")
-            if is_native_record(record):
-                check_record(record, key, self.storage.url)
-                safe_relative_name(record["file"], f"record of {key!r} in {self.storage.url}")
-            else:
-                safe_relative_name(getattr(record, "relative_path", None), f"record of {key!r} in {self.storage.url}")
+        if metadata is not self._metadata:
+            if not isinstance(getattr(metadata, "storage_data", None), dict):
+                raise CorruptCheckpointError(f"{self.storage.url}/{METADATA_FILE} has no storage records")
+            self._validate(metadata, self.storage.url)
         self.storage_data = metadata.storage_data
-        self._chunk_sizes = {}
-        self._tensor_dtypes = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                self._tensor_dtypes[fqn] = md.properties.dtype
-                for chunk in md.chunks:
-                    self._chunk_sizes[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
+        self._chunk_sizes = chunk_sizes(metadata.state_dict_metadata)
+        self._tensor_dtypes = {
+            fqn: md.properties.dtype for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -205,10 +220,35 @@ class CompressedReader(StorageReader):
                 f"{self.storage.url}/{METADATA_FILE} has no storage record for {req.storage_index.fqn!r}"
             ) from None
 
+    def _check_files(self, reqs: list[ReadItem]) -> None:
+        """Every requested item must lie inside its data file: checked before anything is allocated."""
+        by_file: dict[str, list[tuple[str, int]]] = {}
+        for req in reqs:
+            rec = self._record(req)
+            name, end = (rec["file"], rec["offset"] + rec["length"]) if is_native_record(rec) else (rec.relative_path, rec.offset + rec.length)
+            by_file.setdefault(name, []).append((req.storage_index.fqn, end))
+        for name, items in by_file.items():
+            try:
+                size = self.storage.size(name)
+            except MissingFileError:
+                keys = sorted({k for k, _ in items})
+                raise CheckpointNotFoundError(
+                    f"data file {self.storage.url_of(name)} of checkpoint {self.storage.url} is missing (it holds "
+                    f"{', '.join(repr(k) for k in keys[:3])}{'...' if len(keys) > 3 else ''}); "
+                    "restore from another tier or an older step"
+                ) from None
+            for key, end in items:
+                if end > size:
+                    raise CorruptCheckpointError(
+                        f"data file {self.storage.url_of(name)} is truncated: {key!r} needs {end} bytes, the file has {size}; "
+                        "restore from another tier or an older step"
+                    )
+
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         native, stock = [], []
         for req in plan.items:
             (native if is_native_record(self._record(req)) else stock).append(req)
+        self._check_files(plan.items)
         for req in stock:
             self._read_stock(req, planner)
         if not native:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dcp_tiered.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError, UnsafeCheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, frozenset[str]] = {
@@ -33,7 +33,7 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "torch": frozenset({"Size"}),
-    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "PureWindowsPath"}),
     "collections": frozenset({"OrderedDict"}),
     "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "slice", "complex"}),
 }
@@ -41,9 +41,12 @@ _TORCH_DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torc
 _TORCH_MISC = frozenset({"strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"})
 
 
-class _AllowListUnpickler(pickle.Unpickler):
+# The pure-Python unpickler keeps its memo in a dict; the C one preallocates a memo array
+# as large as any index a PUT opcode names, so 9 crafted bytes could make it zero-fill GBs.
+class _AllowListUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def __init__(self, data: bytes, source: str) -> None:
-        super().__init__(io.BytesIO(data))
+        self._source_stream = io.BytesIO(data)
+        super().__init__(self._source_stream)
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
@@ -61,12 +64,18 @@ class _AllowListUnpickler(pickle.Unpickler):
 
 
 
-def safe_loads(data: bytes, source: str = ".metadata") -> Any:
-    """Unpickle ``data`` allowing only DCP metadata classes; raise a clear error otherwise."""
+def safe_loads(data: bytes, source: str = ".metadata", exact: bool = True) -> Any:
+    """Unpickle ``data`` allowing only DCP metadata classes; raise a clear error otherwise.
+
+    With ``exact``, bytes left over after the pickle's end mean the file was damaged.
+    """
     try:
-        return _AllowListUnpickler(data, source).load()
-    except UnsafeCheckpointError:
+        unpickler = _AllowListUnpickler(data, source)
+        value = unpickler.load()
+    except DcpTieredError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, ImportError,
-            MemoryError, RecursionError, OverflowError, UnicodeDecodeError) as exc:
+    except Exception as exc:  # any failure to decode hostile or damaged bytes is "not readable"
         raise CorruptCheckpointError(f"{source} is not a readable DCP metadata pickle: {type(exc).__name__}: {exc}") from exc
+    if exact and unpickler._source_stream.tell() != len(data):
+        raise CorruptCheckpointError(f"{source} has {len(data) - unpickler._source_stream.tell()} stray bytes after its end: it is damaged")
+    return value

@@ -18,6 +18,7 @@ from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 _TORCH_SAVE_SLACK = 1 << 20
 # Bytes items carry no size in metadata; this bounds their decompressed size.
 _BYTES_ITEM_LIMIT = 1 << 30
+_READ_STEP = 4 << 20
 
 
 def stock_raw_bound(
@@ -47,11 +48,18 @@ def decode_stock_item(data: bytes, descriptors: Sequence[str], bound: int, where
         name, _, version = str(descriptor).partition("/")
         if name != "stream.zstd" or version.partition(".")[0] != "1":
             raise UnsupportedFormatError(f"item {where} uses stream transform {descriptor!r}, which this reader does not know")
+        parts, total = [], 0
         try:
             reader = zstandard.ZstdDecompressor().stream_reader(out)
-            out = reader.read(bound + 1)
+            while True:
+                part = reader.read(min(_READ_STEP, bound + 1 - total))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+                if total > bound:
+                    raise CorruptCheckpointError(f"item {where} decompresses past its size bound of {bound} bytes")
         except zstandard.ZstdError as exc:
             raise CorruptCheckpointError(f"item {where} does not decompress: {exc}") from exc
-        if len(out) > bound:
-            raise CorruptCheckpointError(f"item {where} decompresses past its size bound of {bound} bytes")
+        out = b"".join(parts)
     return out

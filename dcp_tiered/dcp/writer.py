@@ -11,7 +11,6 @@ import collections
 import dataclasses
 import io
 import os
-import pickle
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +24,7 @@ from torch.futures import Future
 
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
 from dcp_tiered.dcp.format import DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, dtype_name
+from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.report import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
@@ -167,7 +167,7 @@ class CompressedWriter(StorageWriter):
                 )
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        self.storage.commit_bytes(METADATA_FILE, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+        self.storage.commit_bytes(METADATA_FILE, encode_metadata(metadata))
         self.last_stats = stats_from_records((i.fqn, r) for i, r in storage_md.items())
         if self._replacing:
             for name in self.storage.listdir():

@@ -32,7 +32,7 @@ class MissingFileError(StorageError, FileNotFoundError):
 def _map_error(exc: BaseException, url: str, action: str) -> DcpTieredError:
     if isinstance(exc, DcpTieredError):
         return exc
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
         return MissingFileError(errno.ENOENT, f"{action}: {url} does not exist")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return StorageError(errno.ENOSPC, f"{action}: no space left writing {url}; free space or point the tier elsewhere")
@@ -102,8 +102,13 @@ class Storage:
         bucket = self.root.split("/", 1)[0]
         with storage_errors(self.url, "reach storage"):
             self._refresh()
-            if not self.fs.exists(bucket):
-                raise MissingFileError(errno.ENOENT, f"bucket or container {bucket!r} of {self.url} does not exist; create it first")
+            try:
+                # info() raises on connection errors, where exists() would answer False
+                self.fs.info(bucket)
+            except FileNotFoundError:
+                raise MissingFileError(
+                    errno.ENOENT, f"bucket or container {bucket!r} of {self.url} does not exist; create it first"
+                ) from None
 
     def _parent_dirs(self, name: str) -> None:
         # Object stores have no directories; other filesystems need the parent to exist.

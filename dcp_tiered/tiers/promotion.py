@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import queue
 import threading
 import time
@@ -23,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_tiered.dcp.format import DATA_SUFFIX, METADATA_FILE, is_native_record
-from dcp_tiered.dcp.safe_pickle import safe_loads
+from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
 from dcp_tiered.errors import CheckpointNotFoundError, DcpTieredError, PromotionError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
@@ -326,7 +325,7 @@ class Promoter:
 
     def _commit_metadata(self, src: Storage, dst: Storage) -> int:
         raw = src.read_bytes(METADATA_FILE)
-        md = safe_loads(raw, src.url_of(METADATA_FILE))
+        md = decode_metadata(raw, src.url_of(METADATA_FILE))
         files = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
         deadline = time.monotonic() + self.metadata_timeout
         delay = 0.05
@@ -353,7 +352,7 @@ class Promoter:
         md.storage_data = new_data
         if md.storage_meta is not None:
             md.storage_meta.checkpoint_id = dst.url
-        dst.commit_bytes(METADATA_FILE, pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+        dst.commit_bytes(METADATA_FILE, encode_metadata(md))
         for f in files:
             dst.remove(fragment_name(f))
         return len(raw)
