@@ -64,7 +64,7 @@ def test_frame_round_trip_any_bytes(data: bytes, codec: str, layout: tuple[str, 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=3000),
+    values=st.lists(st.floats(width=16, allow_nan=True, allow_infinity=True), min_size=1, max_size=3000),
     codec=st.sampled_from(CODECS),
 )
 def test_float_frames_round_trip_bit_exact(values: list[float], codec: str) -> None:

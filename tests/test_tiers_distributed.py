@@ -300,8 +300,8 @@ def wait_bounded(ckpt: TieredCheckpointer) -> None:
 
 
 def report_facts(ckpt: TieredCheckpointer) -> list:
-    return [{"step": r.step, "tiers": list(r.tiers), "optimizer": r.optimizer, "ok": r.ok, "error": r.error}
-            for r in ckpt.reports]
+    return [{"step": r.step, "tiers": list(r.tiers), "optimizer": r.optimizer, "async": r.async_save, "ok": r.ok,
+             "error": r.error} for r in ckpt.reports]
 
 
 def _save_run(root: Path, out: Path, mode: str, mesh, rank: int) -> None:
@@ -542,6 +542,8 @@ def test_every_rank_sees_the_same_due_decisions(main, mode: str) -> None:
         assert all(f["returned"] == steps for f in facts), [f["returned"] for f in facts]
     bad = [r for f in facts for r in f["reports"] if r["ok"] is not True]
     assert not bad, f"saves not reported ok after wait(): {bad}"
+    bad = [r for f in facts for r in f["reports"] if r["async"] != (mode == "async")]
+    assert not bad, f"saves not run in {mode} mode: {bad}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -594,8 +596,10 @@ def test_node_local_tier_holds_each_ranks_own_files(main, root: Path, mode: str)
 
 @pytest.mark.parametrize("mode", MODES)
 def test_restore_takes_newest_complete_checkpoint_from_shared(main, mode: str) -> None:
-    """The node-local tier is never fully visible from one rank, so restore reads ``shared``:
-    step 7 (the newest with optimizer state; 10 lacks it) for model+optim, step 10 for the model."""
+    """The node-local tier is never fully visible from one rank (rank 0 sees ``.metadata`` but not
+    rank 1's file; rank 1 sees no ``.metadata``), so restore skips local steps 9 (with optimizer)
+    and 10 without trying them, and reads ``shared``: step 7 (the newest there with optimizer
+    state; 10 lacks it) for model+optim, step 10 for the model alone."""
     _read_records(main[0], f"restore[{mode}]", WS, main[1])
     facts = _read_facts(main[0], f"restore[{mode}]", WS)
     for rank, f in enumerate(facts):
@@ -616,13 +620,18 @@ def test_retention_on_shared_tiers(main, root: Path, mode: str) -> None:
         assert len(steps) <= keep, f"{name} keeps {steps}, keep={keep}"
         assert saved[-1] in steps, f"{name}: newest checkpoint {saved[-1]} missing from {steps}"
         assert step_dirs(base / name) == steps, f"{name}: uncommitted leftovers {step_dirs(base / name)}"
-    assert steps == THIRD_STEPS[-keep:]
-    assert committed_steps(base / "shared") == SHARED_STEPS[-SHARED_KEEP:]
+        assert steps == saved[-keep:], f"{name} keeps {steps}, want the {keep} newest of {saved}"
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_retention_on_node_local_tier_every_rank(main, root: Path, mode: str) -> None:
-    """keep=2 on the node-local tier bounds every rank's directory, not only the coordinator's."""
+    """keep=2 on the node-local tier bounds every rank's directory, not only the coordinator's.
+
+    Fails at the time of writing: retention is queued only by ``TieredWriter.finish`` (run by the
+    coordinator alone) and after metadata commits (coordinator), so rank 1's node-local
+    directory keeps every step it ever saved, although ``Promoter._run_retention`` is written to
+    run on non-coordinator ranks for node-local tiers.
+    """
     _read_records(main[0], f"save[{mode}]", WS, main[1])
     local = root / "main" / mode / "local"
     for rank in range(WS):
