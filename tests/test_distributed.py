@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from dcp_tiered import CheckpointExistsError, CompressedReader, CompressedWriter
+from dcp_tiered import DowncastSavePlanner, CheckpointExistsError, CompressedReader, CompressedWriter
 
 CODECS = ["none", "lz4", "zstd", "zstd:3"]
 FRAME = 4096  # smallest allowed frame: small tensors still span many frames
@@ -306,6 +306,36 @@ def _load_and_compare(path: Path, mesh, rank: int, world_size: int, swapped: boo
     check_equal(plain_diffs(tmpl, bases) + _sharded_diffs(tmpl["dt"], rank, world_size, swapped))
 
 
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    """What a bf16 round trip leaves of ``t`` (wider floats only; others untouched)."""
+    return t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() and t.element_size() > 2 else t
+
+
+def _downcast_check(root: Path, mesh, rank: int, world_size: int, save: bool, swapped: bool) -> None:
+    """Sharded save through DowncastSavePlanner(bf16) on 2 ranks; loads (resharded) give the
+    original dtypes with bf16-rounded values."""
+    path = root / "ws2_downcast"
+    if save:
+        planner = DowncastSavePlanner(torch.bfloat16)
+        dcp.save({"dt": _sharded_state(mesh, False)}, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME),
+                 planner=planner)
+        wide = {f"dt.{n}" for n, (dt, _, _) in SHARDED.items() if dt.is_floating_point and dt.itemsize > 2}
+        assert wide <= set(planner.report.downcast), (wide, planner.report.downcast)
+    tmpl = {"dt": _sharded_template(mesh, swapped)}
+    dcp.load(tmpl, storage_reader=CompressedReader(path))
+    full = full_sharded()
+    errs = []
+    for name, (dtype, _, _) in SHARDED.items():
+        dim = shard_dim(name, swapped)
+        got = tmpl["dt"][name].to_local()
+        chunks = torch.chunk(_rounded(full[name]), world_size, dim)
+        want = chunks[rank] if rank < len(chunks) else full[name].narrow(dim, full[name].shape[dim], 0)
+        if got.dtype != dtype:
+            errs.append(f"{name}: loaded as {got.dtype}, saved as {dtype}")
+        errs.append(tensor_diff(f"{name} (rank {rank}, downcast)", got, want))
+    check_equal([e for e in errs if e])
+
+
 def _scramble_(sd: dict) -> None:
     """Overwrite every tensor of ``sd`` in place (DTensors through their local shard)."""
     from torch.distributed.tensor import DTensor
@@ -393,7 +423,7 @@ def _no_collectives_check(root: Path, mesh, rank: int, world_size: int) -> None:
 WS2_CHECKS = (
     [f"save_load[{c}]" for c in CODECS]
     + [f"reshard_swapped[{c}]" for c in CODECS]
-    + ["async_thread", "async_process", "overwrite", "use_collectives_false"]
+    + ["async_thread", "async_process", "overwrite", "downcast_bf16", "use_collectives_false"]
 )
 
 
@@ -415,6 +445,7 @@ def _ws2_worker(rank: int, world_size: int, root: str, out: str) -> None:
     _record(out_p, "async_process", rank,
             lambda: _async_check(root_p, "ws2_async_process", mesh, rank, world_size, AsyncCheckpointerType.PROCESS))
     _record(out_p, "overwrite", rank, lambda: _overwrite_check(root_p, mesh, rank, world_size))
+    _record(out_p, "downcast_bf16", rank, lambda: _downcast_check(root_p, mesh, rank, world_size, True, True))
     # last: if this mode misbehaves the ranks may leave DCP's closing barrier unmatched
     _record(out_p, "use_collectives_false", rank, lambda: _no_collectives_check(root_p, mesh, rank, world_size))
 
@@ -423,7 +454,7 @@ WS4_CHECKS = (
     [f"load_ws2_same_layout[{c}]" for c in CODECS]
     + [f"load_ws2_swapped[{c}]" for c in CODECS]
     + [f"save_load[{c}]" for c in CODECS]
-    + ["async_thread"]
+    + ["async_thread", "load_ws2_downcast"]
 )
 
 
@@ -448,6 +479,7 @@ def _ws4_worker(rank: int, world_size: int, root: str, out: str) -> None:
         _record(out_p, f"save_load[{codec}]", rank, save_load)
     _record(out_p, "async_thread", rank,
             lambda: _async_check(root_p, "ws4_async_thread", mesh, rank, world_size, AsyncCheckpointerType.THREAD))
+    _record(out_p, "load_ws2_downcast", rank, lambda: _downcast_check(root_p, mesh, rank, world_size, False, False))
 
 
 # -- fixtures: one spawn per world size ------------------------------------------------------------
