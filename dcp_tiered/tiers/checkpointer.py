@@ -249,6 +249,11 @@ class TieredCheckpointer:
             report.raw_bytes = stats.raw_bytes or report.raw_bytes
         if planner is not None:
             report.downcast_kept = dict(planner.report.kept)
+        primary = next(t for t in self.tiers if t.name == report.tiers[0])
+        if primary.node_local and self.rank != 0:
+            # DCP runs finish() (which queues retention) on the coordinator only; other ranks
+            # clean their own node-local directories once they know the save committed.
+            self.promoter.retention(primary, protect=[report.step])
         self.events.emit(report.as_dict())
 
     def _finish_inflight(self, wait: bool = False) -> None:
