@@ -1,0 +1,172 @@
+"""``inspect``, ``verify`` and ``convert``: commands on one checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from dcp_tiered.cli import ckptio
+from dcp_tiered.cli.common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CliError,
+    Progress,
+    add_storage_args,
+    human_bytes,
+    parse_dtype,
+    print_json,
+    storage_options_for,
+    table,
+)
+
+INSPECT_EXAMPLES = """\
+examples:
+  dcp-tiered inspect ckpt/local/step_000000100
+  dcp-tiered inspect s3://bucket/run/step_000001000 --s3-endpoint-url http://127.0.0.1:9000
+  dcp-tiered inspect ckpt/stock_dcp_checkpoint --json | jq '.tensors[] | select(.ratio > 0.9)'"""
+
+VERIFY_EXAMPLES = """\
+examples:
+  dcp-tiered verify ckpt/durable/step_000001000 && echo good
+  dcp-tiered verify s3://bucket/run/step_000001000 --json"""
+
+CONVERT_EXAMPLES = """\
+examples:
+  dcp-tiered convert stock_ckpt/ compressed_ckpt/ --codec zstd            # stock DCP -> compressed
+  dcp-tiered convert compressed_ckpt/ stock_ckpt/ --codec stock           # compressed -> stock DCP
+  dcp-tiered convert ckpt/step_100 ckpt_lz4/step_100 --codec lz4 --dtype bf16
+  dcp-tiered convert ckpt/step_100 model.pt                               # -> one torch.save file
+  dcp-tiered convert model.pt ckpt/from_torch --codec zstd:3              # torch.save file -> DCP"""
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="tensors, dtypes, shapes, stored vs raw size, codec, format version",
+                       description="List every item of a checkpoint (this package's or stock DCP's): dtype, shape, "
+                                   "raw and stored size, codec, and the format version.",
+                       epilog=INSPECT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="checkpoint directory or URL")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_args(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="check every checksum and every referenced file",
+                       description="Verify a checkpoint: .metadata integrity, every data file it names (present, long "
+                                   "enough) and every frame checksum. Exits 1 on any problem.",
+                       epilog=VERIFY_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="checkpoint directory or URL")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_args(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("convert", help="re-encode a checkpoint (codec, dtype, stock DCP, torch.save)",
+                       description="Re-encode a checkpoint: stock DCP to compressed, compressed to stock, a codec or "
+                                   "dtype change, or to/from a single torch.save file (paths ending in .pt, .pth, "
+                                   ".bin, .ckpt).",
+                       epilog=CONVERT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="checkpoint directory/URL, or a torch.save file")
+    p.add_argument("dst", help="new checkpoint directory/URL, or a torch.save file")
+    p.add_argument("--codec", default="zstd", help="none, lz4, zstd, zstd:N, or 'stock' for stock DCP (default zstd)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="store floating tensors in 16 bits (safe downcast; optimizer state kept); default: as loaded")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_args(p)
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    reader = ckptio.open_reader(args.path, storage_options_for(args.path, args))
+    summary, rows = ckptio.describe(reader)
+    if args.json:
+        print_json({**summary, "tensors": [r.as_dict() for r in rows]})
+        return EXIT_OK
+    print(f"checkpoint  {summary['path']}")
+    print(f"format      {summary['format']}" + (f" (format version {summary['format_version']})" if summary["format_version"] else ""))
+    print(f"codecs      {', '.join(summary['codecs']) or '-'}")
+    print()
+    body = [
+        (r.key, r.dtype or "object", r.stored_dtype if r.stored_dtype and r.stored_dtype != r.dtype else "",
+         "x".join(map(str, r.shape)) if r.shape else ("scalar" if r.shape == () else "-"),
+         human_bytes(r.raw_bytes), human_bytes(r.stored_bytes), f"{r.ratio:.3f}" if r.ratio is not None else "-", r.codec)
+        for r in rows
+    ]
+    print(table(body, ["key", "dtype", "stored as", "shape", "raw", "stored", "ratio", "codec"], right=(4, 5, 6)))
+    ratio = f"{summary['ratio']:.3f}" if summary["ratio"] is not None else "-"
+    print(f"\n{summary['items']} items ({summary['tensors']} tensors): raw {human_bytes(summary['raw_bytes'])}, "
+          f"stored {human_bytes(summary['stored_bytes'])}, ratio {ratio}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
+
+    t0 = time.perf_counter()
+    try:
+        reader = ckptio.open_reader(args.path, storage_options_for(args.path, args))
+    except (CorruptCheckpointError, UnsupportedFormatError) as exc:
+        problems, counts = [f"{type(exc).__name__}: {exc}"], {}
+    else:
+        summary, _ = ckptio.describe(reader)
+        with Progress(summary["stored_bytes"], "verify", unit="B") as bar:
+            problems, counts = ckptio.verify_checkpoint(reader, bar.update)
+    result = {"path": args.path, "ok": not problems, "problems": problems, **counts, "seconds": round(time.perf_counter() - t0, 3)}
+    if args.json:
+        print_json(result)
+    elif problems:
+        for p in problems:
+            print(f"PROBLEM  {p}")
+        print(f"{args.path}: {len(problems)} problem(s) found; restore from another tier or an older step")
+    else:
+        print(f"{args.path}: OK ({counts['items']} items, {counts['frames']} frames checksummed, "
+              f"{counts['files']} files, {human_bytes(counts['bytes'])} read)")
+    return EXIT_OK if not problems else EXIT_PROBLEMS
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dcp_tiered.codecs import parse_codec
+    from dcp_tiered.errors import CodecError
+
+    if args.codec != "stock":
+        try:
+            args.codec = str(parse_codec(args.codec))
+        except CodecError as exc:
+            raise CliError(f"--codec: {exc}; or 'stock' for stock DCP") from exc
+    t0 = time.perf_counter()
+    src_opts, dst_opts = storage_options_for(args.src, args), storage_options_for(args.dst, args)
+    n = ckptio.count_items(args.src, src_opts)
+    with Progress(n, "read") as bar:
+        sd = ckptio.load_state(args.src, src_opts, on_item=bar.update)
+    n_items = _count_leaves(sd)
+    with Progress(n_items, "write") as bar:
+        out = ckptio.save_state(sd, args.dst, args.codec, parse_dtype(args.dtype), dst_opts, args.overwrite, on_item=bar.update)
+    src_size = _size(args.src, src_opts)
+    dst_size = _size(args.dst, dst_opts)
+    result = {"src": args.src, "dst": args.dst, "src_bytes": src_size, "dst_bytes": dst_size,
+              "ratio": round(dst_size / src_size, 4) if src_size else None, "seconds": round(time.perf_counter() - t0, 3), **out}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"converted {args.src} -> {args.dst} ({out.get('format')}{', ' + out['codec'] if out.get('codec') else ''}"
+              f"{', ' + args.dtype if args.dtype != 'fp32' else ''}): {human_bytes(src_size)} -> {human_bytes(dst_size)}")
+    return EXIT_OK
+
+
+def _count_leaves(sd: Any) -> int:
+    if isinstance(sd, dict):
+        return sum(_count_leaves(v) for v in sd.values())
+    return 1
+
+
+def _size(path: str, opts: dict) -> int:
+    if ckptio.is_torch_save_path(path):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path, **opts)
+        return int(fs.size(p))
+    return ckptio.dir_size(path, opts)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: python -m dcp_tiered.cli")

@@ -1,0 +1,237 @@
+"""Shared pieces of the CLI: exit codes, tables, progress bars, tier and storage options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# Exit codes scripts can rely on (also in docs/cli.md and `dcp-tiered --help`).
+EXIT_OK = 0
+EXIT_PROBLEMS = 1  # the command ran and found problems (verify), or training failed
+EXIT_USAGE = 2  # bad arguments or configuration
+EXIT_NOT_FOUND = 3  # no checkpoint / file / bucket where one was named
+EXIT_CORRUPT = 4  # corrupt, unsafe or unsupported checkpoint
+EXIT_STORAGE = 5  # storage unreachable or an I/O error
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0  success
+  1  problems found (verify), a failed save/promotion, or a demo check that failed
+  2  usage or configuration error
+  3  not found (no committed checkpoint, missing file or bucket)
+  4  corrupt, unsafe or unsupported checkpoint
+  5  storage error (unreachable endpoint, permission, I/O)
+  130 interrupted"""
+
+
+class CliError(Exception):
+    """A one-line error for the user, with its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def human_bytes(n: float | int | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], right: Iterable[int] = ()) -> str:
+    """Aligned plain-text table; columns in ``right`` are right-aligned."""
+    right = set(right)
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)]
+    lines += [fmt(r) for r in cells[1:]]
+    return "\n".join(lines)
+
+
+def print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, default=str, sort_keys=True)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+class Progress:
+    """A tiny progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: float, desc: str = "", unit: str = "", enabled: bool | None = None) -> None:
+        self.total = max(float(total), 0.0)
+        self.desc = desc
+        self.unit = unit
+        self.done = 0.0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._last = 0.0
+        self._t0 = time.monotonic()
+
+    def update(self, n: float = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.1 and self.done < self.total:
+            return
+        self._last = now
+        frac = min(1.0, self.done / self.total) if self.total else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        amount = f"{human_bytes(self.done)}/{human_bytes(self.total)}" if self.unit == "B" else f"{self.done:.0f}/{self.total:.0f}"
+        sys.stderr.write(f"\r{self.desc:<10} [{bar}] {frac * 100:5.1f}% {amount}  ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.update(0)
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# -- storage options ---------------------------------------------------------------------
+
+
+def storage_options_for(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """fsspec options for ``url`` from ``--s3-endpoint-url`` and the AWS_* environment."""
+    if not str(url).startswith(("s3://", "s3a://")):
+        return {}
+    opts: dict[str, Any] = {}
+    endpoint = getattr(args, "s3_endpoint_url", None)
+    if endpoint:
+        opts["client_kwargs"] = {"endpoint_url": endpoint, "region_name": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
+        opts["skip_instance_cache"] = True
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
+        opts["key"], opts["secret"] = key, secret
+    return opts
+
+
+def add_storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--s3-endpoint-url", metavar="URL",
+                   help="S3-compatible endpoint for s3:// paths (credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+
+
+# -- tiers from a YAML file or flags ---------------------------------------------------------
+
+TIER_NAMES = ("local", "shared", "durable")
+DEFAULT_CODECS = {"local": "lz4", "shared": "zstd", "durable": "zstd:3"}
+DEFAULT_KEEP = {"local": 2, "shared": 4, "durable": 24}
+
+
+def add_tier_args(p: argparse.ArgumentParser, schedule: bool = False) -> None:
+    g = p.add_argument_group("tiers (a YAML file, or one flag per tier)")
+    g.add_argument("--tiers", metavar="YAML", help="tier spec file (a 'tiers:' list with the fields of Tier)")
+    g.add_argument("--local-path", metavar="PATH", help="fast node-local tier (e.g. /nvme/ckpt)")
+    g.add_argument("--shared-path", metavar="PATH", help="shared filesystem tier (e.g. /fsx/run/ckpt)")
+    g.add_argument("--durable-path", metavar="URL", help="durable tier, any fsspec URL (e.g. s3://bucket/run)")
+    for name in TIER_NAMES:
+        g.add_argument(f"--keep-{name}", type=int, metavar="N", help=f"checkpoints kept on the {name} tier (default {DEFAULT_KEEP[name]})")
+    g.add_argument("--compression", metavar="CODEC", help="codec for every tier: none, lz4, zstd, zstd:N (default lz4 local, zstd shared, zstd:3 durable)")
+    g.add_argument("--checkpoint-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="store floating weights in 16 bits (optimizer state stays fp32); default fp32")
+    if schedule:
+        s = p.add_argument_group("schedules (minutes, seconds for short runs, or steps)")
+        s.add_argument("--checkpoint-interval-min", type=float, metavar="MIN", help="local tier interval in minutes")
+        s.add_argument("--shared-interval-min", type=float, metavar="MIN", help="shared tier interval in minutes")
+        s.add_argument("--durable-interval-min", type=float, metavar="MIN", help="durable tier interval in minutes")
+        s.add_argument("--checkpoint-interval-s", type=float, metavar="S", help="local tier interval in seconds")
+        s.add_argument("--shared-interval-s", type=float, metavar="S", help="shared tier interval in seconds")
+        s.add_argument("--durable-interval-s", type=float, metavar="S", help="durable tier interval in seconds")
+        s.add_argument("--checkpoint-every-steps", type=int, metavar="N", help="local tier: at most every N steps")
+        s.add_argument("--shared-every-steps", type=int, metavar="N", help="shared tier: at most every N steps")
+        s.add_argument("--durable-every-steps", type=int, metavar="N", help="durable tier: at most every N steps")
+        s.add_argument("--max-durable-hourly", type=int, metavar="N", help="cap on durable saves per rolling hour")
+    add_storage_args(p)
+
+
+def _interval(args: argparse.Namespace, name: str) -> float | None:
+    prefix = "checkpoint" if name == "local" else name
+    minutes = getattr(args, f"{prefix}_interval_min", None)
+    seconds = getattr(args, f"{prefix}_interval_s", None)
+    if minutes is not None and seconds is not None:
+        raise CliError(f"give --{prefix}-interval-min or --{prefix}-interval-s, not both")
+    value = minutes * 60 if minutes is not None else seconds
+    if value is not None and value <= 0:
+        raise CliError(f"--{prefix}-interval-* must be positive, got {value}")
+    return value
+
+
+def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[list[Any], dict[str, Any]]:
+    """Build the tier list (fastest first) and checkpointer options from ``--tiers`` or the path flags."""
+    from dcp_tiered.errors import ConfigError
+    from dcp_tiered.tiers.spec import Tier, load_tiers_yaml
+
+    paths = {n: getattr(args, f"{n}_path", None) for n in TIER_NAMES}
+    dtype = None if getattr(args, "checkpoint_dtype", "fp32") in (None, "fp32") else args.checkpoint_dtype
+    if getattr(args, "tiers", None):
+        if any(paths.values()):
+            raise CliError("give either --tiers YAML or --local-path/--shared-path/--durable-path, not both")
+        tiers, options = load_tiers_yaml(args.tiers)
+        out = []
+        for t in tiers:
+            opts = dict(t.storage_options) or storage_options_for(t.url, args)
+            changes: dict[str, Any] = {"storage_options": opts}
+            keep = getattr(args, f"keep_{t.name}", None)
+            if keep is not None:
+                changes["keep"] = keep
+            if getattr(args, "compression", None):
+                changes["codec"] = args.compression
+            if dtype:
+                changes["dtype"] = dtype
+            out.append(Tier(**{**_tier_fields(t), **changes}))
+        return out, options
+    tiers = []
+    for name in TIER_NAMES:
+        url = paths[name]
+        if not url:
+            continue
+        every = _interval(args, name) if hasattr(args, "shared_interval_min") else None
+        prefix = "checkpoint" if name == "local" else name
+        every_steps = getattr(args, f"{prefix}_every_steps", None)
+        max_per_hour = getattr(args, "max_durable_hourly", None) if name == "durable" else None
+        keep = getattr(args, f"keep_{name}", None)
+        try:
+            tiers.append(Tier(
+                name, url, every=every, every_steps=every_steps, max_per_hour=max_per_hour,
+                keep=keep if keep is not None else DEFAULT_KEEP[name],
+                codec=getattr(args, "compression", None) or DEFAULT_CODECS[name],
+                storage_options=storage_options_for(url, args), dtype=dtype,
+            ))
+        except ConfigError as exc:
+            raise CliError(str(exc)) from exc
+    if not tiers and required:
+        raise CliError("no tiers: give --tiers tiers.yaml or at least one of --local-path/--shared-path/--durable-path")
+    return tiers, {}
+
+
+def _tier_fields(t: Any) -> dict[str, Any]:
+    from dataclasses import fields
+
+    return {f.name: getattr(t, f.name) for f in fields(t)}
+
+
+def parse_dtype(name: str | None) -> Any:
+    import torch
+
+    return {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

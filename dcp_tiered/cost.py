@@ -1,0 +1,156 @@
+"""Storage cost model: stored bytes x price per GB-month x checkpoints kept, per tier.
+
+Pure functions over plain values (no I/O, no torch), so the numbers are tested exactly.
+
+Default prices, in USD per GB-month (GB = 2**30 bytes, as cloud bills count):
+
+=============== ======= ==========================================================
+kind            price   what it stands for
+=============== ======= ==========================================================
+``object``      0.023   object storage, standard class (S3, GCS, Azure Blob hot)
+``shared``      0.14    shared parallel/network filesystem (FSx for Lustre, Filestore)
+``local``       0.08    node-local block storage (provisioned SSD, e.g. gp3)
+=============== ======= ==========================================================
+
+A tier's kind comes from its URL (an object-store scheme is ``object``) and otherwise
+from its name (``shared``/``fsx``/``nfs``/``lustre`` in the name is ``shared``, anything
+else ``local``).  Every price is configurable per tier name or per kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GB = 1 << 30
+HOURS_PER_MONTH = 730.0
+
+DEFAULT_PRICES: dict[str, float] = {"object": 0.023, "shared": 0.14, "local": 0.08}
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2", "oss")
+_SHARED_WORDS = ("shared", "fsx", "nfs", "lustre", "gpfs", "filestore", "efs")
+
+
+def tier_kind(name: str, url: str = "") -> str:
+    """``"object"``, ``"shared"`` or ``"local"`` for a tier, from its URL scheme and name."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in OBJECT_SCHEMES:
+        return "object"
+    low = f"{name} {url}".lower()
+    if any(w in low for w in _SHARED_WORDS):
+        return "shared"
+    return "local"
+
+
+def price_for(name: str, url: str = "", prices: Mapping[str, float] | None = None) -> float:
+    """USD per GB-month for a tier: ``prices[name]``, else ``prices[kind]``, else the default for its kind."""
+    prices = dict(prices or {})
+    if name in prices:
+        return float(prices[name])
+    kind = tier_kind(name, url)
+    return float(prices.get(kind, DEFAULT_PRICES[kind]))
+
+
+def monthly_cost(stored_bytes: float, price_gb_month: float, kept: int = 1) -> float:
+    """USD per month to keep ``kept`` checkpoints of ``stored_bytes`` each at ``price_gb_month``."""
+    if stored_bytes < 0 or price_gb_month < 0 or kept < 0:
+        raise ValueError("stored_bytes, price and kept must not be negative")
+    return stored_bytes / GB * price_gb_month * kept
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """What one tier holds: per-checkpoint stored bytes, the fp32 uncompressed size, how many are kept."""
+
+    name: str
+    stored_bytes: int  # of one checkpoint, as stored (compressed, maybe downcast)
+    fp32_bytes: int  # the same state uncompressed with every float tensor in fp32
+    keep: int = 1
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class TierCost:
+    """Monthly cost of one tier, and the cost the same retention would have uncompressed in fp32."""
+
+    tier: str
+    kind: str
+    price_gb_month: float
+    keep: int
+    stored_bytes: int
+    fp32_bytes: int
+    monthly_usd: float
+    fp32_monthly_usd: float
+
+    @property
+    def saving_usd(self) -> float:
+        return self.fp32_monthly_usd - self.monthly_usd
+
+    @property
+    def saving_fraction(self) -> float:
+        return self.saving_usd / self.fp32_monthly_usd if self.fp32_monthly_usd else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["saving_usd"] = self.saving_usd
+        d["saving_fraction"] = round(self.saving_fraction, 4)
+        return d
+
+
+@dataclass(frozen=True)
+class CostReport:
+    tiers: tuple[TierCost, ...]
+
+    @property
+    def monthly_usd(self) -> float:
+        return sum(t.monthly_usd for t in self.tiers)
+
+    @property
+    def fp32_monthly_usd(self) -> float:
+        return sum(t.fp32_monthly_usd for t in self.tiers)
+
+    @property
+    def saving_usd(self) -> float:
+        return self.fp32_monthly_usd - self.monthly_usd
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tiers": [t.as_dict() for t in self.tiers],
+            "monthly_usd": self.monthly_usd,
+            "fp32_monthly_usd": self.fp32_monthly_usd,
+            "saving_usd": self.saving_usd,
+        }
+
+
+def tier_cost(usage: TierUsage, prices: Mapping[str, float] | None = None) -> TierCost:
+    price = price_for(usage.name, usage.url, prices)
+    return TierCost(
+        tier=usage.name,
+        kind=tier_kind(usage.name, usage.url),
+        price_gb_month=price,
+        keep=usage.keep,
+        stored_bytes=usage.stored_bytes,
+        fp32_bytes=usage.fp32_bytes,
+        monthly_usd=monthly_cost(usage.stored_bytes, price, usage.keep),
+        fp32_monthly_usd=monthly_cost(usage.fp32_bytes, price, usage.keep),
+    )
+
+
+def estimate(usages: Iterable[TierUsage], prices: Mapping[str, float] | None = None) -> CostReport:
+    """Cost of every tier (see :func:`tier_cost`)."""
+    return CostReport(tuple(tier_cost(u, prices) for u in usages))
+
+
+def parse_prices(items: Iterable[str]) -> dict[str, float]:
+    """``["durable=0.02", "object=0.021"]`` -> ``{"durable": 0.02, "object": 0.021}``."""
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            price = float(value)
+        except ValueError:
+            price = -1.0
+        if not sep or not key or price < 0:
+            raise ValueError(f"price {item!r}: expected TIER=USD_PER_GB_MONTH, e.g. durable=0.023")
+        out[key.strip()] = price
+    return out

@@ -1,0 +1,1 @@
+"""Developer tools (reliability harnesses); not part of the installed package."""
