@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from dcp_tiered.dcp.common import UrlCheckpointId, completed
 from dcp_tiered.codecs import FrameCodec, verify_frame
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
@@ -86,7 +87,7 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
     return out[::-1]
 
 
-class CompressedReader(StorageReader):
+class CompressedReader(UrlCheckpointId, StorageReader):
     """Read a checkpoint written by :class:`CompressedWriter`, ``FileSystemWriter`` or ``FsspecWriter``.
 
     Args:
@@ -194,21 +195,7 @@ class CompressedReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        fut: Future[None] = Future()
-        try:
-            self._read(plan, planner)
-            fut.set_result(None)
-        except BaseException as exc:
-            fut.set_exception(exc)
-        return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.storage.url
+        return completed(lambda: self._read(plan, planner))
 
     # -- reading --------------------------------------------------------------------
 

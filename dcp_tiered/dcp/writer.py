@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from dcp_tiered.dcp.common import UrlCheckpointId, completed
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
 from dcp_tiered.dcp.format import DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, dtype_name
 from dcp_tiered.dcp.metadata_io import encode_metadata
@@ -48,7 +49,7 @@ class _Prefix:
     prefix: str
 
 
-class CompressedWriter(StorageWriter):
+class CompressedWriter(UrlCheckpointId, StorageWriter):
     """Write a DCP checkpoint with per-frame compression to any fsspec URL or local path.
 
     Args:
@@ -143,12 +144,7 @@ class CompressedWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix if plan.storage_data is not None else "__0_"
         file_name = f"{prefix}0{DATA_SUFFIX}"
-        fut: Future[list[WriteResult]] = Future()
-        try:
-            fut.set_result(self._write_file(file_name, plan.items, planner))
-        except BaseException as exc:
-            fut.set_exception(exc)
-        return fut
+        return completed(lambda: self._write_file(file_name, plan.items, planner))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md = {}
@@ -176,14 +172,6 @@ class CompressedWriter(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.url, save_id=self.save_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.storage.url
 
     # -- encoding -------------------------------------------------------------------
 

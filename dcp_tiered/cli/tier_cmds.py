@@ -1,0 +1,262 @@
+"""``ls``, ``promote``, ``gc`` and ``cost``: commands over a set of tiers."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dcp_tiered.cli.common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CliError,
+    add_tier_args,
+    human_bytes,
+    print_json,
+    table,
+    tiers_from_args,
+)
+
+LS_EXAMPLES = """\
+examples:
+  dcp-tiered ls --tiers tiers.yaml
+  dcp-tiered ls --local-path /nvme/ckpt --durable-path s3://bucket/run --s3-endpoint-url http://127.0.0.1:9000
+  dcp-tiered ls --tiers tiers.yaml --json | jq '.[] | select(.committed | not)'"""
+
+PROMOTE_EXAMPLES = """\
+examples:
+  dcp-tiered promote --tiers tiers.yaml --dry-run     # list promotions a crash left unfinished
+  dcp-tiered promote --tiers tiers.yaml               # run them now"""
+
+GC_EXAMPLES = """\
+examples:
+  dcp-tiered gc --tiers tiers.yaml --dry-run          # what retention would delete
+  dcp-tiered gc --local-path /nvme/ckpt --keep-local 1"""
+
+COST_EXAMPLES = """\
+examples:
+  dcp-tiered cost --tiers tiers.yaml                          # from the newest checkpoint of each tier
+  dcp-tiered cost --tiers tiers.yaml --price durable=0.0125   # S3 Standard-IA
+  dcp-tiered cost --durable-path s3://b/run --keep-durable 48 --stored-gb 12 --fp32-gb 40   # what-if"""
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("ls", help="every checkpoint per tier: committed, step, size, optimizer, promotion state",
+                       description="List every checkpoint directory of every tier, committed or not, with its step, "
+                                   "size, codec, whether it holds optimizer state, and its promotion state.",
+                       epilog=LS_EXAMPLES)
+    add_tier_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("promote", help="run pending promotions now (--dry-run to list them)",
+                       description="Run the promotions recorded in the tiers (.promote-*.json intents left by a crash "
+                                   "or a process that exited early) and wait for them.",
+                       epilog=PROMOTE_EXAMPLES)
+    add_tier_args(p)
+    p.add_argument("--dry-run", action="store_true", help="list pending promotions, change nothing")
+    p.add_argument("--event-log", metavar="PATH", help="append promotion reports as JSON lines")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_promote)
+
+    p = sub.add_parser("gc", help="apply retention now (--dry-run to list what would go)",
+                       description="Apply each tier's retention (keep N committed checkpoints; never the newest, never "
+                                   "one with a pending promotion) and remove uncommitted leftovers older than the "
+                                   "newest committed checkpoint.",
+                       epilog=GC_EXAMPLES)
+    add_tier_args(p)
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("cost", help="monthly storage cost per tier and the saving vs uncompressed fp32",
+                       description="Estimate monthly storage cost per tier: stored bytes of a checkpoint x price per "
+                                   "GB-month x checkpoints kept. Default prices (USD/GB-month): object storage 0.023, "
+                                   "shared filesystem 0.14, node-local SSD 0.08.",
+                       epilog=COST_EXAMPLES)
+    add_tier_args(p)
+    p.add_argument("--price", action="append", default=[], metavar="TIER=USD",
+                   help="price per GB-month for a tier name or kind (object, shared, local); repeatable")
+    p.add_argument("--stored-gb", type=float, help="what-if: stored GB per checkpoint (instead of measuring)")
+    p.add_argument("--fp32-gb", type=float, help="what-if: GB of the same state uncompressed in fp32")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_cost)
+
+
+def _catalog(tiers: list) -> list:
+    from dcp_tiered.tiers.catalog import list_tiers
+
+    return list_tiers(tiers)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    tiers, _ = tiers_from_args(args)
+    infos = _catalog(tiers)
+    committed_on: dict[int, list[str]] = {}
+    for i in infos:
+        if i.committed:
+            committed_on.setdefault(i.step, []).append(i.tier)
+    rows = []
+    for i in infos:
+        optim = None if i.keys is None else i.has_prefix(("optim", "optimizer"))
+        if i.pending_promotions:
+            promo = "pending -> " + ",".join(i.pending_promotions)
+        else:
+            others = [t for t in committed_on.get(i.step, []) if t != i.tier]
+            promo = ("also on " + ",".join(others)) if others else ""
+        state = "committed" if i.committed and i.complete else "INCOMPLETE" if i.committed else "uncommitted"
+        rows.append({"tier": i.tier, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
+                     "complete": i.complete, "state": state, "size_bytes": i.size_bytes, "codec": i.codec,
+                     "optimizer": optim, "pending_promotions": list(i.pending_promotions), "promotion": promo,
+                     "problem": i.problem})
+    if args.json:
+        print_json(rows)
+        return EXIT_OK
+    if not rows:
+        print("no checkpoints in " + ", ".join(f"{t.name} ({t.url})" for t in tiers))
+        return EXIT_OK
+    body = [(r["tier"], r["step"], r["state"], human_bytes(r["size_bytes"]), r["codec"] or "-",
+             "-" if r["optimizer"] is None else "yes" if r["optimizer"] else "no", r["promotion"] or "-",
+             r["problem"] or "") for r in rows]
+    print(table(body, ["tier", "step", "state", "size", "codec", "optim", "promotion", "problem"], right=(1, 3)))
+    return EXIT_OK
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from dcp_tiered.tiers.promotion import Promoter
+    from dcp_tiered.tiers.report import EventLog
+
+    tiers, _ = tiers_from_args(args)
+    pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)}
+               for i in _catalog(tiers) if i.pending_promotions]
+    if args.dry_run:
+        if args.json:
+            print_json({"dry_run": True, "pending": pending})
+        elif pending:
+            print(table([(p["tier"], p["step"], ",".join(p["targets"])) for p in pending], ["source", "step", "to"], right=(1,)))
+            print(f"{len(pending)} pending promotion(s); run without --dry-run to do them")
+        else:
+            print("no pending promotions")
+        return EXIT_OK
+    events = EventLog(args.event_log)
+    promoter = Promoter(tiers, on_report=lambda r: events.emit({"event": "promotion", **r.as_dict()}))
+    failed = None
+    try:
+        n = promoter.resume()
+        try:
+            promoter.wait()
+        except Exception as exc:  # PromotionError: reported below, exit 1
+            failed = exc
+    finally:
+        promoter.close(wait=False)
+    reports = [r.as_dict() for r in promoter.reports]
+    if args.json:
+        print_json({"dry_run": False, "resumed": n, "reports": reports, "ok": failed is None,
+                    "error": str(failed) if failed else None})
+    else:
+        if reports:
+            print(table([(r["step"], r["source"], r["target"], r["kind"], human_bytes(r["bytes"]), f"{r['seconds']:.2f}",
+                          "ok" if r["ok"] else f"FAILED: {r['error']}") for r in reports],
+                        ["step", "from", "to", "what", "bytes", "seconds", "result"], right=(0, 4, 5)))
+        print(f"{n} pending promotion(s) run" + (f"; failures: {failed}" if failed else ""))
+    return EXIT_OK if failed is None else EXIT_PROBLEMS
+
+
+def _retention_plan(tiers: list) -> list[dict]:
+    from dcp_tiered.tiers.catalog import list_tier
+    from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
+
+    plan = []
+    for idx, tier in enumerate(tiers):
+        infos = list_tier(tier, idx, with_metadata=False)
+        facts = [CheckpointFacts(i.step, i.committed, busy=bool(i.pending_promotions)) for i in infos]
+        victims = set(retention_victims(facts, tier.keep))
+        for i in infos:
+            if i.step in victims:
+                plan.append({"tier": tier.name, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
+                             "size_bytes": i.size_bytes, "keep": tier.keep})
+    return plan
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from dcp_tiered.tiers.catalog import list_tiers
+    from dcp_tiered.tiers.promotion import Promoter
+
+    tiers, _ = tiers_from_args(args)
+    plan = _retention_plan(tiers)
+    if not args.dry_run:
+        before = {(i.tier, i.step) for i in list_tiers(tiers, with_metadata=False)}
+        promoter = Promoter(tiers)
+        try:
+            for t in tiers:
+                promoter.retention(t)
+            promoter.wait()
+        finally:
+            promoter.close(wait=False)
+        after = {(i.tier, i.step) for i in list_tiers(tiers, with_metadata=False)}
+        gone = before - after
+        plan = [p for p in plan if (p["tier"], p["step"]) in gone] + [
+            {"tier": t, "step": s, "name": None, "url": None, "committed": None, "size_bytes": None, "keep": None}
+            for t, s in sorted(gone - {(p["tier"], p["step"]) for p in plan})]
+    if args.json:
+        print_json({"dry_run": args.dry_run, "deleted" if not args.dry_run else "would_delete": plan})
+        return EXIT_OK
+    verb = "would delete" if args.dry_run else "deleted"
+    if plan:
+        print(table([(p["tier"], p["step"], "committed" if p["committed"] else "uncommitted" if p["committed"] is False else "-",
+                      human_bytes(p["size_bytes"])) for p in plan], ["tier", "step", "state", "size"], right=(1, 3)))
+    total = sum(p["size_bytes"] or 0 for p in plan)
+    print(f"{verb} {len(plan)} checkpoint(s), {human_bytes(total)}")
+    return EXIT_OK
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from dcp_tiered.cli import ckptio
+    from dcp_tiered.cost import TierUsage, estimate, parse_prices
+    from dcp_tiered.errors import DcpTieredError
+
+    tiers, _ = tiers_from_args(args)
+    try:
+        prices = parse_prices(args.price)
+    except ValueError as exc:
+        raise CliError(f"--price: {exc}") from exc
+    if (args.stored_gb is None) != (args.fp32_gb is None) and args.stored_gb is None:
+        raise CliError("--fp32-gb needs --stored-gb")
+    usages, measured = [], {}
+    infos = _catalog(tiers) if args.stored_gb is None else []
+    for t in tiers:
+        if args.stored_gb is not None:
+            stored = int(args.stored_gb * (1 << 30))
+            fp32 = int((args.fp32_gb if args.fp32_gb is not None else args.stored_gb) * (1 << 30))
+            source = "what-if"
+        else:
+            committed = [i for i in infos if i.tier == t.name and i.committed and i.complete]
+            if not committed:
+                stored = fp32 = 0
+                source = "no checkpoint"
+            else:
+                newest = committed[0]
+                stored = newest.size_bytes
+                try:
+                    reader = ckptio.open_reader(newest.url, t.storage_options, verify=False)
+                    fp32 = ckptio.fp32_bytes(reader.read_metadata())
+                except DcpTieredError:
+                    fp32 = stored
+                source = f"step {newest.step}"
+                measured[t.name] = {"checkpoints": len(committed), "current_bytes": sum(i.size_bytes for i in committed)}
+        usages.append(TierUsage(t.name, stored, fp32, t.keep, t.url))
+        measured.setdefault(t.name, {})["source"] = source
+    report = estimate(usages, prices)
+    if args.json:
+        out = report.as_dict()
+        for d in out["tiers"]:
+            d.update(measured.get(d["tier"], {}))
+        print_json(out)
+        return EXIT_OK
+    body = [(c.tier, c.kind, measured[c.tier]["source"], human_bytes(c.stored_bytes), human_bytes(c.fp32_bytes), c.keep,
+             f"{c.price_gb_month:.4f}", f"{c.monthly_usd:.4f}", f"{c.fp32_monthly_usd:.4f}", f"{c.saving_fraction * 100:.0f}%")
+            for c in report.tiers]
+    print(table(body, ["tier", "kind", "measured", "per ckpt", "fp32 raw", "keep", "$/GB-mo", "$/month", "fp32 $/mo", "saving"],
+                right=(3, 4, 5, 6, 7, 8, 9)))
+    print(f"total ${report.monthly_usd:.4f}/month; uncompressed fp32 would cost ${report.fp32_monthly_usd:.4f}/month "
+          f"(saving ${report.saving_usd:.4f}/month)")
+    return EXIT_OK
