@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ CODECS = ("none", "lz4", "zstd", "zstd:3")
 D_IN, HIDDEN, D_OUT, BATCH = 64, 384, 32, 16
 FRAME = 64 << 10
 FAST_RETRY = RetryPolicy(attempts=4, base=0.01, cap=0.05)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 # --------------------------------------------------------------------------- the training loop
@@ -629,4 +631,8 @@ def main(argv: "list[str] | None" = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's code, so that the fork server pickles the child's target
+    # and config by module name (tools.crash_harness), not as __main__.
+    from tools.crash_harness import main as _main
+
+    sys.exit(_main())

@@ -122,11 +122,12 @@ class TieredCheckpointer:
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world = dist.get_world_size(process_group) if self.distributed else 1
         self.node = node_of(self.rank)
-        self._pg = process_group
         # DCP's own collectives for async saves run on a background thread: give them a group
         # of their own so they never interleave with this object's main-thread collectives.
-        self._save_pg = dist.new_group(backend="gloo") if self.distributed else None
-        self._decide_pg = dist.new_group(backend="gloo") if self.distributed else None
+        ranks = dist.get_process_group_ranks(process_group) if self.distributed and process_group is not None else None
+        self._save_pg = dist.new_group(ranks=ranks, backend="gloo") if self.distributed else None
+        self._decide_pg = dist.new_group(ranks=ranks, backend="gloo") if self.distributed else None
+        self._src = ranks[0] if ranks else 0  # global rank of the coordinator
         self.events = EventLog(event_log)
         self.promoter = Promoter(self.tiers, rank=self.rank, node=self.node, is_coordinator=self.rank == 0,
                                  retry=retry, on_report=self._on_promotion)
@@ -172,7 +173,7 @@ class TieredCheckpointer:
         idx = due_tiers(schedules, [self.histories[t.name] for t in self.tiers], step, now)
         if self.distributed:
             mask = torch.tensor([sum(1 << i for i in idx)], dtype=torch.int64)
-            dist.broadcast(mask, src=dist.get_global_rank(self._decide_pg, 0) if self._pg else 0, group=self._decide_pg)
+            dist.broadcast(mask, src=self._src, group=self._decide_pg)
             idx = [i for i in range(len(self.tiers)) if int(mask.item()) >> i & 1]
         names = [self.tiers[i].name for i in idx]
         for n in names:
