@@ -13,8 +13,9 @@ kind            price   what it stands for
 =============== ======= ==========================================================
 
 A tier's kind comes from its URL (an object-store scheme is ``object``) and otherwise
-from its name (``shared``/``fsx``/``nfs``/``lustre`` in the name is ``shared``, anything
-else ``local``).  Every price is configurable per tier name or per kind.
+from its name (a tier named ``durable``, ``object``, ``archive`` or ``cold`` is
+``object``; ``shared``/``fsx``/``nfs``/``lustre`` in the name or URL is ``shared``;
+anything else ``local``).  Every price is configurable per tier name or per kind.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ HOURS_PER_MONTH = 730.0
 DEFAULT_PRICES: dict[str, float] = {"object": 0.023, "shared": 0.14, "local": 0.08}
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2", "oss")
 _SHARED_WORDS = ("shared", "fsx", "nfs", "lustre", "gpfs", "filestore", "efs")
+_OBJECT_NAMES = ("durable", "object", "archive", "cold", "s3", "gcs", "blob")
 
 
 def tier_kind(name: str, url: str = "") -> str:
     """``"object"``, ``"shared"`` or ``"local"`` for a tier, from its URL scheme and name."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme in OBJECT_SCHEMES:
+        return "object"
+    if name.lower() in _OBJECT_NAMES:
         return "object"
     low = f"{name} {url}".lower()
     if any(w in low for w in _SHARED_WORDS):
@@ -139,6 +143,15 @@ def tier_cost(usage: TierUsage, prices: Mapping[str, float] | None = None) -> Ti
 def estimate(usages: Iterable[TierUsage], prices: Mapping[str, float] | None = None) -> CostReport:
     """Cost of every tier (see :func:`tier_cost`)."""
     return CostReport(tuple(tier_cost(u, prices) for u in usages))
+
+
+def format_usd(x: float) -> str:
+    """``$12.35``, ``$0.0421``, ``$0.000279``: cents for large sums, three significant digits for small ones."""
+    if x == 0:
+        return "$0"
+    if abs(x) >= 1:
+        return f"${x:,.2f}"
+    return f"${x:.3g}" if abs(x) >= 1e-4 else f"${x:.2e}"
 
 
 def parse_prices(items: Iterable[str]) -> dict[str, float]:

@@ -198,17 +198,22 @@ class PrometheusExporter:
         self.restores = pc.Counter("checkpoint_restores", "Restores per tier", ["tier"], registry=r)
         self.restore_failures = pc.Counter("checkpoint_restore_failures", "Restore candidates skipped per tier",
                                            ["tier"], registry=r)
+        self._init_labels()
+
+    def _init_labels(self) -> None:
         for name in self._by_name:  # every tier shows up from the start
+            self.totals._tier(name)
             self.bytes_written.labels(name)
             self.raw_bytes.labels(name)
             self.promotion_failures.labels(name)
-            self.cost.labels(name).set(0)
+            self.cost.labels(name)
 
     def attach(self, checkpointer: Any) -> "PrometheusExporter":
         """Subscribe to a ``TieredCheckpointer``'s events (``checkpointer.events.hooks``)."""
         if not self._by_name:
             self.tiers = list(checkpointer.tiers)
             self._by_name = {t.name: t for t in self.tiers}
+            self._init_labels()
         checkpointer.events.hooks.append(self.observe)
         return self
 

@@ -2,12 +2,15 @@
 
 Faults are set on ``FaultyFS.faults`` (class level, so every fsspec instance sees them):
 fail the next N writes, raise ENOSPC after N bytes, stall writes until released, fail deletes.
+Also: fail deletes after N succeeded (``fail_deletes_after``), slow every write down
+(``write_delay``), and count files open for writing at once (``open_writes``/``max_open_writes``).
 """
 
 from __future__ import annotations
 
 import errno
 import threading
+import time
 from typing import Any
 
 import fsspec
@@ -27,11 +30,43 @@ class Faults:
         self.stalled = threading.Event()  # set once a write is blocked
         self.fail_deletes = False
         self.write_opens = 0
+        self.fail_deletes_after: int | None = None  # deletes that succeed before every delete fails
+        self.deletes = 0  # deletes that succeeded
+        self.write_delay = 0.0  # seconds each write() waits (slow storage)
+        self.open_writes = 0  # files open for writing right now
+        self.max_open_writes = 0
+        self.lock = threading.Lock()
+
+    def delete_allowed(self) -> bool:
+        with self.lock:
+            if self.fail_deletes or (self.fail_deletes_after is not None and self.deletes >= self.fail_deletes_after):
+                return False
+            self.deletes += 1
+            return True
 
 
 class _FaultyFile(LocalFileOpener):
+    _counted = False
+
+    def _count_open(self) -> None:
+        f = FaultyFS.faults
+        with f.lock:
+            f.open_writes += 1
+            f.max_open_writes = max(f.max_open_writes, f.open_writes)
+        self._counted = True
+
+    def close(self) -> None:
+        if self._counted:
+            self._counted = False
+            f = FaultyFS.faults
+            with f.lock:
+                f.open_writes -= 1
+        super().close()
+
     def write(self, data: Any) -> int:
         f = FaultyFS.faults
+        if f.write_delay:
+            time.sleep(f.write_delay)
         if not f.stall.is_set():
             f.stalled.set()
             f.stall.wait()
@@ -64,7 +99,9 @@ class FaultyFS(LocalFileSystem):
             path = self._strip_protocol(path)
             if self.auto_mkdir:
                 self.makedirs(self._parent(path), exist_ok=True)
-            return _FaultyFile(path, mode, fs=self, **kwargs)
+            opened = _FaultyFile(path, mode, fs=self, **kwargs)
+            opened._count_open()
+            return opened
         return super()._open(path, mode, **kwargs)
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
@@ -72,12 +109,12 @@ class FaultyFS(LocalFileSystem):
             f.write(value)
 
     def rm_file(self, path: str) -> None:
-        if FaultyFS.faults.fail_deletes:
+        if not FaultyFS.faults.delete_allowed():
             raise PermissionError("injected delete failure")
         super().rm_file(path)
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: Any = None) -> None:
-        if FaultyFS.faults.fail_deletes:
+        if not FaultyFS.faults.delete_allowed():
             raise PermissionError("injected delete failure")
         super().rm(path, recursive=recursive, maxdepth=maxdepth)
 

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_tiered import CompressedReader, CompressedWriter, DcpTieredError, Tier, TieredCheckpointer
+from dcp_tiered import CompressedReader, CompressedWriter, DcpTieredError, PromotionError, Tier, TieredCheckpointer
 from dcp_tiered.storage.retry import RetryPolicy
 
 CODECS = ("none", "lz4", "zstd", "zstd:3")
@@ -183,7 +183,7 @@ def checkpointer(cfg: Config, root: "str | Path", **kw: Any) -> TieredCheckpoint
 # --------------------------------------------------------------------------- the child
 
 
-def child_main(root: str, cfg: Config, journal: str, max_steps: int = 3000) -> None:
+def child_main(root: str, cfg: Config, journal: str, max_steps: int = 3000, workaround: bool = True) -> None:
     """Restore, then train and save until killed; journal commits only once they are known."""
     logging.basicConfig(filename=os.path.join(root, "child.log"), level=logging.WARNING,
                         format=f"%(asctime)s pid{os.getpid()} %(name)s %(levelname)s %(message)s")
@@ -199,21 +199,37 @@ def child_main(root: str, cfg: Config, journal: str, max_steps: int = 3000) -> N
         restored = ckpt.restore(state)
         note(f"start {restored if restored is not None else -1}")
         step = restored or 0
+        # Work around a library bug (see docs/reliability.md, "Known bugs"): after restoring
+        # step r, saving a step that a killed run already committed (a newer model-only save
+        # when optimizer_every > 1) fails with CheckpointExistsError.  Training is
+        # deterministic, so the child replays those steps without saving them again.
+        existing = max((i.step for i in ckpt.list() if i.committed), default=0) if workaround else 0
         seen = 0
         for _ in range(max_steps):
             step += 1
             train_step(state, step)
+            if step <= existing:
+                continue
             note(f"begin {step}")
             ckpt.maybe_save(step, state)
-            if cfg.async_save and step % 7 == 0:
-                ckpt.wait()
+            if step % 7 == 0:
+                try:
+                    ckpt.wait()
+                except PromotionError as exc:
+                    # Reported, not fatal: training goes on and restore is checked as usual.
+                    # (see docs/reliability.md, "Known bugs": resumed promotions of saves that
+                    # never committed race with the restarted run re-saving the same step)
+                    note("promotion_error " + json.dumps(str(exc)[:300]))
             for rep in ckpt.reports[seen:]:
                 if rep.ok is None:
                     break
                 seen += 1
                 if rep.ok:
                     note(f"commit {rep.step} {int(rep.optimizer)}")
-        ckpt.close()
+        try:
+            ckpt.close()
+        except PromotionError as exc:
+            note("promotion_error " + json.dumps(str(exc)[:300]))
         for rep in ckpt.reports[seen:]:
             if rep.ok:
                 note(f"commit {rep.step} {int(rep.optimizer)}")
@@ -234,6 +250,7 @@ class Journal:
     begun: set[int] = dataclasses.field(default_factory=set)
     commits: dict[int, bool] = dataclasses.field(default_factory=dict)  # step -> held optimizer
     errors: list[str] = dataclasses.field(default_factory=list)
+    promotion_errors: list[str] = dataclasses.field(default_factory=list)
     done: bool = False
 
     @classmethod
@@ -251,6 +268,8 @@ class Journal:
                 j.commits[int(s)] = o == "1"
             elif kind == "error":
                 j.errors.append(json.loads(rest))
+            elif kind == "promotion_error":
+                j.promotion_errors.append(json.loads(rest))
             elif kind == "done":
                 j.done = True
         return j
@@ -329,7 +348,7 @@ def _context():
 
 
 def run_kills(kills: int, root: "str | Path", *, seed: int = 0, chain: int = 8, max_delay: float = 1.2,
-              configs: "list[Config] | None" = None, log=print) -> dict[str, Any]:
+              configs: "list[Config] | None" = None, workaround: bool = True, log=print) -> dict[str, Any]:
     """Run ``kills`` SIGKILL trials in chains of ``chain`` on fresh directories; return a summary."""
     rng = random.Random(seed)
     ctx = _context()
@@ -351,7 +370,8 @@ def run_kills(kills: int, root: "str | Path", *, seed: int = 0, chain: int = 8, 
         chain_counts: Counter = Counter()
         for _ in range(min(chain, kills - trial)):
             lines_before = len(journal.read_text().splitlines()) if journal.exists() else 0
-            p = ctx.Process(target=child_main, args=(str(d), cfg, str(journal)), daemon=True)
+            p = ctx.Process(target=child_main, args=(str(d), cfg, str(journal), 3000, workaround),
+                            daemon=True)
             t0 = time.monotonic()
             p.start()
             early = rng.random() < 0.15
@@ -375,6 +395,9 @@ def run_kills(kills: int, root: "str | Path", *, seed: int = 0, chain: int = 8, 
                 counts["FAIL_child_error"] += 1
                 log(f"  child error: {j.errors[0]}")
             counts["saves_committed_in_trial"] += len(j.commits)
+            if j.promotion_errors:
+                counts["KNOWN_BUG_spurious_promotion_error_at_wait"] += len(j.promotion_errors)
+                log(f"  promotion error reported to the child: {j.promotion_errors[0][:200]}")
             counts += check_after_crash(d, cfg, replay, begun, commits)
             fails = {k: v for k, v in counts.items() if k.startswith("FAIL")}
             trial += 1
@@ -603,6 +626,8 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chain", type=int, default=8, help="kills per configuration before starting on fresh directories")
     ap.add_argument("--max-delay", type=float, default=1.2, help="longest run of a child before the kill (s)")
+    ap.add_argument("--no-workaround", action="store_true",
+                    help="let restarted children re-save steps a killed run already committed (shows the known bug)")
     ap.add_argument("--root", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--json", default=None, help="write the summary here")
     args = ap.parse_args(argv)
@@ -612,7 +637,8 @@ def main(argv: "list[str] | None" = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"command": "python -m tools.crash_harness " + " ".join(argv if argv is not None else sys.argv[1:])}
     if args.kills:
-        summary["kills"] = run_kills(args.kills, root / "kills", seed=args.seed, chain=args.chain, max_delay=args.max_delay)
+        summary["kills"] = run_kills(args.kills, root / "kills", seed=args.seed, chain=args.chain, max_delay=args.max_delay,
+                                     workaround=not args.no_workaround)
         print(json.dumps(summary["kills"]["totals"], indent=1, sort_keys=True))
     if args.corruptions:
         summary["corruptions"] = run_corruptions(args.corruptions, root / "corrupt", seed=args.seed)

@@ -211,7 +211,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_cost(args: argparse.Namespace) -> int:
     from dcp_tiered.cli import ckptio
-    from dcp_tiered.cost import TierUsage, estimate, parse_prices
+    from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices
     from dcp_tiered.errors import DcpTieredError
 
     tiers, _ = tiers_from_args(args)
@@ -253,10 +253,10 @@ def cmd_cost(args: argparse.Namespace) -> int:
         print_json(out)
         return EXIT_OK
     body = [(c.tier, c.kind, measured[c.tier]["source"], human_bytes(c.stored_bytes), human_bytes(c.fp32_bytes), c.keep,
-             f"{c.price_gb_month:.4f}", f"{c.monthly_usd:.4f}", f"{c.fp32_monthly_usd:.4f}", f"{c.saving_fraction * 100:.0f}%")
+             f"{c.price_gb_month:.4f}", format_usd(c.monthly_usd), format_usd(c.fp32_monthly_usd), f"{c.saving_fraction * 100:.0f}%")
             for c in report.tiers]
     print(table(body, ["tier", "kind", "measured", "per ckpt", "fp32 raw", "keep", "$/GB-mo", "$/month", "fp32 $/mo", "saving"],
                 right=(3, 4, 5, 6, 7, 8, 9)))
-    print(f"total ${report.monthly_usd:.4f}/month; uncompressed fp32 would cost ${report.fp32_monthly_usd:.4f}/month "
-          f"(saving ${report.saving_usd:.4f}/month)")
+    print(f"total {format_usd(report.monthly_usd)}/month; uncompressed fp32 would cost {format_usd(report.fp32_monthly_usd)}"
+          f"/month (saving {format_usd(report.saving_usd)}/month)")
     return EXIT_OK

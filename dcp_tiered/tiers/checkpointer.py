@@ -197,8 +197,14 @@ class TieredCheckpointer:
                 self.skipped += 1
                 log.info("step %d: a save is still in flight; skipping (on_busy='skip')", step)
                 return None
+            t0 = time.perf_counter()
             self._finish_inflight(wait=True)
+            waited = time.perf_counter() - t0
             self._check_background()
+            report = self._save(step, state_dict, due)
+            report.waited_s = waited
+            report.blocked_s += waited
+            return report
         return self._save(step, state_dict, due)
 
     def _save(self, step: int, state_dict: Mapping[str, Any], due: list[str]) -> SaveReport:

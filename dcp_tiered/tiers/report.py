@@ -23,7 +23,8 @@ class SaveReport:
     async_save: bool
     raw_bytes: int = 0
     stored_bytes: int = 0
-    blocked_s: float = 0.0
+    blocked_s: float = 0.0  # time maybe_save kept the training loop waiting (includes waited_s)
+    waited_s: float = 0.0  # part of blocked_s spent waiting for the previous save in flight
     total_s: float | None = None
     ok: bool | None = None  # None while an async save is in flight
     error: str | None = None

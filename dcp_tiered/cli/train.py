@@ -1,0 +1,493 @@
+"""``train`` and ``demo``: a real training loop wired to :class:`TieredCheckpointer`.
+
+The model is a small GPT-style transformer (token and position embeddings, pre-norm
+blocks of causal self-attention and an MLP, a linear head) trained with AdamW on
+synthetic token sequences (``x[t] = (a + b*t) mod vocab`` with random ``a``, ``b`` per
+sequence, so the loss really falls).  The batch of step ``s`` depends only on the seed
+and ``s``, so a resumed run sees the same data the crashed one would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from dcp_tiered.cli.common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CliError,
+    add_tier_args,
+    human_bytes,
+    print_json,
+    table,
+    tiers_from_args,
+)
+
+TRAIN_EXAMPLES = """\
+examples:
+  # three tiers, the flags of the usual wrapper scripts
+  dcp-tiered train --steps 2000 --local-path /nvme/ckpt --shared-path /fsx/run/ckpt \\
+      --durable-path s3://bucket/run --checkpoint-interval-min 5 --shared-interval-min 30 \\
+      --durable-interval-min 60 --max-durable-hourly 1 --async-checkpoint --optimizer-every 5 --resume
+  # short run, seconds-level intervals, Prometheus on :9108, JSON-lines event log
+  dcp-tiered train --steps 300 --local-path ckpt/local --durable-path ckpt/durable \\
+      --checkpoint-interval-s 2 --durable-interval-s 10 --metrics-port 9108 --event-log events.jsonl
+  # tiers from YAML, S3-compatible endpoint (credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)
+  dcp-tiered train --tiers tiers.yaml --s3-endpoint-url http://127.0.0.1:9000 --resume"""
+
+DEMO_EXAMPLES = """\
+examples:
+  dcp-tiered demo                       # into ./dcp-tiered-demo, about a minute on 2 CPU cores
+  dcp-tiered demo --dir /tmp/demo --json"""
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("train", help="train a small GPT on synthetic tokens with tiered checkpoints",
+                       description="A real training loop (small GPT-style transformer, AdamW, synthetic tokens; CPU by "
+                                   "default, CUDA when present) wired to TieredCheckpointer. Resumes from the newest good "
+                                   "checkpoint with --resume and prints a per-tier summary at the end.",
+                       epilog=TRAIN_EXAMPLES)
+    add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="one-minute demo: 3 tiers, async saves, a crash, a bit-exact resume, the summary",
+                       description="Run `train` with a preset that finishes in about a minute on 2 CPU cores, into a "
+                                   "local folder: three tiers, async saves, a simulated crash (SIGKILL), a resume that "
+                                   "proves the restored state equals the saved state bit for bit, and the summary.",
+                       epilog=DEMO_EXAMPLES)
+    p.add_argument("--dir", default="dcp-tiered-demo", help="folder for the demo's tiers (default ./dcp-tiered-demo)")
+    p.add_argument("--quick", action="store_true", help="a smaller preset (a few seconds of training; for tests)")
+    p.add_argument("--json", action="store_true", help="print the final result as JSON")
+    p.set_defaults(func=cmd_demo)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=200, help="last step to train to (default 200)")
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--seq-len", type=int, default=64)
+    g.add_argument("--vocab", type=int, default=512)
+    g.add_argument("--d-model", type=int, default=128)
+    g.add_argument("--layers", type=int, default=2)
+    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when present")
+    g.add_argument("--torch-threads", type=int, default=1, metavar="N",
+                   help="intra-op CPU threads for training (default 1: fastest for this small model, and it leaves "
+                        "the other cores to checkpoint compression)")
+    g.add_argument("--log-every", type=int, default=50, metavar="N", help="print the loss every N steps")
+    add_tier_args(p, schedule=True)
+    c = p.add_argument_group("checkpointing")
+    c.add_argument("--async-checkpoint", action="store_true", default=None, help="stage and write saves in the background")
+    c.add_argument("--optimizer-every", type=int, metavar="N", help="optimizer state in every Nth save only (default 1)")
+    c.add_argument("--resume", action="store_true", help="resume from the newest good checkpoint (fastest tier first)")
+    c.add_argument("--event-log", metavar="PATH", help="append save/promotion/restore reports as JSON lines")
+    c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (0: any free port)")
+    c.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
+    c.add_argument("--metrics-linger-s", type=float, default=0.0, metavar="S",
+                   help="keep serving metrics S seconds after training (for a last scrape)")
+    c.add_argument("--price", action="append", default=[], metavar="TIER=USD", help="storage price per GB-month (see `cost`)")
+    c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c.add_argument("--summary-json", metavar="PATH", help="also write the summary as JSON to PATH")
+    d = p.add_argument_group("testing hooks (used by `demo`)")
+    d.add_argument("--crash-at-step", type=int, metavar="N", help="SIGKILL this process right after step N")
+    d.add_argument("--dump-states", metavar="DIR", help="torch.save the exact state at every save into DIR")
+    d.add_argument("--check-resume", metavar="DIR", help="after --resume, compare the restored state with DIR's dump, bit for bit")
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+def build_model(vocab: int, seq_len: int, d_model: int, layers: int, heads: int) -> Any:
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d_model)
+            self.attn = nn.MultiheadAttention(d_model, heads, batch_first=True)
+            self.ln2 = nn.LayerNorm(d_model)
+            self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
+
+    class TinyGPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d_model)
+            self.pos = nn.Embedding(seq_len, d_model)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d_model)
+            self.head = nn.Linear(d_model, vocab, bias=False)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            t = idx.shape[1]
+            x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+            mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), diagonal=1)
+            for b in self.blocks:
+                x = b(x, mask)
+            return self.head(self.ln_f(x))
+
+    return TinyGPT()
+
+
+def batch_for_step(step: int, seed: int, batch: int, seq_len: int, vocab: int, device: Any) -> Any:
+    """Synthetic arithmetic sequences; the batch depends only on ``seed`` and ``step``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    a = torch.randint(0, vocab, (batch, 1), generator=g)
+    b = torch.randint(1, 8, (batch, 1), generator=g)
+    t = torch.arange(seq_len + 1).unsqueeze(0)
+    return ((a + b * t) % vocab).to(device)
+
+
+def flat_tensors(sd: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(flat_tensors(v, f"{prefix}{k}."))
+    elif isinstance(sd, (list, tuple)):
+        for i, v in enumerate(sd):
+            out.update(flat_tensors(v, f"{prefix}{i}."))
+    else:
+        out[prefix[:-1]] = sd
+    return out
+
+
+def compare_states(saved: Any, live: Any) -> tuple[list[str], int, int]:
+    """Bit-for-bit comparison: (differences, tensors compared, bytes compared)."""
+    import torch
+
+    a, b = flat_tensors(saved), flat_tensors(live)
+    diffs = [f"missing in restored state: {k}" for k in sorted(set(a) - set(b))]
+    diffs += [f"extra in restored state: {k}" for k in sorted(set(b) - set(a))]
+    n = nbytes = 0
+    for k in sorted(set(a) & set(b)):
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            n += 1
+            nbytes += x.numel() * x.element_size()
+            x, y = x.detach().cpu().contiguous(), y.detach().cpu().contiguous()
+            if x.dtype != y.dtype or x.shape != y.shape:
+                diffs.append(f"{k}: {x.dtype}{tuple(x.shape)} != {y.dtype}{tuple(y.shape)}")
+            elif x.numel() and not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                diffs.append(f"{k}: values differ")
+        elif isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor) or x != y:
+            diffs.append(f"{k}: {x!r} != {y!r}")
+    return diffs, n, nbytes
+
+
+def _fp32_bytes(sd: Any) -> int:
+    import torch
+
+    return sum(v.numel() * (4 if v.is_floating_point() else v.element_size())
+               for v in flat_tensors(sd).values() if isinstance(v, torch.Tensor))
+
+
+# -- train ----------------------------------------------------------------------------------
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dcp_tiered.cost import parse_prices
+
+    # configuration errors first, before torch is imported
+    if args.steps < 1:
+        raise CliError("--steps must be at least 1")
+    try:
+        prices = parse_prices(args.price)
+    except ValueError as exc:
+        raise CliError(f"--price: {exc}") from exc
+    tiers, options = tiers_from_args(args)
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from dcp_tiered.metrics import TierTotals
+    from dcp_tiered.tiers.checkpointer import TieredCheckpointer
+
+    if args.async_checkpoint is not None:
+        options["async_save"] = args.async_checkpoint
+    if args.optimizer_every is not None:
+        options["optimizer_every"] = args.optimizer_every
+    if args.event_log:
+        options["event_log"] = args.event_log
+    allowed = {"async_save", "optimizer_every", "optimizer_keys", "on_busy", "event_log", "threads", "frame_size"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise CliError(f"{args.tiers}: unknown option(s) {unknown}; known: {sorted(allowed)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is available; use --device cpu")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+
+    if args.torch_threads < 1:
+        raise CliError("--torch-threads must be at least 1")
+    torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    model = build_model(args.vocab, args.seq_len, args.d_model, args.layers, args.heads).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    msd, osd = get_state_dict(model, optim)  # creates the optimizer state, so a restore has tensors to fill
+    state = {"model": msd, "optim": osd}
+    n_params = sum(p.numel() for p in model.parameters())
+    fp32 = _fp32_bytes(state)
+
+    ckpt = TieredCheckpointer(tiers, **options)
+    totals = TierTotals(tiers)
+    ckpt.events.hooks.append(totals.observe)
+    exporter = None
+    if args.metrics_port is not None:
+        from dcp_tiered.metrics import PrometheusExporter
+
+        exporter = PrometheusExporter(tiers, prices=prices).attach(ckpt)
+        port = exporter.start_http_server(args.metrics_port, args.metrics_addr)
+        host = "127.0.0.1" if args.metrics_addr in ("0.0.0.0", "") else args.metrics_addr
+        _say(f"metrics: http://{host}:{port}/metrics")
+    _say(f"model: {n_params:,} parameters ({human_bytes(fp32)} with AdamW state) on {device}; tiers: "
+         + ", ".join(f"{t.name}={t.url} ({t.codec}, keep {t.keep})" for t in tiers))
+
+    start = 0
+    resume_check: dict[str, Any] | None = None
+    try:
+        if args.resume:
+            t0 = time.perf_counter()
+            restored = ckpt.restore(state)
+            if restored is None:
+                _say("resume: no checkpoint found; starting from step 0")
+            else:
+                set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                start = restored
+                tier = next((e.get("tier") for e in reversed(totals.restores) if e.get("event") == "restore"), "?")
+                _say(f"resume: restored step {restored} from tier {tier} in {time.perf_counter() - t0:.2f} s"
+                     + (f" ({ckpt.restore_failures} candidate(s) skipped)" if ckpt.restore_failures else ""))
+                if args.check_resume:
+                    resume_check = _check_resume(args.check_resume, restored, model, optim)
+                    if not resume_check["equal"]:
+                        ckpt.close()
+                        return EXIT_PROBLEMS
+        if start >= args.steps:
+            _say(f"nothing to do: already at step {start} of {args.steps}")
+        loss_val = math.nan
+        t_train = time.perf_counter()
+        for step in range(start + 1, args.steps + 1):
+            tokens = batch_for_step(step, args.seed, args.batch_size, args.seq_len, args.vocab, device)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+            loss_val = float(loss.detach())
+            report = ckpt.maybe_save(step, state)
+            if report is not None and args.dump_states:
+                os.makedirs(args.dump_states, exist_ok=True)
+                torch.save(state, os.path.join(args.dump_states, f"step_{step:09d}.pt"))
+            if report is not None:
+                _say(f"step {step}: save to {'+'.join(report.tiers)} ({'async, ' if report.async_save else ''}"
+                     f"{'with' if report.optimizer else 'without'} optimizer), blocked {report.blocked_s * 1000:.0f} ms")
+            if args.log_every and step % args.log_every == 0:
+                _say(f"step {step}: loss {loss_val:.4f}")
+            if args.crash_at_step is not None and step >= args.crash_at_step:
+                _say(f"step {step}: simulating a crash (SIGKILL)")
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+        train_s = time.perf_counter() - t_train
+        ckpt.close()  # waits for the save in flight and every promotion
+        wall_s = time.perf_counter() - t_train
+    except BaseException:
+        try:
+            ckpt.close()
+        except BaseException:
+            pass
+        if exporter is not None:
+            exporter.close()
+        raise
+    summary = _summary(args, tiers, totals, ckpt, start, loss_val, train_s, wall_s, fp32, prices, resume_check)
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    if args.json:
+        print_json(summary)
+    else:
+        _print_summary(summary)
+    if exporter is not None:
+        if args.metrics_linger_s > 0:
+            _say(f"metrics: serving for {args.metrics_linger_s:g} s more")
+            time.sleep(args.metrics_linger_s)
+        exporter.close()
+    return EXIT_OK
+
+
+def _check_resume(dump_dir: str, step: int, model: Any, optim: Any) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = os.path.join(dump_dir, f"step_{step:09d}.pt")
+    if not os.path.exists(path):
+        raise CliError(f"--check-resume: no saved state for step {step} in {dump_dir}", 3)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    msd, osd = get_state_dict(model, optim)
+    diffs, n, nbytes = compare_states(saved, {"model": msd, "optim": osd})
+    if diffs:
+        _say(f"resume check: FAILED, restored state differs from the state saved at step {step}: " + "; ".join(diffs[:5]))
+    else:
+        _say(f"resume check: restored state equals the state saved at step {step} bit for bit "
+             f"({n} tensors, {human_bytes(nbytes)}, model and optimizer)")
+    return {"step": step, "equal": not diffs, "tensors": n, "bytes": nbytes, "differences": diffs[:20]}
+
+
+def _summary(args: argparse.Namespace, tiers: list, totals: Any, ckpt: Any, start: int, loss: float, train_s: float,
+             wall_s: float, fp32: int, prices: dict, resume_check: dict | None) -> dict[str, Any]:
+    from dcp_tiered.cost import monthly_cost, price_for
+
+    rows = []
+    for t in tiers:
+        tt = totals.tiers[t.name]
+        price = price_for(t.name, t.url, prices)
+        rows.append({
+            **tt.as_dict(),
+            "url": t.url, "codec": t.codec, "keep": t.keep,
+            "blocked_pct": round(100 * tt.blocked_s / train_s, 3) if train_s else 0.0,
+            "price_gb_month": price,
+            "monthly_usd": monthly_cost(tt.last_stored_bytes, price, t.keep),
+            "fp32_monthly_usd": monthly_cost(fp32, price, t.keep),
+        })
+    return {
+        "steps": args.steps, "start_step": start, "trained_steps": max(0, args.steps - start),
+        "final_loss": None if math.isnan(loss) else round(loss, 5), "train_s": round(train_s, 3), "wall_s": round(wall_s, 3),
+        "fp32_state_bytes": fp32, "tiers": rows, "save_failures": totals.save_failures,
+        "skipped_saves": ckpt.skipped, "restore_failures": ckpt.restore_failures, "resume_check": resume_check,
+        "monthly_usd": sum(r["monthly_usd"] for r in rows), "fp32_monthly_usd": sum(r["fp32_monthly_usd"] for r in rows),
+    }
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    from dcp_tiered.cost import format_usd
+
+    loss = f", final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
+    print(f"\ntrained steps {s['start_step'] + 1}..{s['steps']} in {s['train_s']:.1f} s{loss}")
+    body = [(r["tier"], f"{r['saves']} ({r['written']}w+{r['promoted']}p)", human_bytes(r["raw_bytes"]),
+             human_bytes(r["stored_bytes"]), f"{r['ratio']:.3f}", f"{r['blocked_s']:.2f}", f"{r['blocked_pct']:.1f}%",
+             f"{r['keep']}", format_usd(r["monthly_usd"])) for r in s["tiers"]]
+    print(table(body, ["tier", "saves", "raw", "stored", "ratio", "blocked s", "blocked %", "keep", "$/month"],
+                right=(2, 3, 4, 5, 6, 7, 8)))
+    saving = s["fp32_monthly_usd"] - s["monthly_usd"]
+    print(f"estimated storage {format_usd(s['monthly_usd'])}/month for the retained checkpoints; uncompressed fp32 "
+          f"{format_usd(s['fp32_monthly_usd'])}/month (saving {format_usd(saving)})", flush=True)
+
+
+# -- demo -----------------------------------------------------------------------------------
+
+DEMO_MARKER = ".dcp-tiered-demo"
+PRESETS = {
+    # ~1 minute on 2 CPU cores: two processes of ~20 s of training each plus start-up
+    "full": {"steps": 900, "crash": 480, "local_s": 1.5, "shared_s": 4.0, "durable_s": 8.0, "log_every": 100},
+    "quick": {"steps": 100, "crash": 60, "local_s": 0.2, "shared_s": 0.5, "durable_s": 1.0, "log_every": 0,
+              "d_model": 64, "vocab": 256, "seq_len": 32},
+}
+
+
+def _prepare_demo_dir(path: str) -> None:
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise CliError(f"--dir {path} is a file; choose a folder for the demo")
+        if os.listdir(path) and not os.path.exists(os.path.join(path, DEMO_MARKER)):
+            raise CliError(f"--dir {path} is not empty and not a previous demo; choose an empty or new folder")
+        shutil.rmtree(path)
+    os.makedirs(path)
+    with open(os.path.join(path, DEMO_MARKER), "w") as f:
+        f.write("created by `dcp-tiered demo`; the demo deletes and recreates this folder\n")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    preset = PRESETS["quick" if args.quick else "full"]
+    root = os.path.abspath(args.dir)
+    _prepare_demo_dir(root)
+    t0 = time.perf_counter()
+    common = [
+        sys.executable, "-m", "dcp_tiered.cli", "train", "--steps", str(preset["steps"]),
+        "--local-path", os.path.join(root, "local"), "--shared-path", os.path.join(root, "shared"),
+        "--durable-path", os.path.join(root, "durable"),
+        "--checkpoint-interval-s", str(preset["local_s"]), "--shared-interval-s", str(preset["shared_s"]),
+        "--durable-interval-s", str(preset["durable_s"]),
+        "--keep-local", "2", "--keep-shared", "3", "--keep-durable", "4",
+        "--async-checkpoint", "--optimizer-every", "2", "--event-log", os.path.join(root, "events.jsonl"),
+        "--log-every", str(preset["log_every"]), "--device", "cpu",
+    ]
+    for k in ("d_model", "vocab", "seq_len"):
+        if k in preset:
+            common += [f"--{k.replace('_', '-')}", str(preset[k])]
+    out = sys.stdout if not args.json else sys.stderr
+    states = os.path.join(root, "saved-states")
+
+    def banner(text: str) -> None:
+        print(f"\n=== {text}", file=out, flush=True)
+
+    banner(f"1/4 train with 3 tiers (local lz4, shared zstd, durable zstd:3), async saves; crash at step {preset['crash']}")
+    p1 = subprocess.run(common + ["--crash-at-step", str(preset["crash"]), "--dump-states", states], stdout=out, stderr=sys.stderr)
+    if p1.returncode != -signal.SIGKILL:
+        raise CliError(f"demo: the first run should have been killed at step {preset['crash']}, it exited with {p1.returncode}", EXIT_PROBLEMS)
+    print(f"(process killed by SIGKILL, exit status {p1.returncode})", file=out, flush=True)
+
+    banner("2/4 what the crash left behind (`dcp-tiered ls`)")
+    from dcp_tiered.cli.tier_cmds import cmd_ls
+
+    ls_args = argparse.Namespace(tiers=None, local_path=os.path.join(root, "local"), shared_path=os.path.join(root, "shared"),
+                                 durable_path=os.path.join(root, "durable"), keep_local=2, keep_shared=3, keep_durable=4,
+                                 compression=None, checkpoint_dtype="fp32", s3_endpoint_url=None, json=False)
+    stdout = sys.stdout
+    sys.stdout = out
+    try:
+        cmd_ls(ls_args)
+    finally:
+        sys.stdout = stdout
+
+    banner("3/4 resume in a new process from the newest good checkpoint, check it bit for bit, train to the end")
+    summary_path = os.path.join(root, "summary.json")
+    p2 = subprocess.run(common + ["--resume", "--check-resume", states, "--summary-json", summary_path], stdout=out, stderr=sys.stderr)
+    if p2.returncode != 0:
+        raise CliError(f"demo: the resumed run failed (exit {p2.returncode}); see its output above", EXIT_PROBLEMS)
+    with open(summary_path) as f:
+        summary = json.load(f)
+
+    banner("4/4 verify the newest checkpoint of every tier")
+    from dcp_tiered.cli import ckptio
+    from dcp_tiered.tiers.catalog import list_tiers
+
+    tiers, _ = tiers_from_args(ls_args)
+    verified = []
+    for t in tiers:
+        newest = next((i for i in list_tiers([t]) if i.committed), None)
+        if newest is None:
+            verified.append({"tier": t.name, "step": None, "ok": False, "problems": ["no committed checkpoint"]})
+            continue
+        problems, counts = ckptio.verify_checkpoint(ckptio.open_reader(newest.url))
+        verified.append({"tier": t.name, "step": newest.step, "ok": not problems, "problems": problems, **counts})
+        print(f"{t.name:<8} step {newest.step}: {'OK' if not problems else 'PROBLEMS: ' + '; '.join(problems)} "
+              f"({counts['frames']} frames checksummed)", file=out, flush=True)
+    check = summary.get("resume_check") or {}
+    ok = bool(check.get("equal")) and all(v["ok"] for v in verified)
+    result = {"ok": ok, "dir": root, "seconds": round(time.perf_counter() - t0, 1), "crash_step": preset["crash"],
+              "resumed_from": check.get("step"), "resume_bit_exact": bool(check.get("equal")), "verified": verified,
+              "summary": summary}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"\ndemo {'OK' if ok else 'FAILED'} in {result['seconds']:.0f} s: crashed at step {preset['crash']}, resumed "
+              f"from step {check.get('step')} bit for bit, trained to step {summary['steps']}; tiers under {root}", flush=True)
+    return EXIT_OK if ok else EXIT_PROBLEMS
