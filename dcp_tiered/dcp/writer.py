@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_tiered.dcp.common import UrlCheckpointId, completed
+from dcp_tiered.dcp.common import UrlCheckpointId, completed, lower_thread_priority
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
 from dcp_tiered.dcp.format import DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, dtype_name
 from dcp_tiered.dcp.metadata_io import encode_metadata
@@ -63,6 +63,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         sync_files: fsync data files on local filesystems before committing.
         check_sizes: before committing, check every data file's size from the coordinator
             (turn off only where other ranks' files are not visible to it, e.g. node-local disks).
+        nice: run the writing thread and the encoding threads at this lower CPU priority
+            (``TieredCheckpointer`` uses it for background saves, so training keeps the cores).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         overwrite: bool = False,
         sync_files: bool = True,
         check_sizes: bool = True,
+        nice: int | None = None,
     ) -> None:
         super().__init__()
         self.codec = str(parse_codec(codec))
@@ -91,6 +94,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         self.overwrite = overwrite
         self.sync_files = sync_files
         self.check_sizes = check_sizes
+        self.nice = nice
         self.storage = Storage(path, self.storage_options)
         self.storage.check_reachable()
         self.is_coordinator = False
@@ -214,8 +218,9 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 for s, e in bounds:
                     yield ("frame", pool.submit(fc.encode, arr[s:e]), keep)
 
+        lower_thread_priority(self.nice)  # the calling thread is a background one when nice is set
         with self.storage.open_write(file_name, durable=self.sync_files) as f, ThreadPoolExecutor(
-            threads, thread_name_prefix="dcp_tiered-encode"
+            threads, thread_name_prefix="dcp_tiered-encode", initializer=lower_thread_priority, initargs=(self.nice,)
         ) as pool:
             offset = 0
             pending: collections.deque = collections.deque()

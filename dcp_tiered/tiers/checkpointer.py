@@ -34,6 +34,8 @@ from dcp_tiered.tiers.writer import TieredWriter, node_of
 
 log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: CPU priority offset of background saves and promotions, so the training loop keeps the cores.
+BACKGROUND_NICE = 10
 
 
 def _is_leaf(value: Any) -> bool:
@@ -213,8 +215,9 @@ class TieredCheckpointer:
         sd = dict(state_dict) if with_optim else {k: v for k, v in state_dict.items() if k not in self.optimizer_keys}
         primary = next(t for t in self.tiers if t.name == due[0])
         planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
-        writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.threads, frame_size=self.frame_size)
         use_async = self.async_save and not self._sync_next
+        writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.threads, frame_size=self.frame_size,
+                              nice=BACKGROUND_NICE if use_async else None)
         self._sync_next = False
         report = SaveReport(step, list(due), with_optim, use_async, raw_bytes=_state_bytes(sd))
         name = step_name(step)

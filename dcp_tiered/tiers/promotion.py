@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from dcp_tiered.dcp.common import lower_thread_priority
 from dcp_tiered.dcp.format import DATA_SUFFIX, METADATA_FILE, is_native_record
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
 from dcp_tiered.errors import CheckpointNotFoundError, DcpTieredError, PromotionError
@@ -102,8 +103,10 @@ class Promoter:
         retry: RetryPolicy = RetryPolicy(),
         metadata_timeout: float = 3600.0,
         on_report: Callable[[PromotionReport], None] | None = None,
+        nice: int | None = 10,
     ) -> None:
         self.tiers = list(tiers)
+        self.nice = nice
         self.by_name = {t.name: t for t in self.tiers}
         self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
         self.retry = retry
@@ -220,6 +223,7 @@ class Promoter:
         self._queue.put((fn, args))
 
     def _loop(self) -> None:
+        lower_thread_priority(self.nice)
         while True:
             job = self._queue.get()
             if job is None:

@@ -51,7 +51,7 @@ class TieredWriter(StorageWriter):
         promoter: the background promoter to use (default: one owned by this writer;
             call :meth:`wait` / :meth:`close` to finish its work).
         clock: wall-clock function for schedules.
-        threads, frame_size: passed to each tier's ``CompressedWriter``.
+        threads, frame_size, nice: passed to each tier's ``CompressedWriter``.
 
     ``checkpoint_id`` (``dcp.save(..., checkpoint_id="step_100")``) names the checkpoint
     directory inside every tier.
@@ -67,6 +67,7 @@ class TieredWriter(StorageWriter):
         threads: int | None = None,
         frame_size: int | None = None,
         step: int | None = None,
+        nice: int | None = None,
     ) -> None:
         super().__init__()
         self.tiers = validate_tiers(tiers)
@@ -82,6 +83,7 @@ class TieredWriter(StorageWriter):
         self.clock = clock
         self.threads = threads
         self.frame_size = frame_size
+        self.nice = nice
         self.step = step
         self.name: str | None = None
         self.rank = 0
@@ -165,7 +167,7 @@ class TieredWriter(StorageWriter):
         self._plan_tiers = tp.tiers
         primary = self.by_name[tp.tiers[0]]
         kwargs: dict[str, Any] = {"storage_options": primary.storage_options, "threads": self.threads,
-                                  "check_sizes": not primary.node_local}
+                                  "check_sizes": not primary.node_local, "nice": self.nice}
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
         url = primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name
