@@ -30,6 +30,7 @@ examples:
 VERIFY_EXAMPLES = """\
 examples:
   dcp-tiered verify ckpt/durable/step_000001000 && echo good
+  dcp-tiered verify ckpt/local/step_* ckpt/shared/step_*
   dcp-tiered verify s3://bucket/run/step_000001000 --json"""
 
 CONVERT_EXAMPLES = """\
@@ -52,11 +53,12 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check every checksum and every referenced file",
-                       description="Verify a checkpoint: .metadata integrity, every data file it names (present, long "
-                                   "enough) and every frame checksum. Exits 1 on any problem.",
+                       description="Verify checkpoints: .metadata integrity, every data file it names (present, long "
+                                   "enough) and every frame checksum (stock DCP items: files present and long enough). "
+                                   "Exits 1 on any problem in any of the paths.",
                        epilog=VERIFY_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="checkpoint directory or URL")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint directories or URLs")
+    p.add_argument("--json", action="store_true", help="machine-readable output (a list when several paths are given)")
     add_storage_args(p)
     p.set_defaults(func=cmd_verify)
 
@@ -99,29 +101,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _verify_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 
     t0 = time.perf_counter()
     try:
-        reader = ckptio.open_reader(args.path, storage_options_for(args.path, args))
+        reader = ckptio.open_reader(path, storage_options_for(path, args))
     except (CorruptCheckpointError, UnsupportedFormatError) as exc:
         problems, counts = [f"{type(exc).__name__}: {exc}"], {}
     else:
         summary, _ = ckptio.describe(reader)
         with Progress(summary["stored_bytes"], "verify", unit="B") as bar:
             problems, counts = ckptio.verify_checkpoint(reader, bar.update)
-    result = {"path": args.path, "ok": not problems, "problems": problems, **counts, "seconds": round(time.perf_counter() - t0, 3)}
+    return {"path": path, "ok": not problems, "problems": problems, **counts, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    results = [_verify_one(p, args) for p in args.paths]
     if args.json:
-        print_json(result)
-    elif problems:
-        for p in problems:
-            print(f"PROBLEM  {p}")
-        print(f"{args.path}: {len(problems)} problem(s) found; restore from another tier or an older step")
-    else:
-        print(f"{args.path}: OK ({counts['items']} items, {counts['frames']} frames checksummed, "
-              f"{counts['files']} files, {human_bytes(counts['bytes'])} read)")
-    return EXIT_OK if not problems else EXIT_PROBLEMS
+        print_json(results[0] if len(results) == 1 else results)
+    for r in results if not args.json else ():
+        if r["problems"]:
+            for p in r["problems"]:
+                print(f"PROBLEM  {p}")
+            print(f"{r['path']}: {len(r['problems'])} problem(s) found; restore from another tier or an older step")
+        else:
+            print(f"{r['path']}: OK ({r['items']} items, {r['frames']} frames checksummed, "
+                  f"{r['files']} files, {human_bytes(r['bytes'])} read)")
+    return EXIT_OK if all(r["ok"] for r in results) else EXIT_PROBLEMS
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -7,7 +7,6 @@ the frame codec) so that each command stays short.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,14 +283,16 @@ def save_state(sd: dict[str, Any], dst: str, codec: str, dtype: Any = None, stor
 
     planner = _Counting(dtype) if dtype is not None else _Counting()
     if codec == "stock":
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(dst, **(storage_options or {}))
+        exists = fs.exists(root.rstrip("/") + "/.metadata")
         if "://" in dst and not dst.startswith("file://"):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             writer: Any = FsspecWriter(dst, **(storage_options or {}))
-            exists = writer.fs.exists(writer.fs._strip_protocol(dst).rstrip("/") + "/.metadata") if hasattr(writer, "fs") else False
         else:
             writer = dcp.FileSystemWriter(dst)
-            exists = os.path.exists(os.path.join(dst, ".metadata"))
         if exists and not overwrite:
             raise CliError(f"a committed checkpoint already exists at {dst}; pass --overwrite to replace it", 2)
         dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)

@@ -82,9 +82,21 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_cost)
 
 
+def _check_reachable(tiers: list) -> None:
+    """Fail now, with the storage error, when a tier's bucket or endpoint cannot be reached.
+
+    (``list_tiers`` logs unreachable tiers and goes on, which would print an empty listing.)
+    """
+    from dcp_tiered.tiers.catalog import tier_storage
+
+    for t in tiers:
+        tier_storage(t).check_reachable()
+
+
 def _catalog(tiers: list) -> list:
     from dcp_tiered.tiers.catalog import list_tiers
 
+    _check_reachable(tiers)
     return list_tiers(tiers)
 
 
@@ -100,6 +112,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         optim = None if i.keys is None else i.has_prefix(("optim", "optimizer"))
         if i.pending_promotions:
             promo = "pending -> " + ",".join(i.pending_promotions)
+        elif not i.committed and any(f.endswith(".records.json") for f in i.files):
+            promo = "incoming (promotion not committed yet)"
         else:
             others = [t for t in committed_on.get(i.step, []) if t != i.tier]
             promo = ("also on " + ",".join(others)) if others else ""
@@ -182,6 +196,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from dcp_tiered.tiers.promotion import Promoter
 
     tiers, _ = tiers_from_args(args)
+    _check_reachable(tiers)
     plan = _retention_plan(tiers)
     if not args.dry_run:
         before = {(i.tier, i.step) for i in list_tiers(tiers, with_metadata=False)}

@@ -220,6 +220,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from dcp_tiered.errors import PromotionError
     from dcp_tiered.metrics import TierTotals
     from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 
@@ -281,6 +282,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                     if not resume_check["equal"]:
                         ckpt.close()
                         return EXIT_PROBLEMS
+        if start == 0:
+            _refuse_existing(ckpt, args.resume)
         if start >= args.steps:
             _say(f"nothing to do: already at step {start} of {args.steps}")
         loss_val = math.nan
@@ -307,7 +310,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
         train_s = time.perf_counter() - t_train
-        ckpt.close()  # waits for the save in flight and every promotion
+        close_error = None
+        try:
+            ckpt.close()  # waits for the save in flight and every promotion
+        except PromotionError as exc:  # the summary still shows what did get saved
+            close_error = exc
         wall_s = time.perf_counter() - t_train
     except BaseException:
         try:
@@ -318,6 +325,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             exporter.close()
         raise
     summary = _summary(args, tiers, totals, ckpt, start, loss_val, train_s, wall_s, fp32, prices, resume_check)
+    summary["error"] = str(close_error) if close_error is not None else None
     if args.summary_json:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
@@ -330,7 +338,20 @@ def cmd_train(args: argparse.Namespace) -> int:
             _say(f"metrics: serving for {args.metrics_linger_s:g} s more")
             time.sleep(args.metrics_linger_s)
         exporter.close()
+    if close_error is not None:
+        raise close_error
     return EXIT_OK
+
+
+def _refuse_existing(ckpt: Any, resume: bool) -> None:
+    """Starting from step 0 over committed checkpoints would collide with them: say what to do."""
+    existing = [i for i in ckpt.list() if i.committed]
+    if existing:
+        newest = max(existing, key=lambda i: i.step)
+        why = ("--resume found no checkpoint holding model and optimizer state" if resume
+               else "pass --resume to continue from them")
+        raise CliError(f"tier {newest.tier} already holds committed checkpoints (newest: step {newest.step}); {why}, "
+                       "or point the tiers at new paths", 2)
 
 
 def _check_resume(dump_dir: str, step: int, model: Any, optim: Any) -> dict[str, Any]:
@@ -490,4 +511,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"\ndemo {'OK' if ok else 'FAILED'} in {result['seconds']:.0f} s: crashed at step {preset['crash']}, resumed "
               f"from step {check.get('step')} bit for bit, trained to step {summary['steps']}; tiers under {root}", flush=True)
+        tier_flags = f"--local-path {root}/local --shared-path {root}/shared --durable-path {root}/durable"
+        print(f"next: dcp-tiered ls {tier_flags}\n      dcp-tiered cost {tier_flags}\n"
+              f"      dcp-tiered inspect {root}/durable/step_{verified[-1]['step'] or 0:09d}", flush=True)
     return EXIT_OK if ok else EXIT_PROBLEMS

@@ -203,13 +203,10 @@ class TieredCheckpointer:
             self._finish_inflight(wait=True)
             waited = time.perf_counter() - t0
             self._check_background()
-            report = self._save(step, state_dict, due)
-            report.waited_s = waited
-            report.blocked_s += waited
-            return report
+            return self._save(step, state_dict, due, waited)
         return self._save(step, state_dict, due)
 
-    def _save(self, step: int, state_dict: Mapping[str, Any], due: list[str]) -> SaveReport:
+    def _save(self, step: int, state_dict: Mapping[str, Any], due: list[str], waited: float = 0.0) -> SaveReport:
         with_optim = includes_optimizer(self._saves, self.optimizer_every)
         self._saves += 1
         sd = dict(state_dict) if with_optim else {k: v for k, v in state_dict.items() if k not in self.optimizer_keys}
@@ -219,7 +216,7 @@ class TieredCheckpointer:
         writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.threads, frame_size=self.frame_size,
                               nice=BACKGROUND_NICE if use_async else None)
         self._sync_next = False
-        report = SaveReport(step, list(due), with_optim, use_async, raw_bytes=_state_bytes(sd))
+        report = SaveReport(step, list(due), with_optim, use_async, raw_bytes=_state_bytes(sd), waited_s=waited)
         name = step_name(step)
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": planner, "checkpoint_id": name}
         if self.distributed:
@@ -232,7 +229,7 @@ class TieredCheckpointer:
                 cuda = torch.cuda.is_available()
                 self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
             fut = dcp.async_save(sd, async_stager=self._stager, **kwargs)
-            report.blocked_s = time.perf_counter() - t0
+            report.blocked_s = waited + time.perf_counter() - t0
             self._inflight = (fut, report, t0, writer, planner)  # type: ignore[assignment]
             self.reports.append(report)
             return report
@@ -242,11 +239,13 @@ class TieredCheckpointer:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
-            report.total_s = report.blocked_s = time.perf_counter() - t0
+            report.total_s = time.perf_counter() - t0
+            report.blocked_s = waited + report.total_s
             self.reports.append(report)
             self.events.emit(report.as_dict())
             raise SaveError(f"checkpoint save of step {step} to tier {due[0]!r} failed: {exc}") from exc
-        report.total_s = report.blocked_s = time.perf_counter() - t0
+        report.total_s = time.perf_counter() - t0
+        report.blocked_s = waited + report.total_s
         self._complete(report, writer, planner)
         self.reports.append(report)
         return report

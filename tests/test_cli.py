@@ -1,0 +1,349 @@
+"""Every `dcp-tiered` command through its real entry point, in a subprocess.
+
+Checkpoints are prepared in-process with the library; the commands then run as users
+run them (the installed `dcp-tiered` script, else `python -m dcp_tiered.cli`).  Calls
+that do not depend on each other run concurrently to keep the suite short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_tiered import CompressedReader, CompressedWriter
+from dcp_tiered.tiers import Tier, TieredCheckpointer, TieredWriter
+from dcp_tiered.tiers.promotion import Promoter
+
+_SCRIPT = Path(sys.executable).with_name("dcp-tiered")
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "dcp_tiered.cli"]
+COMMANDS = ["train", "demo", "inspect", "verify", "ls", "convert", "promote", "gc", "cost", "bench"]
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    env.update(extra or {})
+    return env
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=_env(), timeout=timeout)
+
+
+def cli_parallel(*calls: list) -> list[subprocess.CompletedProcess]:
+    """Run independent commands concurrently; results in order."""
+    procs = [subprocess.Popen([*CLI, *map(str, c)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+             for c in calls]
+    out = []
+    for c, p in zip(calls, procs):
+        stdout, stderr = p.communicate(timeout=180)
+        out.append(subprocess.CompletedProcess([*CLI, *c], p.returncode, stdout, stderr))
+    return out
+
+
+def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert res.returncode == 0, f"{res.args}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res
+
+
+def one_line_error(res: subprocess.CompletedProcess, code: int) -> str:
+    assert res.returncode == code, f"{res.args}: exit {res.returncode}, expected {code}\n{res.stdout}\n{res.stderr}"
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], res.stderr
+    return lines[0]
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(128, 96, generator=g), "b": torch.randn(96, generator=g).to(torch.bfloat16),
+                  "ids": torch.arange(40, dtype=torch.int64)},
+        "optim": {"exp_avg": torch.randn(128, 96, generator=g) * 1e-3, "step": torch.tensor(7.0)},
+        "extra": {"epoch": 3, "name": "run-1"},
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_same(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+class _CrashedPromoter(Promoter):
+    """A promoter whose process died right after the save committed: intents recorded, nothing run."""
+
+    def submit(self, intent) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def retention(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("cli")
+    state = _state()
+    dcp.save(state, storage_writer=CompressedWriter(root / "native", codec="zstd"), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(root / "stock")), no_dist=True)
+    tiers = [Tier("local", str(root / "tiers" / "local"), codec="lz4", keep=3),
+             Tier("shared", str(root / "tiers" / "shared"), codec="zstd", keep=2)]
+    with TieredCheckpointer(tiers, optimizer_every=2) as ckpt:
+        for step in (1, 2, 3):
+            state["model"]["w"].add_(1.0)
+            ckpt.maybe_save(step, state, force=True)
+    # step 4: committed on local, its promotion to shared recorded but never run (a crash)
+    writer = TieredWriter(tiers, due=["local", "shared"], promoter=_CrashedPromoter(tiers))
+    dcp.save(state, storage_writer=writer, checkpoint_id="step_000000004", no_dist=True)
+    # an uncommitted leftover older than the newest committed checkpoint
+    leftover = root / "tiers" / "local" / "step_000000000"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"\0" * 100)
+    yaml_path = root / "tiers.yaml"
+    yaml_path.write_text(
+        "tiers:\n"
+        f"  - {{name: local, url: '{tiers[0].url}', codec: lz4, keep: 3}}\n"
+        f"  - {{name: shared, url: '{tiers[1].url}', codec: zstd, keep: 2}}\n"
+    )
+    return {"root": root, "state": _state(), "tiers_yaml": yaml_path, "tiers": tiers}
+
+
+def test_help_on_every_command_with_examples_and_exit_codes() -> None:
+    top = ok(cli("--help"))
+    for name in COMMANDS:
+        assert name in top.stdout
+    assert "exit codes:" in top.stdout
+    for res, name in zip(cli_parallel(*[[c, "--help"] for c in COMMANDS]), COMMANDS):
+        ok(res)
+        assert "examples:" in res.stdout and "exit codes:" in res.stdout, name
+        assert "dcp-tiered " + name in res.stdout
+    assert cli().returncode == 2  # no command: help and a usage exit code
+
+
+def test_inspect_and_verify(data: dict) -> None:
+    root = data["root"]
+    bad = root / "bitflip"
+    shutil.copytree(root / "native", bad)
+    data_file = bad / "__0_0.distcp"
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data_file.write_bytes(bytes(raw))
+    short = root / "short"
+    shutil.copytree(root / "native", short)
+    with open(short / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    ins_native, ins_stock, ver_all, ver_none = cli_parallel(
+        ["inspect", root / "native", "--json"], ["inspect", root / "stock"],
+        ["verify", root / "native", root / "stock", bad, short, "--json"], ["verify", root / "nothing-here"])
+
+    info = json.loads(ok(ins_native).stdout)
+    assert info["format"] == "dcp_tiered v1" and info["format_version"] == 1 and info["codecs"] == ["zstd:1"]
+    rows = {r["key"]: r for r in info["tensors"]}
+    assert rows["model.w"]["dtype"] == "float32" and rows["model.w"]["shape"] == [128, 96]
+    assert rows["model.w"]["raw_bytes"] == 128 * 96 * 4 and 0 < rows["model.w"]["stored_bytes"] < 128 * 96 * 4
+    assert rows["model.b"]["dtype"] == "bfloat16" and rows["model.ids"]["dtype"] == "int64"
+    assert rows["extra.epoch"]["kind"] == "object"
+    assert info["raw_bytes"] >= sum(r["raw_bytes"] or 0 for r in info["tensors"] if r["kind"] == "tensor")
+
+    text = ok(ins_stock).stdout
+    assert "stock DCP" in text and "model.w" in text and "128x96" in text and "float32" in text
+
+    assert ver_all.returncode == 1, ver_all.stderr
+    good, stock, flipped, truncated = json.loads(ver_all.stdout)
+    assert good["ok"] and good["frames"] >= good["items"] == 7 and not good["problems"]
+    assert stock["ok"] and stock["files"] >= 1
+    assert not flipped["ok"] and any("checksum mismatch" in p for p in flipped["problems"])
+    assert not truncated["ok"] and any("truncated" in p for p in truncated["problems"])
+    assert "not a committed checkpoint" in one_line_error(ver_none, 3)
+
+
+def test_convert_between_formats_and_back(data: dict) -> None:
+    root, original = data["root"], data["state"]
+    out = root / "converted"
+    to_lz4, to_pt_bf16 = cli_parallel(["convert", root / "stock", out / "lz4", "--codec", "lz4", "--json"],
+                                      ["convert", root / "native", out / "bf16.pt", "--dtype", "bf16"])
+    res = json.loads(ok(to_lz4).stdout)
+    assert res["format"] == "dcp_tiered" and res["codec"] == "lz4" and res["dst_bytes"] < res["src_bytes"]
+    ok(to_pt_bf16)
+    # compressed -> torch.save -> stock DCP, every value bit for bit
+    to_pt, = cli_parallel(["convert", out / "lz4", out / "model.pt"])
+    ok(to_pt)
+    _assert_same(original, torch.load(out / "model.pt", weights_only=True))
+    ok(cli("convert", out / "model.pt", out / "stock", "--codec", "stock"))
+    back: dict = {}
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(back, storage_reader=CompressedReader(out / "stock"), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _assert_same(original, back)
+    bf16 = torch.load(out / "bf16.pt", weights_only=True)
+    assert bf16["model"]["w"].dtype == torch.bfloat16 and bf16["model"]["ids"].dtype == torch.int64
+
+
+def test_ls_promote_gc_cost(data: dict) -> None:
+    y = data["tiers_yaml"]
+    flags = ["--local-path", data["tiers"][0].url, "--shared-path", data["tiers"][1].url, "--keep-local", "3", "--keep-shared", "2"]
+    promote_dry, gc_dry, ls_before = cli_parallel(["promote", "--tiers", y, "--dry-run", "--json"],
+                                                  ["gc", *flags, "--dry-run", "--json"], ["ls", "--tiers", y])
+    pending = json.loads(ok(promote_dry).stdout)["pending"]
+    assert pending == [{"tier": "local", "step": 4, "name": "step_000000004", "targets": ["shared"]}]
+    would = json.loads(ok(gc_dry).stdout)["would_delete"]
+    assert {(w["tier"], w["step"]) for w in would} == {("local", 0), ("local", 1)}  # leftover, and keep=3
+    text = ok(ls_before).stdout
+    assert "uncommitted" in text and "pending -> shared" in text
+
+    events = data["root"] / "promote-events.jsonl"
+    res = json.loads(ok(cli("promote", "--tiers", y, "--json", "--event-log", events)).stdout)
+    assert res["ok"] and res["resumed"] == 1
+    assert {(r["target"], r["kind"], r["ok"]) for r in res["reports"]} == {("shared", "data", True), ("shared", "metadata", True)}
+    assert all(json.loads(line)["event"] == "promotion" for line in events.read_text().splitlines())
+
+    ls_after, cost = cli_parallel(["ls", "--tiers", y, "--json"], ["cost", *flags, "--price", "shared=0.5", "--json"])
+    rows = {(r["tier"], r["step"]): r for r in json.loads(ok(ls_after).stdout)}
+    assert rows[("shared", 4)]["committed"] and rows[("shared", 4)]["complete"]
+    assert not rows[("local", 4)]["pending_promotions"] and "also on shared" in rows[("local", 4)]["promotion"]
+    assert rows[("local", 0)]["state"] == "uncommitted"
+    assert rows[("local", 1)]["optimizer"] is True and rows[("local", 2)]["optimizer"] is False
+    # shared keeps 2: retention after the promotion already dropped step 2
+    assert {s for t, s in rows if t == "shared"} == {3, 4}
+    c = json.loads(ok(cost).stdout)
+    tiers = {t["tier"]: t for t in c["tiers"]}
+    assert tiers["shared"]["price_gb_month"] == 0.5 and tiers["local"]["price_gb_month"] == 0.08
+    assert tiers["shared"]["stored_bytes"] == rows[("shared", 4)]["size_bytes"] and tiers["shared"]["keep"] == 2
+    assert tiers["shared"]["monthly_usd"] == pytest.approx(tiers["shared"]["stored_bytes"] / 2**30 * 0.5 * 2)
+    assert 0 < tiers["local"]["fp32_bytes"] and c["saving_usd"] == pytest.approx(c["fp32_monthly_usd"] - c["monthly_usd"])
+
+    gone = json.loads(ok(cli("gc", *flags, "--json")).stdout)["deleted"]
+    assert {(g["tier"], g["step"]) for g in gone} == {("local", 0), ("local", 1)}
+    assert sorted(p.name for p in Path(data["tiers"][0].url).iterdir()) == ["step_000000002", "step_000000003", "step_000000004"]
+
+
+def test_bench_table_json_and_chart(tmp_path: Path) -> None:
+    chart = tmp_path / "bench.png"
+    res = json.loads(ok(cli("bench", "--model", "tiny", "--codecs", "none,lz4,zstd:1", "--chart", chart, "--json")).stdout)
+    labels = [r["label"] for r in res["results"]]
+    assert labels == ["stock", "none", "lz4", "zstd:1"]
+    by = {r["label"]: r for r in res["results"]}
+    assert by["zstd:1"]["stored_bytes"] < by["none"]["stored_bytes"] and by["zstd:1"]["ratio"] < 1
+    assert all(r["save_mb_s"] and r["load_mb_s"] for r in res["results"])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res["chart"] is None and "matplotlib" in res["chart_note"]
+    else:
+        assert res["chart"] == str(chart) and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_train_with_s3_durable_tier_metrics_event_log_and_resume(tmp_path: Path, s3_bucket: tuple, moto_server) -> None:
+    bucket, options = s3_bucket
+    durable = f"{bucket}/run"
+    port = _free_port()
+    events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    args = ["train", "--steps", "30", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
+            "--local-path", tmp_path / "local", "--durable-path", durable, "--s3-endpoint-url", moto_server.endpoint_url,
+            "--checkpoint-every-steps", "5", "--durable-every-steps", "10", "--async-checkpoint", "--compression", "zstd",
+            "--metrics-port", port, "--metrics-addr", "127.0.0.1", "--metrics-linger-s", "60",
+            "--event-log", events, "--summary-json", summary]
+    proc = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("metrics: serving"):
+                break
+        assert lines and lines[-1].startswith("metrics: serving"), "".join(lines) + proc.stderr.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    out = "".join(lines)
+    assert f"metrics: http://127.0.0.1:{port}/metrics" in out
+    s = json.loads(summary.read_text())
+    tiers = {t["tier"]: t for t in s["tiers"]}
+    assert tiers["local"]["written"] == 6 and tiers["durable"]["promoted"] == 3  # steps 1..26 / 1, 11, 21
+    assert tiers["durable"]["stored_bytes"] > 0 and tiers["durable"]["raw_bytes"] > tiers["durable"]["stored_bytes"]
+    assert tiers["durable"]["monthly_usd"] > 0 and tiers["durable"]["price_gb_month"] == 0.023
+    assert 0 <= tiers["local"]["blocked_pct"] < 100 and s["save_failures"] == 0
+    assert 'checkpoint_saves_total{tier="durable"} 3.0' in metrics
+    assert 'checkpoint_bytes_written_total{tier="local"}' in metrics and "checkpoint_blocking_seconds_count 6.0" in metrics
+    ev = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["step"] for e in ev if e["event"] == "save"] == [1, 6, 11, 16, 21, 26]
+    assert {e["step"] for e in ev if e["event"] == "promotion" and e["kind"] == "metadata" and e["ok"]} == {1, 11, 21}
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(durable.removeprefix("s3://")))
+    assert names == ["step_000000001", "step_000000011", "step_000000021"]
+
+    # resume from the s3 tier alone, in a new process; listing and verifying it too
+    resumed, ls_s3 = cli_parallel(
+        ["train", "--steps", "24", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
+         "--durable-path", durable, "--s3-endpoint-url", moto_server.endpoint_url, "--durable-every-steps", "10",
+         "--compression", "zstd", "--resume", "--json"],
+        ["verify", f"{durable}/step_000000021", "--s3-endpoint-url", moto_server.endpoint_url])
+    ok(resumed)
+    assert "restored step 21 from tier durable" in resumed.stdout
+    s2 = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    assert s2["start_step"] == 21 and s2["trained_steps"] == 3
+    assert "OK" in ok(ls_s3).stdout
+
+
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    res = cli("demo", "--quick", "--dir", tmp_path / "demo", "--json", timeout=300)
+    ok(res)
+    out = json.loads(res.stdout)
+    assert out["ok"] and out["resume_bit_exact"]
+    assert 0 < out["resumed_from"] <= out["crash_step"]
+    assert {v["tier"] for v in out["verified"] if v["ok"]} == {"local", "shared", "durable"}
+    s = out["summary"]
+    assert s["start_step"] == out["resumed_from"] and s["resume_check"]["equal"]
+    assert {t["tier"] for t in s["tiers"]} == {"local", "shared", "durable"}
+    assert (tmp_path / "demo" / "events.jsonl").exists()
+    assert "simulating a crash" in res.stderr and "bit for bit" in res.stderr
+    # a non-demo, non-empty folder is refused
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    assert "not empty" in one_line_error(cli("demo", "--dir", other), 2)
+    assert (other / "keep.txt").exists()
+
+
+def test_usage_errors_are_one_line(data: dict) -> None:
+    root = data["root"]
+    no_tiers, bad_price, exists, bad_codec, collide = cli_parallel(
+        ["train", "--steps", "3"], ["cost", "--tiers", data["tiers_yaml"], "--price", "oops"],
+        ["convert", root / "native", root / "stock", "--codec", "stock"],
+        ["convert", root / "native", root / "x", "--codec", "brotli"],
+        ["train", "--steps", "3", "--tiers", data["tiers_yaml"], "--d-model", "16", "--vocab", "32", "--seq-len", "8"])
+    assert "pass --resume" in one_line_error(collide, 2)
+    assert "--local-path" in one_line_error(no_tiers, 2)
+    assert "TIER=USD" in one_line_error(bad_price, 2)
+    assert "--overwrite" in one_line_error(exists, 2)
+    assert "unknown codec" in one_line_error(bad_codec, 2)
