@@ -433,3 +433,14 @@ def test_prop_retention_is_idempotent(case):
     victims = set(retention_victims(found, keep, protect))
     rest = [f for f in found if f.step not in victims]
     assert retention_victims(rest, keep, protect) == []
+
+
+def test_via_fastest_routes_slow_tier_saves_through_the_fastest_tier() -> None:
+    schedules = [Schedule(every=300.0), Schedule(every=1800.0)]
+    # local saved 100 s ago (not due), shared saved 2000 s ago (due)
+    histories = [TierHistory(10, 900.0, (900.0,)), TierHistory(1, -1000.0, (-1000.0,))]
+    assert due_tiers(schedules, histories, 11, 1000.0) == [1]
+    assert due_tiers(schedules, histories, 11, 1000.0, via_fastest=True) == [0, 1]
+    # nothing due stays nothing due; a step the fastest tier already holds is not rewritten
+    assert due_tiers(schedules, [histories[0], TierHistory(10, 900.0, (900.0,))], 11, 1000.0, via_fastest=True) == []
+    assert due_tiers(schedules, histories, 10, 1000.0, via_fastest=True) == [1]

@@ -91,6 +91,9 @@ class TieredCheckpointer:
         process_group: group whose ranks save together (default: the default group).
         event_log: path of a JSON-lines file receiving every save/promotion/restore report.
         retry: backoff policy for promotions.
+        via_fastest: when only slower tiers are due, write to the fastest tier too and
+            promote from there (the default), so a slow tier never blocks the training loop
+            for longer than a fast-tier save.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class TieredCheckpointer:
         threads: int | None = None,
         frame_size: int | None = None,
         resume_promotions: bool = True,
+        via_fastest: bool = True,
     ) -> None:
         self.tiers = validate_tiers(tiers)
         if not isinstance(optimizer_every, int) or optimizer_every < 1:
@@ -115,6 +119,7 @@ class TieredCheckpointer:
         if on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         self.async_save = async_save
+        self.via_fastest = via_fastest
         self.optimizer_every = optimizer_every
         self.optimizer_keys = tuple(optimizer_keys)
         self.on_busy = on_busy
@@ -152,7 +157,8 @@ class TieredCheckpointer:
     def from_yaml(cls, path: "str | os.PathLike[str]", **overrides: Any) -> "TieredCheckpointer":
         """Build from a YAML file with ``tiers:`` and optional checkpointer options (``async_save``, ...)."""
         tiers, options = load_tiers_yaml(path)
-        allowed = {"async_save", "optimizer_every", "optimizer_keys", "on_busy", "event_log", "threads", "frame_size"}
+        allowed = {"async_save", "optimizer_every", "optimizer_keys", "on_busy", "event_log", "threads", "frame_size",
+                   "via_fastest"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise ConfigError(f"{path}: unknown option(s) {unknown}; known: {sorted(allowed)}")
@@ -172,7 +178,7 @@ class TieredCheckpointer:
     def _decide(self, step: int) -> list[str]:
         now = self.clock()
         schedules = [Schedule(t.every, t.every_steps, t.max_per_hour) for t in self.tiers]
-        idx = due_tiers(schedules, [self.histories[t.name] for t in self.tiers], step, now)
+        idx = due_tiers(schedules, [self.histories[t.name] for t in self.tiers], step, now, self.via_fastest)
         if self.distributed:
             mask = torch.tensor([sum(1 << i for i in idx)], dtype=torch.int64)
             dist.broadcast(mask, src=self._src, group=self._decide_pg)

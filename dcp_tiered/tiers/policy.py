@@ -51,9 +51,18 @@ def is_due(schedule: Schedule, history: TierHistory, step: int, now: float) -> b
     return True
 
 
-def due_tiers(schedules: Sequence[Schedule], histories: Sequence[TierHistory], step: int, now: float) -> list[int]:
-    """Indexes of the due tiers, in tier order (fastest first)."""
-    return [i for i, (s, h) in enumerate(zip(schedules, histories)) if is_due(s, h, step, now)]
+def due_tiers(
+    schedules: Sequence[Schedule], histories: Sequence[TierHistory], step: int, now: float, via_fastest: bool = False
+) -> list[int]:
+    """Indexes of the due tiers, in tier order (fastest first).
+
+    With ``via_fastest``, a save due on a slower tier also goes to the fastest tier, so the
+    state is written once to fast storage and the slower tiers get background copies.
+    """
+    due = [i for i, (s, h) in enumerate(zip(schedules, histories)) if is_due(s, h, step, now)]
+    if via_fastest and due and due[0] != 0 and (histories[0].last_step is None or step > histories[0].last_step):
+        due.insert(0, 0)
+    return due
 
 
 def record_save(history: TierHistory, step: int, now: float) -> TierHistory:
