@@ -55,13 +55,20 @@ class _FaultyFile(LocalFileOpener):
             f.max_open_writes = max(f.max_open_writes, f.open_writes)
         self._counted = True
 
-    def close(self) -> None:
+    def _count_close(self) -> None:
         if self._counted:
             self._counted = False
             f = FaultyFS.faults
             with f.lock:
                 f.open_writes -= 1
+
+    def close(self) -> None:
+        self._count_close()
         super().close()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._count_close()
+        super().__exit__(*exc)
 
     def write(self, data: Any) -> int:
         f = FaultyFS.faults

@@ -284,7 +284,7 @@ def test_retention_cleans_uncommitted_leftovers_but_not_newer_ones(tmp_path: Pat
     (tmp_path / "l" / "step_000000002" / "__0_0.distcp").write_bytes(b"half a save")
     (tmp_path / "l" / "step_000000099").mkdir(parents=True)  # a save in progress elsewhere
     model, opt = make_model()
-    ckpt = TieredCheckpointer(tiers)
+    ckpt = TieredCheckpointer(tiers, leftover_grace=0)
     for step in (1, 3, 4):
         ckpt.maybe_save(step, state(model, opt))
     ckpt.close()

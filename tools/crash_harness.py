@@ -167,7 +167,7 @@ class Config:
                 for i, c in enumerate(self.codecs)]
 
     def label(self) -> str:
-        return f"{'async' if self.async_save else 'sync'} {'/'.join(self.codecs)} opt_every={self.optimizer_every}"
+        return f"{'async' if self.async_save else 'sync'} {'/'.join(self.codecs)} opt_every={self.optimizer_every} keep={self.keep}"
 
 
 def random_config(rng: random.Random) -> Config:

@@ -157,6 +157,24 @@ class Storage:
             out[rel] = int(info.get("size") or 0)
         return out
 
+    def file_ages(self, now: float) -> dict[str, float]:
+        """Seconds since each file under the root was last modified (files whose time is unknown are left out)."""
+        with storage_errors(self.url, "list"):
+            self._refresh(self.root)
+            try:
+                found = self.fs.find(self.root, detail=True)
+            except FileNotFoundError:
+                return {}
+        out = {}
+        for p, info in found.items():
+            mtime = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+            if hasattr(mtime, "timestamp"):
+                mtime = mtime.timestamp()
+            if isinstance(mtime, (int, float)):
+                rel = posixpath.relpath(str(p).replace(os.sep, "/"), self.root.replace(os.sep, "/"))
+                out[rel] = now - float(mtime)
+        return out
+
     @contextlib.contextmanager
     def open_write(self, name: str, durable: bool = True) -> Iterator[BinaryIO]:
         """Open ``name`` for writing; on clean exit the bytes are flushed, fsynced (local) and closed."""
@@ -203,10 +221,19 @@ class Storage:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+            elif self.is_object_store:
+                self.fs.pipe_file(self.path(name), data)  # one PUT: atomic on object stores
+                self._refresh(self.path(name))
             else:
                 self._parent_dirs(name)
-                self.fs.pipe_file(self.path(name), data)
-                self._refresh(self.path(name))
+                tmp = f"{self.path(name)}.{uuid.uuid4().hex[:8]}.tmp"
+                try:
+                    self.fs.pipe_file(tmp, data)
+                    self.fs.mv(tmp, self.path(name))
+                finally:
+                    with contextlib.suppress(Exception):
+                        if self.fs.exists(tmp):
+                            self.fs.rm_file(tmp)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``name``; fewer bytes mean the file is short."""

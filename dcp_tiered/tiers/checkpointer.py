@@ -29,7 +29,7 @@ from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, includes_optimizer, record_save, restore_order
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
 from dcp_tiered.tiers.report import EventLog, SaveReport
-from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, validate_tiers
+from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, parse_duration, validate_tiers
 from dcp_tiered.tiers.writer import TieredWriter, node_of
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class TieredCheckpointer:
         process_group: group whose ranks save together (default: the default group).
         event_log: path of a JSON-lines file receiving every save/promotion/restore report.
         retry: backoff policy for promotions.
+        leftover_grace: retention removes an uncommitted leftover only once it is this old
+            (another process may still be writing it); ``0`` removes leftovers at once.
         via_fastest: when only slower tiers are due, write to the fastest tier too and
             promote from there (the default), so a slow tier never blocks the training loop
             for longer than a fast-tier save.
@@ -112,6 +114,7 @@ class TieredCheckpointer:
         frame_size: int | None = None,
         resume_promotions: bool = True,
         via_fastest: bool = True,
+        leftover_grace: "str | float" = "1h",
     ) -> None:
         self.tiers = validate_tiers(tiers)
         if not isinstance(optimizer_every, int) or optimizer_every < 1:
@@ -137,7 +140,9 @@ class TieredCheckpointer:
         self._src = ranks[0] if ranks else 0  # global rank of the coordinator
         self.events = EventLog(event_log)
         self.promoter = Promoter(self.tiers, rank=self.rank, node=self.node, is_coordinator=self.rank == 0,
-                                 retry=retry, on_report=self._on_promotion)
+                                 retry=retry, on_report=self._on_promotion,
+                                 optimizer_keys=self.optimizer_keys if optimizer_every > 1 else (),
+                                 leftover_grace=0.0 if leftover_grace in (0, "0") else parse_duration(leftover_grace, "leftover_grace"))
         self.histories = {t.name: TierHistory() for t in self.tiers}
         self.reports: list[SaveReport] = []
         self.restore_failures = 0
@@ -158,7 +163,7 @@ class TieredCheckpointer:
         """Build from a YAML file with ``tiers:`` and optional checkpointer options (``async_save``, ...)."""
         tiers, options = load_tiers_yaml(path)
         allowed = {"async_save", "optimizer_every", "optimizer_keys", "on_busy", "event_log", "threads", "frame_size",
-                   "via_fastest"}
+                   "via_fastest", "leftover_grace"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise ConfigError(f"{path}: unknown option(s) {unknown}; known: {sorted(allowed)}")
@@ -218,9 +223,12 @@ class TieredCheckpointer:
         sd = dict(state_dict) if with_optim else {k: v for k, v in state_dict.items() if k not in self.optimizer_keys}
         primary = next(t for t in self.tiers if t.name == due[0])
         planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
+        for name in due:
+            self.promoter.mark_own(name, step)
         use_async = self.async_save and not self._sync_next
+        # overwrite: after a restore from an older step, the steps after it are saved again
         writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.threads, frame_size=self.frame_size,
-                              nice=BACKGROUND_NICE if use_async else None)
+                              nice=BACKGROUND_NICE if use_async else None, overwrite=True)
         self._sync_next = False
         report = SaveReport(step, list(due), with_optim, use_async, raw_bytes=_state_bytes(sd), waited_s=waited)
         name = step_name(step)

@@ -83,15 +83,21 @@ class CheckpointFacts:
     step: int
     committed: bool
     busy: bool = False  # being written, or being read by a promotion
+    full: bool = True  # holds every key a resume needs (e.g. the optimizer state)
+    age: float | None = None  # seconds since its newest file was written, when known
 
 
-def retention_victims(found: Iterable[CheckpointFacts], keep: int, protect: Iterable[int] = ()) -> list[int]:
+def retention_victims(
+    found: Iterable[CheckpointFacts], keep: int, protect: Iterable[int] = (), leftover_grace: float = 0.0
+) -> list[int]:
     """Steps to delete so that ``keep`` committed checkpoints remain.
 
     Never deletes: the newest committed checkpoint, any of the ``keep`` newest committed
-    ones, a busy one, or a protected step (e.g. the newest that verified).  Uncommitted
-    leftovers are deleted only when they are older than the newest committed checkpoint
-    and not busy (so a save in progress is never touched).
+    ones, the newest committed one that is ``full`` (so a resume with optimizer state stays
+    possible when only every Nth save holds it), a busy one, or a protected step.
+    Uncommitted leftovers are deleted only when they are older than the newest committed
+    checkpoint, not busy, and untouched for ``leftover_grace`` seconds (another process may
+    be writing them; with a positive grace an unknown age counts as young).
     """
     keep = max(1, keep)
     facts = sorted(found, key=lambda f: f.step, reverse=True)
@@ -99,12 +105,19 @@ def retention_victims(found: Iterable[CheckpointFacts], keep: int, protect: Iter
     committed = [f for f in facts if f.committed]
     newest_committed = committed[0].step if committed else None
     kept = {f.step for f in committed[:keep]}
+    newest_full = next((f.step for f in committed if f.full), None)
+    if newest_full is not None:
+        kept.add(newest_full)
     victims = []
     for f in facts:
         if f.busy or f.step in protected or f.step in kept:
             continue
-        if f.committed or (newest_committed is not None and f.step < newest_committed):
+        if f.committed:
             victims.append(f.step)
+        elif newest_committed is not None and f.step < newest_committed:
+            old_enough = leftover_grace <= 0 or (f.age is not None and f.age >= leftover_grace)
+            if old_enough:
+                victims.append(f.step)
     return sorted(victims)
 
 

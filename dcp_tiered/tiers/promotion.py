@@ -77,9 +77,11 @@ class _Intent:
     records: list  # [[index json, record], ...]
     targets: list[str]  # tiers still to receive this rank's data file
     meta: list[str] = field(default_factory=list)  # tiers whose .metadata this rank (coordinator) commits
+    save_id: str | None = None  # the save this intent belongs to (all ranks share it)
+    resumed: bool = False  # picked up from storage after a restart (or from another process)
 
     def to_json(self) -> bytes:
-        return json.dumps(self.__dict__).encode()
+        return json.dumps({k: v for k, v in self.__dict__.items() if k != "resumed"}).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "_Intent":
@@ -104,9 +106,14 @@ class Promoter:
         metadata_timeout: float = 3600.0,
         on_report: Callable[[PromotionReport], None] | None = None,
         nice: int | None = 10,
+        optimizer_keys: Sequence[str] = (),
+        leftover_grace: float = 3600.0,
     ) -> None:
         self.tiers = list(tiers)
         self.nice = nice
+        self.optimizer_keys = tuple(optimizer_keys)
+        self.leftover_grace = leftover_grace
+        self._own: dict[str, set[int]] = {}  # steps this process wrote or deleted, per tier
         self.by_name = {t.name: t for t in self.tiers}
         self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
         self.retry = retry
@@ -128,10 +135,10 @@ class Promoter:
         return tier_storage(tier, self.rank, self.node)
 
     def record_intent(self, name: str, source: Tier, targets: Sequence[str], data_file: str | None,
-                      records: list[tuple[MetadataIndex, dict]], coordinator: bool) -> _Intent | None:
+                      records: list[tuple[MetadataIndex, dict]], coordinator: bool, save_id: str | None = None) -> _Intent | None:
         """Record durably, in the source checkpoint, what this rank must promote; queue it with :meth:`submit`."""
         intent = _Intent(name, source.name, data_file, [[index_to_json(i), r] for i, r in records],
-                         list(targets) if data_file else [], list(targets) if coordinator else [])
+                         list(targets) if data_file else [], list(targets) if coordinator else [], save_id)
         if not intent.targets and not intent.meta:
             return None
         self.storage(source).child(name).commit_bytes(intent_name(self.rank), intent.to_json())
@@ -140,6 +147,11 @@ class Promoter:
     def submit(self, intent: _Intent) -> None:
         """Queue a recorded intent (the coordinator does so only after the source committed)."""
         self._submit(self._run_intent, intent)
+
+    def mark_own(self, tier_name: str, step: int) -> None:
+        """Note that this process writes ``step`` to ``tier_name``: its leftovers need no grace period."""
+        with self._lock:
+            self._own.setdefault(tier_name, set()).add(step)
 
     def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
         """Queue retention for ``tier`` (runs after any promotion already queued)."""
@@ -169,6 +181,7 @@ class Promoter:
                 except (ValueError, TypeError) as exc:
                     log.warning("ignoring unreadable promotion intent in %s: %s", child.url, exc)
                     continue
+                intent.resumed = True
                 self._submit(self._run_intent, intent)
                 count += 1
         return count
@@ -243,10 +256,10 @@ class Promoter:
                         self._busy[key] -= 1
                     self._idle.notify_all()
 
-    def _record(self, report: PromotionReport) -> None:
+    def _record(self, report: PromotionReport, raise_later: bool = True) -> None:
         with self._lock:
             self.reports.append(report)
-            if not report.ok:
+            if not report.ok and raise_later:
                 self._failures.append(report)
         if self.on_report is not None:
             try:
@@ -258,10 +271,13 @@ class Promoter:
         src = self.storage(self.by_name[intent.source]).child(intent.name)
         if intent.targets or intent.meta:
             src.commit_bytes(intent_name(self.rank), intent.to_json())
-        else:
+            return
+        try:
             src.remove(intent_name(self.rank))
+        except DcpTieredError as exc:  # cleanup only: the promotion itself succeeded
+            log.warning("could not remove finished promotion intent in %s: %s", src.url, exc)
 
-    def _attempt(self, what: str, fn: Callable[[], int], report: PromotionReport) -> None:
+    def _attempt(self, what: str, fn: Callable[[], int], report: PromotionReport, raise_later: bool = True) -> None:
         attempts = 0
 
         def once() -> int:
@@ -275,7 +291,7 @@ class Promoter:
         except Exception as exc:
             report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
         report.seconds, report.attempts = time.monotonic() - t0, attempts
-        self._record(report)
+        self._record(report, raise_later)
 
     def _run_intent(self, intent: _Intent) -> None:
         source = self.by_name.get(intent.source)
@@ -293,7 +309,8 @@ class Promoter:
             dst = self.storage(target).child(intent.name)
             report = PromotionReport(step, source.name, target.name, "data")
             self._attempt(f"promote {intent.data_file} of {intent.name} to {target.name}",
-                          lambda: self._copy_data(src, dst, intent.data_file, records, target), report)
+                          lambda: self._copy_data(src, dst, intent.data_file, records, target, intent.save_id), report,
+                          raise_later=not intent.resumed)
             if report.ok:
                 intent.targets.remove(target_name)
                 self._save_intent(intent)
@@ -305,29 +322,54 @@ class Promoter:
                 intent.meta.remove(target_name)
                 continue
             dst = self.storage(target).child(intent.name)
-            if not src.exists(METADATA_FILE):
-                log.warning("%s was never committed: not promoting it to %s", src.url, target.name)
+            committed_id = self._source_save_id(src)
+            if committed_id is None or (intent.save_id is not None and committed_id != intent.save_id):
+                log.warning("%s: the save this promotion belongs to never committed; not promoting it to %s",
+                            src.url, target.name)
                 intent.meta.remove(target_name)
                 self._save_intent(intent)
                 continue
             report = PromotionReport(step, source.name, target.name, "metadata")
-            self._attempt(f"commit {intent.name} on {target.name}", lambda: self._commit_metadata(src, dst), report)
+            self._attempt(f"commit {intent.name} on {target.name}",
+                          lambda: self._commit_metadata(src, dst, intent.save_id), report,
+                          raise_later=not intent.resumed)  # resumed work is recovery: reported, not raised
             if report.ok:
                 intent.meta.remove(target_name)
                 self._save_intent(intent)
                 self._run_retention(target, (), ())
 
-    def _copy_data(self, src: Storage, dst: Storage, data_file: str, records: list, target: Tier) -> int:
+    @staticmethod
+    def _source_save_id(src: Storage) -> str | None:
+        """The save id of the committed source checkpoint ("" if it has none), None if uncommitted."""
+        try:
+            md = decode_metadata(src.read_bytes(METADATA_FILE), src.url_of(METADATA_FILE))
+        except MissingFileError:
+            return None
+        return getattr(md.storage_meta, "save_id", None) or ""
+
+    def _copy_data(self, src: Storage, dst: Storage, data_file: str, records: list, target: Tier,
+                   save_id: str | None = None) -> int:
+        if dst.exists(METADATA_FILE):
+            # an older checkpoint of the same step is being replaced: un-commit it before its
+            # data files change, so no .metadata ever describes files that are being rewritten
+            dst.remove(METADATA_FILE)
         if all(r["codec"] == target.codec for _, r in records):
             n = copy_file(src, dst, data_file)
             new_records = records
         else:
             n, new_records = reencode_file(src, dst, data_file, records, target.codec)
-        fragment = json.dumps([[index_to_json(i), r] for i, r in new_records]).encode()
+        fragment = json.dumps({"save_id": save_id, "records": [[index_to_json(i), r] for i, r in new_records]}).encode()
         dst.commit_bytes(fragment_name(data_file), fragment)
         return n
 
-    def _commit_metadata(self, src: Storage, dst: Storage) -> int:
+    def _fragment(self, dst: Storage, data_file: str) -> dict | None:
+        try:
+            doc = json.loads(dst.read_bytes(fragment_name(data_file)))
+        except (MissingFileError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and "records" in doc else None
+
+    def _commit_metadata(self, src: Storage, dst: Storage, save_id: str | None = None) -> int:
         raw = src.read_bytes(METADATA_FILE)
         md = decode_metadata(raw, src.url_of(METADATA_FILE))
         files = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
@@ -335,7 +377,9 @@ class Promoter:
         delay = 0.05
         while True:
             present = dst.file_sizes()
-            missing = [f for f in files if fragment_name(f) not in present]
+            fragments = {f: self._fragment(dst, f) for f in files if fragment_name(f) in present}
+            # a fragment left by an older attempt at the same step (another save id) does not count
+            missing = [f for f in files if fragments.get(f) is None or fragments[f].get("save_id") != save_id]
             if not missing:
                 break
             if time.monotonic() > deadline or self._stop.is_set():
@@ -345,7 +389,7 @@ class Promoter:
             delay = min(2.0, delay * 2)
         new_data = {}
         for f in files:
-            for i, r in json.loads(dst.read_bytes(fragment_name(f))):
+            for i, r in fragments[f]["records"]:
                 new_data[index_from_json(i)] = record_from_json(r)
         if set(new_data) != set(md.storage_data):
             raise PromotionError(f"{dst.url}: promoted records do not match the source checkpoint's items")
@@ -358,14 +402,19 @@ class Promoter:
             md.storage_meta.checkpoint_id = dst.url
         dst.commit_bytes(METADATA_FILE, encode_metadata(md))
         for f in files:
-            dst.remove(fragment_name(f))
+            try:
+                dst.remove(fragment_name(f))
+            except DcpTieredError as exc:  # cleanup only: the target is committed
+                log.warning("could not remove promotion fragment %s: %s", dst.url_of(fragment_name(f)), exc)
         return len(raw)
 
     def _run_retention(self, tier: Tier, protect: tuple[int, ...], busy: tuple[int, ...]) -> None:
         if not tier.node_local and not self.is_coordinator:
             return
         try:
-            infos = list_tier(tier, self.tiers.index(tier), self.rank, self.node, with_metadata=False)
+            infos = list_tier(tier, self.tiers.index(tier), self.rank, self.node, with_metadata=bool(self.optimizer_keys))
+            storage = self.storage(tier)
+            ages = storage.file_ages(time.time()) if self.leftover_grace > 0 else {}
         except DcpTieredError as exc:
             log.warning("retention: cannot list tier %s: %s", tier.name, exc)
             return
@@ -374,13 +423,19 @@ class Promoter:
         for info in infos:
             committed = info.committed or (not self.is_coordinator and any(f.endswith(DATA_SUFFIX) for f in info.files))
             pending = bool(info.pending_promotions) or any(f.endswith(FRAGMENT_SUFFIX) for f in info.files)
-            facts.append(CheckpointFacts(info.step, committed, busy=info.step in busy_now or pending and not committed))
             if info.pending_promotions:
                 busy_now.add(info.step)
-        facts = [CheckpointFacts(f.step, f.committed, f.busy or f.step in busy_now) for f in facts]
-        storage = self.storage(tier)
-        for step in retention_victims(facts, tier.keep, protect):
+            file_ages = [a for n, a in ages.items() if n.startswith(info.name + "/")]
+            with self._lock:
+                mine = info.step in self._own.get(tier.name, ())
+            # a leftover of this process's own saves or deletes needs no grace period
+            age = float("inf") if mine else (min(file_ages) if file_ages else None)
+            full = info.keys is None or not self.optimizer_keys or info.has_prefix(self.optimizer_keys)
+            facts.append(CheckpointFacts(info.step, committed, busy=info.step in busy_now or (pending and not committed),
+                                         full=full, age=age))
+        for step in retention_victims(facts, tier.keep, protect, self.leftover_grace):
             name = next(i.name for i in infos if i.step == step)
+            self.mark_own(tier.name, step)
             try:
                 child = storage.child(name)
                 if child.exists(METADATA_FILE):

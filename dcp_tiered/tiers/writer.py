@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ class TieredPlan:
 
     prefix: str
     tiers: tuple[str, ...]  # due tiers, the first one is written, the others promoted to
+    save_id: str = ""  # one id for the whole save, on every rank (ties promotions to it)
 
 
 class TieredWriter(StorageWriter):
@@ -51,7 +53,8 @@ class TieredWriter(StorageWriter):
         promoter: the background promoter to use (default: one owned by this writer;
             call :meth:`wait` / :meth:`close` to finish its work).
         clock: wall-clock function for schedules.
-        threads, frame_size, nice: passed to each tier's ``CompressedWriter``.
+        threads, frame_size, nice, overwrite: passed to each tier's ``CompressedWriter`` (``overwrite``
+            replaces a checkpoint of the same name, e.g. after a restore from an older step).
 
     ``checkpoint_id`` (``dcp.save(..., checkpoint_id="step_100")``) names the checkpoint
     directory inside every tier.
@@ -68,6 +71,7 @@ class TieredWriter(StorageWriter):
         frame_size: int | None = None,
         step: int | None = None,
         nice: int | None = None,
+        overwrite: bool = False,
     ) -> None:
         super().__init__()
         self.tiers = validate_tiers(tiers)
@@ -84,6 +88,7 @@ class TieredWriter(StorageWriter):
         self.threads = threads
         self.frame_size = frame_size
         self.nice = nice
+        self.overwrite = overwrite
         self.step = step
         self.name: str | None = None
         self.rank = 0
@@ -160,7 +165,8 @@ class TieredWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         tiers = self._decide()
-        return [dataclasses.replace(p, storage_data=TieredPlan(f"__{i}_", tiers)) for i, p in enumerate(plans)]
+        save_id = uuid.uuid4().hex
+        return [dataclasses.replace(p, storage_data=TieredPlan(f"__{i}_", tiers, save_id)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         tp: TieredPlan = plan.storage_data
@@ -171,7 +177,8 @@ class TieredWriter(StorageWriter):
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
         url = primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name
-        inner = CompressedWriter(url, primary.codec, **kwargs)
+        inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, **kwargs)
+        inner.save_id = tp.save_id or inner.save_id
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
         inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=_Prefix(tp.prefix)))
         self._inner = inner
@@ -182,7 +189,8 @@ class TieredWriter(StorageWriter):
             records = [(r.index, r.storage_data) for r in results]
             data_file = records[0][1]["file"] if records else None
             promoter = self._promoter()
-            self._intent = promoter.record_intent(self.name, primary, targets, data_file, records, self.is_coordinator)
+            self._intent = promoter.record_intent(self.name, primary, targets, data_file, records, self.is_coordinator,
+                                                  tp.save_id or None)
             if self._intent is not None and not self.is_coordinator:
                 promoter.submit(self._intent)  # data files are final; the coordinator commits targets later
         return fut

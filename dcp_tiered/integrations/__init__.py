@@ -1,0 +1,1 @@
+"""Thin adapters of :class:`~dcp_tiered.TieredCheckpointer` for training frameworks (optional extras)."""

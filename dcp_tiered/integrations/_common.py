@@ -1,0 +1,109 @@
+"""Pieces shared by the framework integrations: building the checkpointer late, and
+gathering/applying model and optimizer state through ``torch.distributed.checkpoint.state_dict``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dcp_tiered.errors import ConfigError
+
+CheckpointerSource = Any  # TieredCheckpointer | Sequence[Tier] | YAML path | zero-argument factory
+
+
+def build_checkpointer(source: CheckpointerSource, options: dict[str, Any]) -> Any:
+    """A TieredCheckpointer from an instance, a list of tiers, a YAML path or a factory.
+
+    Called late (once the framework set up its process group): TieredCheckpointer reads the
+    distributed state when constructed.
+    """
+    from dcp_tiered.tiers.checkpointer import TieredCheckpointer
+    from dcp_tiered.tiers.spec import Tier
+
+    if isinstance(source, TieredCheckpointer):
+        if options:
+            raise ConfigError(f"checkpointer options {sorted(options)} given with a ready TieredCheckpointer")
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return TieredCheckpointer.from_yaml(source, **options)
+    if isinstance(source, Sequence) and source and all(isinstance(t, Tier) for t in source):
+        return TieredCheckpointer(list(source), **options)
+    if callable(source):
+        ck = source()
+        if not isinstance(ck, TieredCheckpointer):
+            raise ConfigError(f"the checkpointer factory returned {type(ck).__name__}, not a TieredCheckpointer")
+        return ck
+    raise ConfigError(
+        "expected a TieredCheckpointer, a list of Tier, a YAML path or a factory, "
+        f"got {type(source).__name__}"
+    )
+
+
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    return get_model_state_dict(model)
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Parameter-name keyed optimizer state; initializes empty state (a zero-lr step)."""
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def apply_model_state(model: torch.nn.Module, sd: dict[str, Any]) -> None:
+    set_model_state_dict(model, sd)
+
+
+def apply_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    set_optimizer_state_dict(model, optimizer, sd)
+
+
+class OptimizerSnapshot:
+    """Undo the state initialization of :func:`optimizer_state` when nothing was restored."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        self.saved = [copy.deepcopy(o.state_dict()) if not o.state else None for o in self.optimizers]
+        self.grads = [[p.grad for g in o.param_groups for p in g["params"]] for o in self.optimizers]
+
+    def undo(self) -> None:
+        for o, saved, grads in zip(self.optimizers, self.saved, self.grads):
+            if saved is not None:
+                o.load_state_dict(saved)
+                o.state.clear()
+                params = [p for g in o.param_groups for p in g["params"]]
+                for p, g in zip(params, grads):
+                    p.grad = g
+
+
+def to_json(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} is not JSON-serializable ({exc}); it cannot be checkpointed by this integration") from exc
+
+
+def restore_kwargs(step: int | None, broadcast: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"step": step}
+    if broadcast is not False and broadcast is not None:
+        kwargs["broadcast"] = broadcast
+    return kwargs
+
+
+def call_restore(ck: Any, state: dict[str, Any], step: int | None, broadcast: Any) -> int | None:
+    import inspect
+
+    kwargs = restore_kwargs(step, broadcast)
+    if "broadcast" in kwargs and "broadcast" not in inspect.signature(ck.restore).parameters:
+        raise ConfigError("broadcast=True needs TieredCheckpointer.restore(..., broadcast=) (not in this version)")
+    return ck.restore(state, **kwargs)
+
