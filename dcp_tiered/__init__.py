@@ -36,6 +36,8 @@ _LAZY = {
     "TieredWriter": "dcp_tiered.tiers.writer",
     "SaveReport": "dcp_tiered.tiers.report",
     "CheckpointInfo": "dcp_tiered.tiers.catalog",
+    "load_and_broadcast": "dcp_tiered.dcp.broadcast",
+    "LeaderLoadError": "dcp_tiered.dcp.broadcast",
 }
 
 __all__ = [
@@ -48,6 +50,8 @@ __all__ = [
     "CorruptCheckpointError",
     "DowncastReport",
     "DowncastSavePlanner",
+    "LeaderLoadError",
+    "load_and_broadcast",
     "PromotionError",
     "SaveError",
     "SaveReport",

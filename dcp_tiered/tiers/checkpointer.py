@@ -332,13 +332,20 @@ class TieredCheckpointer:
         """Every checkpoint of every tier as this rank sees it (committed or not)."""
         return list_tiers(self.tiers, self.rank, self.node)
 
-    def restore(self, state_dict: dict[str, Any], *, step: int | None = None) -> int | None:
+    def restore(self, state_dict: dict[str, Any], *, step: int | None = None, broadcast: Any = False,
+                bucket_bytes: int = 64 << 20) -> int | None:
         """Load the newest good checkpoint holding every key of ``state_dict`` into it.
 
         Candidates are ordered newest step first, fastest tier first; a candidate whose
         files are not all visible (node-local tiers), that lacks a key, or that fails to load
         or verify is skipped with a warning and counted in ``restore_failures``.  Returns
         the step restored, or None when there is nothing to restore.
+
+        ``broadcast=True``: for replicated (DDP-style) state, one rank reads and decompresses
+        and broadcasts the tensors to the others in ``bucket_bytes`` buckets
+        (:func:`~dcp_tiered.dcp.broadcast.load_and_broadcast`), so storage serves the
+        checkpoint once instead of once per rank; ``broadcast=<group or list of groups>``
+        picks one leader per group (e.g. one per node).
         """
         self._finish_inflight(wait=True)
         required = flatten_keys(state_dict)
@@ -355,10 +362,19 @@ class TieredCheckpointer:
             tier = self.tiers[cand[1]]
             t0 = time.perf_counter()
             try:
-                reader = CompressedReader(tier.resolved_url(self.rank, self.node).rstrip("/") + "/" + info.name,
-                                          storage_options=tier.storage_options, threads=self.threads)
-                kwargs: dict[str, Any] = {"process_group": self._save_pg} if self.distributed else {"no_dist": True}
-                dcp.load(state_dict, storage_reader=reader, **kwargs)
+                url = tier.resolved_url(self.rank, self.node).rstrip("/") + "/" + info.name
+
+                def make_reader(url: str = url, tier: Tier = tier) -> CompressedReader:
+                    return CompressedReader(url, storage_options=tier.storage_options, threads=self.threads)
+
+                if broadcast is not False and broadcast is not None and self.distributed:
+                    from dcp_tiered.dcp.broadcast import load_and_broadcast
+
+                    groups = self._save_pg if broadcast is True else broadcast
+                    load_and_broadcast(state_dict, make_reader, process_group=groups, bucket_bytes=bucket_bytes)
+                else:
+                    kwargs: dict[str, Any] = {"process_group": self._save_pg} if self.distributed else {"no_dist": True}
+                    dcp.load(state_dict, storage_reader=make_reader(), **kwargs)
             except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt):
                     raise
