@@ -18,8 +18,9 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.report import SaveStats
 from dcp_tiered.dcp.writer import CompressedWriter
-from dcp_tiered.errors import ConfigError
-from dcp_tiered.storage import safe_relative_name
+from dcp_tiered.dcp.format import METADATA_FILE
+from dcp_tiered.errors import CheckpointExistsError, ConfigError
+from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save
 from dcp_tiered.tiers.promotion import Promoter, _Intent
@@ -165,6 +166,15 @@ class TieredWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         tiers = self._decide()
+        primary = self.by_name[tiers[0]]
+        target = Storage(primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name,
+                         primary.storage_options)
+        if target.exists(METADATA_FILE):
+            if not self.overwrite:
+                raise CheckpointExistsError(f"a committed checkpoint already exists at {target.url}; pass overwrite=True")
+            # Un-commit before any rank rewrites a data file, so the old .metadata never
+            # describes files that are being replaced.
+            target.remove(METADATA_FILE)
         save_id = uuid.uuid4().hex
         return [dataclasses.replace(p, storage_data=TieredPlan(f"__{i}_", tiers, save_id)) for i, p in enumerate(plans)]
 
