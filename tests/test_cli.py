@@ -199,7 +199,7 @@ def test_ls_promote_gc_cost(data: dict) -> None:
     y = data["tiers_yaml"]
     flags = ["--local-path", data["tiers"][0].url, "--shared-path", data["tiers"][1].url, "--keep-local", "3", "--keep-shared", "2"]
     promote_dry, gc_dry, ls_before = cli_parallel(["promote", "--tiers", y, "--dry-run", "--json"],
-                                                  ["gc", *flags, "--dry-run", "--json"], ["ls", "--tiers", y])
+                                                  ["gc", *flags, "--leftover-grace", "0", "--dry-run", "--json"], ["ls", "--tiers", y])
     pending = json.loads(ok(promote_dry).stdout)["pending"]
     assert pending == [{"tier": "local", "step": 4, "name": "step_000000004", "targets": ["shared"]}]
     would = json.loads(ok(gc_dry).stdout)["would_delete"]
@@ -228,7 +228,7 @@ def test_ls_promote_gc_cost(data: dict) -> None:
     assert tiers["shared"]["monthly_usd"] == pytest.approx(tiers["shared"]["stored_bytes"] / 2**30 * 0.5 * 2)
     assert 0 < tiers["local"]["fp32_bytes"] and c["saving_usd"] == pytest.approx(c["fp32_monthly_usd"] - c["monthly_usd"])
 
-    gone = json.loads(ok(cli("gc", *flags, "--json")).stdout)["deleted"]
+    gone = json.loads(ok(cli("gc", *flags, "--leftover-grace", "0", "--json")).stdout)["deleted"]
     assert {(g["tier"], g["step"]) for g in gone} == {("local", 0), ("local", 1)}
     assert sorted(p.name for p in Path(data["tiers"][0].url).iterdir()) == ["step_000000002", "step_000000003", "step_000000004"]
 

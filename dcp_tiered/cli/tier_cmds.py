@@ -65,6 +65,9 @@ def add_parsers(sub: Any) -> None:
                        epilog=GC_EXAMPLES)
     add_tier_args(p)
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    p.add_argument("--leftover-grace", default="1h", metavar="DURATION",
+                   help="remove an uncommitted leftover only once untouched this long (another process may be "
+                        "writing it); 0 removes leftovers at once (default: 1h)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gc)
 
@@ -175,15 +178,27 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return EXIT_OK if failed is None else EXIT_PROBLEMS
 
 
-def _retention_plan(tiers: list) -> list[dict]:
-    from dcp_tiered.tiers.catalog import list_tier
+def _grace(text: str) -> float:
+    from dcp_tiered.tiers.spec import parse_duration
+
+    return 0.0 if str(text).strip() in ("0", "0s") else float(parse_duration(text, "--leftover-grace") or 0.0)
+
+
+def _retention_plan(tiers: list, grace: float) -> list[dict]:
+    import time
+
+    from dcp_tiered.tiers.catalog import list_tier, tier_storage
     from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
 
     plan = []
     for idx, tier in enumerate(tiers):
         infos = list_tier(tier, idx, with_metadata=False)
-        facts = [CheckpointFacts(i.step, i.committed, busy=bool(i.pending_promotions)) for i in infos]
-        victims = set(retention_victims(facts, tier.keep))
+        ages = tier_storage(tier).file_ages(time.time()) if grace > 0 else {}
+        facts = []
+        for i in infos:
+            own = [a for n, a in ages.items() if n.startswith(i.name + "/")]
+            facts.append(CheckpointFacts(i.step, i.committed, busy=bool(i.pending_promotions), age=min(own) if own else None))
+        victims = set(retention_victims(facts, tier.keep, leftover_grace=grace))
         for i in infos:
             if i.step in victims:
                 plan.append({"tier": tier.name, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
@@ -197,10 +212,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     tiers, _ = tiers_from_args(args)
     _check_reachable(tiers)
-    plan = _retention_plan(tiers)
+    grace = _grace(args.leftover_grace)
+    plan = _retention_plan(tiers, grace)
     if not args.dry_run:
         before = {(i.tier, i.step) for i in list_tiers(tiers, with_metadata=False)}
-        promoter = Promoter(tiers)
+        promoter = Promoter(tiers, leftover_grace=grace)
         try:
             for t in tiers:
                 promoter.retention(t)
