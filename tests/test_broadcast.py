@@ -8,12 +8,10 @@ storage layer treats it as remote, so every read goes through ``cat_file`` and i
 
 from __future__ import annotations
 
-import datetime
 import inspect
 import json
 import os
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -23,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from fsspec.implementations.local import LocalFileSystem
 
+from gloo_ranks import run_ranks
 from dcp_tiered import CompressedReader, CompressedWriter, ConfigError, CheckpointNotFoundError
 from dcp_tiered.dcp.broadcast import LeaderLoadError, _plan_buckets, load_and_broadcast
 
@@ -171,33 +169,6 @@ def check(errs: list[str]) -> None:
 
 
 # -- spawning ----------------------------------------------------------------------------------
-
-
-def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
-    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn, world_size: int, tmp: Path, *args) -> None:
-    store = tmp / f"store_{world_size}_{time.monotonic_ns()}"
-    ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks did not finish within {SPAWN_TIMEOUT} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
 
 
 def _record(out: Path, name: str, rank: int, fn) -> None:
@@ -369,7 +340,7 @@ def spawned(tmp_path_factory) -> tuple[Path, str | None]:
     out = root / "records"
     out.mkdir()
     try:
-        run_ranks(_worker, WS, root, str(ckpt), str(tiered), str(out))
+        run_ranks(_worker, WS, root, str(ckpt), str(tiered), str(out), timeout=SPAWN_TIMEOUT)
         return out, None
     except BaseException:  # noqa: BLE001 - reported by every check lacking a record
         return out, traceback.format_exc()

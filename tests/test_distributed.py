@@ -16,8 +16,6 @@ tensors of every dtype (0-d, empty, non-contiguous views), ints, strings, nested
 from __future__ import annotations
 
 import datetime
-import os
-import time
 import traceback
 from pathlib import Path
 
@@ -25,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from gloo_ranks import read_records, record, run_ranks
 from dcp_tiered import DowncastSavePlanner, CheckpointExistsError, CompressedReader, CompressedWriter
 
 CODECS = ["none", "lz4", "zstd", "zstd:3"]
@@ -192,59 +190,6 @@ def check_equal(errs: list[str]) -> None:
 
 
 # -- process spawning --------------------------------------------------------------------------
-
-
-def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"  # the async process executor's daemons meet here
-    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn, world_size: int, tmp: Path, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks."""
-    store = tmp / f"store_{world_size}_{time.monotonic_ns()}"
-    ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks did not finish within {SPAWN_TIMEOUT} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
-def _record(out: Path, check: str, rank: int, fn) -> None:
-    """Run one check on this rank, record ``ok`` or the traceback, then re-sync the ranks."""
-    try:
-        fn()
-        status = "ok"
-    except BaseException:  # noqa: BLE001 - CheckpointException is a BaseException
-        status = traceback.format_exc()
-    (out / f"{check}.rank{rank}").write_text(status)
-    dist.barrier()
-
-
-def _read_records(out: Path, check: str, world_size: int, spawn_error: str | None) -> None:
-    problems = []
-    for r in range(world_size):
-        f = out / f"{check}.rank{r}"
-        if not f.exists():
-            problems.append(f"rank {r}: no record (the ranks crashed or hung)\n{spawn_error or ''}")
-        elif (s := f.read_text()) != "ok":
-            problems.append(f"rank {r}:\n{s}")
-    assert not problems, "\n".join(problems)
 
 
 # -- code that runs on every rank ---------------------------------------------------------------
@@ -437,17 +382,17 @@ def _ws2_worker(rank: int, world_size: int, root: str, out: str) -> None:
             dcp.save(_full_state(mesh), storage_writer=CompressedWriter(path, codec, frame_size=FRAME))
             _load_and_compare(path, mesh, rank, world_size, swapped=False)
 
-        _record(out_p, f"save_load[{codec}]", rank, save_load)
-        _record(out_p, f"reshard_swapped[{codec}]", rank,
+        record(out_p, f"save_load[{codec}]", rank, save_load)
+        record(out_p, f"reshard_swapped[{codec}]", rank,
                 lambda path=path: _load_and_compare(path, mesh, rank, world_size, swapped=True))
-    _record(out_p, "async_thread", rank,
+    record(out_p, "async_thread", rank,
             lambda: _async_check(root_p, "ws2_async_thread", mesh, rank, world_size, AsyncCheckpointerType.THREAD))
-    _record(out_p, "async_process", rank,
+    record(out_p, "async_process", rank,
             lambda: _async_check(root_p, "ws2_async_process", mesh, rank, world_size, AsyncCheckpointerType.PROCESS))
-    _record(out_p, "overwrite", rank, lambda: _overwrite_check(root_p, mesh, rank, world_size))
-    _record(out_p, "downcast_bf16", rank, lambda: _downcast_check(root_p, mesh, rank, world_size, True, True))
+    record(out_p, "overwrite", rank, lambda: _overwrite_check(root_p, mesh, rank, world_size))
+    record(out_p, "downcast_bf16", rank, lambda: _downcast_check(root_p, mesh, rank, world_size, True, True))
     # last: if this mode misbehaves the ranks may leave DCP's closing barrier unmatched
-    _record(out_p, "use_collectives_false", rank, lambda: _no_collectives_check(root_p, mesh, rank, world_size))
+    record(out_p, "use_collectives_false", rank, lambda: _no_collectives_check(root_p, mesh, rank, world_size))
 
 
 WS4_CHECKS = (
@@ -463,9 +408,9 @@ def _ws4_worker(rank: int, world_size: int, root: str, out: str) -> None:
     mesh = _mesh(world_size)
     for codec in CODECS:
         src = root_p / f"ws2_{codec}"
-        _record(out_p, f"load_ws2_same_layout[{codec}]", rank,
+        record(out_p, f"load_ws2_same_layout[{codec}]", rank,
                 lambda src=src: _load_and_compare(src, mesh, rank, world_size, swapped=False))
-        _record(out_p, f"load_ws2_swapped[{codec}]", rank,
+        record(out_p, f"load_ws2_swapped[{codec}]", rank,
                 lambda src=src: _load_and_compare(src, mesh, rank, world_size, swapped=True))
         path = root_p / f"ws4_{codec}"
 
@@ -476,10 +421,10 @@ def _ws4_worker(rank: int, world_size: int, root: str, out: str) -> None:
             dcp.save(_full_state(mesh, swapped=True), storage_writer=writer)
             _load_and_compare(path, mesh, rank, world_size, swapped=False)
 
-        _record(out_p, f"save_load[{codec}]", rank, save_load)
-    _record(out_p, "async_thread", rank,
+        record(out_p, f"save_load[{codec}]", rank, save_load)
+    record(out_p, "async_thread", rank,
             lambda: _async_check(root_p, "ws4_async_thread", mesh, rank, world_size, AsyncCheckpointerType.THREAD))
-    _record(out_p, "load_ws2_downcast", rank, lambda: _downcast_check(root_p, mesh, rank, world_size, False, False))
+    record(out_p, "load_ws2_downcast", rank, lambda: _downcast_check(root_p, mesh, rank, world_size, False, False))
 
 
 # -- fixtures: one spawn per world size ------------------------------------------------------------
@@ -489,7 +434,7 @@ def _spawn_checks(worker, world_size: int, root: Path) -> tuple[Path, str | None
     out = root / f"records_ws{world_size}"
     out.mkdir()
     try:
-        run_ranks(worker, world_size, root, str(root), str(out))
+        run_ranks(worker, world_size, root, str(root), str(out), timeout=SPAWN_TIMEOUT)
         return out, None
     except BaseException:  # noqa: BLE001 - reported by every check that lacks a record
         return out, traceback.format_exc()
@@ -518,14 +463,14 @@ def test_two_ranks(ws2, check: str) -> None:
     """2 gloo ranks: save/load per codec, resharded Shard(0)<->Shard(1) load, async thread and
     process saves (with tensors scrambled right after the call), overwrite protocol,
     ``use_collectives=False`` (must refuse on every rank or load back equal)."""
-    _read_records(ws2[0], check, 2, ws2[1])
+    read_records(ws2[0], check, 2, ws2[1])
 
 
 @pytest.mark.parametrize("check", WS4_CHECKS)
 def test_four_ranks(ws4, check: str) -> None:
     """4 gloo ranks: load the 2-rank checkpoints (same and swapped shard dims), save/load with
     4-way Shard(1) chunks read as Shard(0), async thread save."""
-    _read_records(ws4[0], check, 4, ws4[1])
+    read_records(ws4[0], check, 4, ws4[1])
 
 
 def _load_on_one_process(path: Path, world_size: int) -> None:
@@ -543,27 +488,27 @@ def _load_on_one_process(path: Path, world_size: int) -> None:
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_two_rank_checkpoint_loads_on_one_process(ws2, root: Path, codec: str) -> None:
-    _read_records(ws2[0], f"save_load[{codec}]", 2, ws2[1])
+    read_records(ws2[0], f"save_load[{codec}]", 2, ws2[1])
     _load_on_one_process(root / f"ws2_{codec}", 2)
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_four_rank_checkpoint_loads_on_one_process(ws4, root: Path, codec: str) -> None:
-    _read_records(ws4[0], f"save_load[{codec}]", 4, ws4[1])
+    read_records(ws4[0], f"save_load[{codec}]", 4, ws4[1])
     _load_on_one_process(root / f"ws4_{codec}", 4)
 
 
 @pytest.mark.parametrize("name", ["ws2_async_thread", "ws2_async_process", "ws4_async_thread"])
 def test_async_multi_rank_checkpoint_loads_on_one_process(ws2, ws4, root: Path, name: str) -> None:
     ws, spawned = (4, ws4) if name.startswith("ws4") else (2, ws2)
-    _read_records(spawned[0], name.split("_", 1)[1], ws, spawned[1])
+    read_records(spawned[0], name.split("_", 1)[1], ws, spawned[1])
     _load_on_one_process(root / name, ws)
 
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_each_rank_writes_its_own_data_file(ws2, ws4, root: Path, ws: int) -> None:
     spawned = ws2 if ws == 2 else ws4
-    _read_records(spawned[0], "save_load[zstd]", ws, spawned[1])
+    read_records(spawned[0], "save_load[zstd]", ws, spawned[1])
     names = {p.name for p in (root / f"ws{ws}_zstd").iterdir()}
     assert ".metadata" in names
     assert {n for n in names if n.endswith(".distcp")} == {f"__{r}_0.distcp" for r in range(ws)}
@@ -571,7 +516,7 @@ def test_each_rank_writes_its_own_data_file(ws2, ws4, root: Path, ws: int) -> No
 
 def test_partial_key_load_on_one_process(ws2, root: Path) -> None:
     """Loading a subset of the keys (and of the dtypes) reads only what was asked."""
-    _read_records(ws2[0], "save_load[zstd:3]", 2, ws2[1])
+    read_records(ws2[0], "save_load[zstd:3]", 2, ws2[1])
     full = full_sharded()
     tmpl = {"dt": {"bf16_col": torch.zeros(67, 45, dtype=torch.bfloat16)}, "meta": {"step": None}, "epoch": None}
     dcp.load(tmpl, storage_reader=CompressedReader(root / "ws2_zstd:3"), no_dist=True)
@@ -583,7 +528,7 @@ def test_one_process_overwrites_a_four_rank_checkpoint(ws4, root: Path, tmp_path
     """An overwrite by fewer ranks replaces the checkpoint: the old ranks' files go away."""
     import shutil
 
-    _read_records(ws4[0], "save_load[lz4]", 4, ws4[1])
+    read_records(ws4[0], "save_load[lz4]", 4, ws4[1])
     path = tmp_path / "ck"
     shutil.copytree(root / "ws4_lz4", path)
     sd = {"x": _values(torch.float32, (3000,), 77), "meta": {"step": 43}}

@@ -20,7 +20,6 @@ depends on the step, so a load tells which step it read.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import threading
@@ -32,8 +31,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
+from gloo_ranks import read_records, record, run_ranks
 from dcp_tiered import CompressedReader, Tier, TieredCheckpointer
 from dcp_tiered.tiers.catalog import list_tier
 
@@ -150,59 +149,6 @@ def step_dirs(path: Path) -> list[int]:
 
 
 # -- process spawning (the approach of test_distributed.py) -------------------------------------
-
-
-def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn, world_size: int, tmp: Path, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks."""
-    store = tmp / f"store_{world_size}_{time.monotonic_ns()}"
-    ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks did not finish within {SPAWN_TIMEOUT} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
-def _record(out: Path, check: str, rank: int, fn) -> None:
-    """Run one check on this rank, record ``ok`` or the traceback, then re-sync the ranks."""
-    try:
-        fn()
-        status = "ok"
-    except BaseException:  # noqa: BLE001 - CheckpointException is a BaseException
-        status = traceback.format_exc()
-    (out / f"{check}.rank{rank}").write_text(status)
-    dist.barrier()
-
-
-def _read_records(out: Path, check: str, world_size: int, spawn_error: str | None) -> None:
-    problems = []
-    for r in range(world_size):
-        f = out / f"{check}.rank{r}"
-        if not f.exists():
-            problems.append(f"rank {r}: no record (the ranks crashed or hung)\n{spawn_error or ''}")
-        elif (s := f.read_text()) != "ok":
-            problems.append(f"rank {r}:\n{s}")
-    assert not problems, "\n".join(problems)
 
 
 def _write_facts(out: Path, name: str, rank: int, facts) -> None:
@@ -382,10 +328,10 @@ def _main_worker(rank: int, world_size: int, root: str, out: str) -> None:
     mesh = _mesh()
     for mode in MODES:
         r = root_p / mode
-        _record(out_p, f"save[{mode}]", rank, lambda r=r, mode=mode: _save_run(r, out_p, mode, mesh, rank))
-        _record(out_p, f"load_promoted[{mode}]", rank, lambda r=r: _load_promoted(r, mesh, rank))
-        _record(out_p, f"restore[{mode}]", rank, lambda r=r, mode=mode: _restore(r, out_p, mode, mesh, rank))
-    _record(out_p, "save[skew]", rank, lambda: _skew_run(root_p / "skew", out_p, mesh, rank))
+        record(out_p, f"save[{mode}]", rank, lambda r=r, mode=mode: _save_run(r, out_p, mode, mesh, rank))
+        record(out_p, f"load_promoted[{mode}]", rank, lambda r=r: _load_promoted(r, mesh, rank))
+        record(out_p, f"restore[{mode}]", rank, lambda r=r, mode=mode: _restore(r, out_p, mode, mesh, rank))
+    record(out_p, "save[skew]", rank, lambda: _skew_run(root_p / "skew", out_p, mesh, rank))
 
 
 # -- promotions cut short by dying ranks, resumed by the next run --------------------------------
@@ -426,7 +372,7 @@ def _crash_worker(rank: int, world_size: int, root: str, out: str, tests_dir: st
         else:
             assert FaultyFS.faults.stalled.wait(WAIT_TIMEOUT), "rank 1's promotion never started"
 
-    _record(out_p, "crash_save", rank, crash_save)
+    record(out_p, "crash_save", rank, crash_save)
     dist.barrier()
     os._exit(0)  # the ranks die with the promoter threads mid-way
 
@@ -469,9 +415,9 @@ def _resume_worker(rank: int, world_size: int, root: str, out: str, tests_dir: s
         finally:
             ckpt.close()
 
-    _record(out_p, "resume", rank, resume)
-    _record(out_p, "load_resumed", rank, load_resumed)
-    _record(out_p, "restore_resumed", rank, restore_resumed)
+    record(out_p, "resume", rank, resume)
+    record(out_p, "load_resumed", rank, load_resumed)
+    record(out_p, "restore_resumed", rank, restore_resumed)
 
 
 # -- fixtures: one spawn per scenario ------------------------------------------------------------
@@ -482,7 +428,7 @@ def _spawn(worker, root: Path, name: str, records: str, *args) -> tuple[Path, st
     out = root / records
     out.mkdir()
     try:
-        run_ranks(worker, WS, root, str(root / name), str(out), *args)
+        run_ranks(worker, WS, root, str(root / name), str(out), *args, timeout=SPAWN_TIMEOUT)
         return out, None
     except BaseException:  # noqa: BLE001 - reported by every check that lacks a record
         return out, traceback.format_exc()
@@ -525,12 +471,12 @@ def resumed(root: Path, crashed) -> tuple[Path, str | None]:
 def test_two_ranks(main, check: str) -> None:
     """Each check ran on both ranks: saves over 10 steps (sync and async, then a skewed clock),
     loads of every promoted checkpoint, restore through a fresh checkpointer."""
-    _read_records(main[0], check, WS, main[1])
+    read_records(main[0], check, WS, main[1])
 
 
 @pytest.mark.parametrize("mode", MODES + ["skew"])
 def test_every_rank_sees_the_same_due_decisions(main, mode: str) -> None:
-    _read_records(main[0], f"save[{mode}]", WS, main[1])
+    read_records(main[0], f"save[{mode}]", WS, main[1])
     facts = _read_facts(main[0], f"reports[{mode}]", WS)
     per_rank = [[(r["step"], r["tiers"], r["optimizer"]) for r in f["reports"]] for f in facts]
     assert per_rank[0] == per_rank[1], f"ranks decided differently:\n rank 0 {per_rank[0]}\n rank 1 {per_rank[1]}"
@@ -549,7 +495,7 @@ def test_every_rank_sees_the_same_due_decisions(main, mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_promoted_checkpoints_load_on_one_process(main, root: Path, mode: str) -> None:
     """Every committed checkpoint of ``shared`` and ``third`` loads as full tensors here."""
-    _read_records(main[0], f"save[{mode}]", WS, main[1])
+    read_records(main[0], f"save[{mode}]", WS, main[1])
     base = root / "main" / mode
     for name in ("shared", "third"):
         steps = committed_steps(base / name)
@@ -564,7 +510,7 @@ def test_promoted_checkpoints_load_on_one_process(main, root: Path, mode: str) -
 @pytest.mark.parametrize("mode", MODES)
 def test_promotion_reencodes_and_keeps_optimizer_split(main, root: Path, mode: str) -> None:
     """Promoted copies carry their tier's codec; checkpoints hold the optimizer every 2nd save."""
-    _read_records(main[0], f"save[{mode}]", WS, main[1])
+    read_records(main[0], f"save[{mode}]", WS, main[1])
     base = root / "main" / mode
     ts = tiers(base)
     for i, (tier, codec) in enumerate(zip(ts[1:], ("zstd:1", "zstd:3")), start=1):
@@ -583,7 +529,7 @@ def test_promotion_reencodes_and_keeps_optimizer_split(main, root: Path, mode: s
 def test_node_local_tier_holds_each_ranks_own_files(main, root: Path, mode: str) -> None:
     """Rank 0's local directory commits (``.metadata``) over its own data file only; rank 1's
     holds its data file only; no promotion intents or temp files are left after wait()."""
-    _read_records(main[0], f"save[{mode}]", WS, main[1])
+    read_records(main[0], f"save[{mode}]", WS, main[1])
     local = root / "main" / mode / "local"
     for rank, want in ((0, {".metadata", "__0_0.distcp"}), (1, {"__1_0.distcp"})):
         dirs = sorted((local / str(rank)).glob("step_*"))
@@ -600,7 +546,7 @@ def test_restore_takes_newest_complete_checkpoint_from_shared(main, mode: str) -
     rank 1's file; rank 1 sees no ``.metadata``), so restore skips local steps 9 (with optimizer)
     and 10 without trying them, and reads ``shared``: step 7 (the newest there with optimizer
     state; 10 lacks it) for model+optim, step 10 for the model alone."""
-    _read_records(main[0], f"restore[{mode}]", WS, main[1])
+    read_records(main[0], f"restore[{mode}]", WS, main[1])
     facts = _read_facts(main[0], f"restore[{mode}]", WS)
     for rank, f in enumerate(facts):
         assert f["with_optim"] == 7, f"rank {rank}: model+optim restored step {f['with_optim']!r}, want 7"
@@ -613,7 +559,7 @@ def test_restore_takes_newest_complete_checkpoint_from_shared(main, mode: str) -
 
 @pytest.mark.parametrize("mode", MODES)
 def test_retention_on_shared_tiers(main, root: Path, mode: str) -> None:
-    _read_records(main[0], f"save[{mode}]", WS, main[1])
+    read_records(main[0], f"save[{mode}]", WS, main[1])
     base = root / "main" / mode
     for name, keep, saved in (("shared", SHARED_KEEP, SHARED_STEPS), ("third", THIRD_KEEP, THIRD_STEPS)):
         steps = committed_steps(base / name)
@@ -632,7 +578,7 @@ def test_retention_on_node_local_tier_every_rank(main, root: Path, mode: str) ->
     directory keeps every step it ever saved, although ``Promoter._run_retention`` is written to
     run on non-coordinator ranks for node-local tiers.
     """
-    _read_records(main[0], f"save[{mode}]", WS, main[1])
+    read_records(main[0], f"save[{mode}]", WS, main[1])
     local = root / "main" / mode / "local"
     for rank in range(WS):
         steps = step_dirs(local / str(rank))
@@ -644,7 +590,7 @@ def test_retention_on_node_local_tier_every_rank(main, root: Path, mode: str) ->
 
 def test_crash_leaves_promotions_unfinished(crashed) -> None:
     out, err, seen = crashed
-    _read_records(out, "crash_save", WS, err)
+    read_records(out, "crash_save", WS, err)
     assert seen["local_committed"] == [CRASH_STEP]
     assert seen["shared_committed"] == [] and seen["third_committed"] == [], seen
     assert seen["intents"] == [".promote-0.json", ".promote-1.json"], seen
@@ -652,12 +598,12 @@ def test_crash_leaves_promotions_unfinished(crashed) -> None:
 
 @pytest.mark.parametrize("check", ["resume", "load_resumed", "restore_resumed"])
 def test_promotions_resume_after_restart(crashed, resumed, check: str) -> None:
-    _read_records(crashed[0], "crash_save", WS, crashed[1])
-    _read_records(resumed[0], check, WS, resumed[1])
+    read_records(crashed[0], "crash_save", WS, crashed[1])
+    read_records(resumed[0], check, WS, resumed[1])
 
 
 def test_resumed_promotion_is_committed_and_clean(crashed, resumed, root: Path) -> None:
-    _read_records(resumed[0], "resume", WS, resumed[1])
+    read_records(resumed[0], "resume", WS, resumed[1])
     base = root / "crash"
     d = step_dir(CRASH_STEP)
     for name in ("shared", "third"):
