@@ -143,35 +143,29 @@ class Storage:
                 return []
         return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {""})
 
-    def file_sizes(self) -> dict[str, int]:
-        """Every file under the root, by relative name, with its size."""
+    def _find(self) -> dict[str, dict]:
+        """fsspec ``find`` details of every file under the root, by relative name."""
         with storage_errors(self.url, "list"):
             self._refresh(self.root)
             try:
                 found = self.fs.find(self.root, detail=True)
             except FileNotFoundError:
                 return {}
-        out = {}
-        for p, info in found.items():
-            rel = posixpath.relpath(str(p).replace(os.sep, "/"), self.root.replace(os.sep, "/"))
-            out[rel] = int(info.get("size") or 0)
-        return out
+        root = self.root.replace(os.sep, "/")
+        return {posixpath.relpath(str(p).replace(os.sep, "/"), root): info for p, info in found.items()}
+
+    def file_sizes(self) -> dict[str, int]:
+        """Every file under the root, by relative name, with its size."""
+        return {rel: int(info.get("size") or 0) for rel, info in self._find().items()}
 
     def file_ages(self, now: float) -> dict[str, float]:
         """Seconds since each file under the root was last modified (files whose time is unknown are left out)."""
-        with storage_errors(self.url, "list"):
-            self._refresh(self.root)
-            try:
-                found = self.fs.find(self.root, detail=True)
-            except FileNotFoundError:
-                return {}
         out = {}
-        for p, info in found.items():
+        for rel, info in self._find().items():
             mtime = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
             if hasattr(mtime, "timestamp"):
                 mtime = mtime.timestamp()
             if isinstance(mtime, (int, float)):
-                rel = posixpath.relpath(str(p).replace(os.sep, "/"), self.root.replace(os.sep, "/"))
                 out[rel] = now - float(mtime)
         return out
 
