@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
-from torch.distributed.checkpoint.api import CheckpointException
 
+from failures import failure_of
 from dcp_tiered import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -42,16 +42,6 @@ HANG_LIMIT_S = 60  # a generous bound: only a hang (not a slow run) trips it
 # --------------------------------------------------------------------------- helpers
 
 
-def failure_of(fn) -> BaseException | None:
-    """Run ``fn``; return what it raised, unwrapped from DCP's CheckpointException, or None."""
-    try:
-        fn()
-    except CheckpointException as exc:
-        assert exc.failures, exc
-        return next(iter(exc.failures.values()))[0]
-    except Exception as exc:  # noqa: BLE001 - the tests inspect it
-        return exc
-    return None
 
 
 def failure_within(seconds: float, fn) -> BaseException | None:

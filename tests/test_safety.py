@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
-from torch.distributed.checkpoint.api import CheckpointException
 
+from failures import failure_of
 from dcp_tiered import (
     CheckpointNotFoundError,
     CompressedReader,
@@ -85,16 +85,6 @@ def memory_cap(extra: int = 4 << 30):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def failure_of(fn) -> BaseException | None:
-    """Run ``fn``; return what it raised, unwrapped from DCP's CheckpointException, or None."""
-    try:
-        fn()
-    except CheckpointException as exc:
-        assert exc.failures, exc
-        return next(iter(exc.failures.values()))[0]
-    except Exception as exc:  # noqa: BLE001 - the tests inspect it
-        return exc
-    return None
 
 
 def is_dcp_metadata_wrapper(err: BaseException | None) -> bool:

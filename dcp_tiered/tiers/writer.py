@@ -16,15 +16,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_tiered.dcp.report import SaveStats
-from dcp_tiered.dcp.writer import CompressedWriter
 from dcp_tiered.dcp.format import METADATA_FILE
+from dcp_tiered.dcp.report import SaveStats
+from dcp_tiered.dcp.writer import CompressedWriter, _Prefix
 from dcp_tiered.errors import CheckpointExistsError, ConfigError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save
 from dcp_tiered.tiers.promotion import Promoter, _Intent
-from dcp_tiered.dcp.writer import _Prefix
 from dcp_tiered.tiers.spec import Tier, validate_tiers
 
 
