@@ -18,6 +18,7 @@ sizes, fuzzing) is covered by ``tests/test_safety.py``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import shutil
 import socket
@@ -345,8 +346,9 @@ def s3_steps(bucket: str, opts: dict, prefix: str = "run") -> dict[int, list[str
     return {k: sorted(v) for k, v in out.items()}
 
 
-def test_object_store_outage_never_blocks_training_and_promotions_complete_after(tmp_path, s3_behind_proxy) -> None:
+def test_object_store_outage_never_blocks_training_and_promotions_complete_after(tmp_path, s3_behind_proxy, caplog) -> None:
     server, proxy, bucket, opts = s3_behind_proxy
+    caplog.set_level(logging.WARNING, logger="dcp_tiered")
     tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=2, codec="lz4"),
              Tier("durable", f"{bucket}/run", every_steps=1, keep=20, codec="zstd", storage_options=opts)]
     # retries outlast the outage below
@@ -361,7 +363,10 @@ def test_object_store_outage_never_blocks_training_and_promotions_complete_after
         report = ck.maybe_save(s, sd_for(s))  # returns: training is not blocked by the outage
         assert report is not None and report.ok
         assert s in committed_steps(tmp_path / "local")
-    time.sleep(1.0)  # promotions keep failing and retrying meanwhile
+    # the outage lasts until a promotion attempt failed (s3fs retries inside one attempt, too)
+    deadline = time.monotonic() + 120
+    while not any("failed (attempt" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.05)
     proxy.start()  # recovery
     ck.wait()  # every promotion completes: no PromotionError
     retried = [r for r in ck.promoter.reports if r.attempts > 1]
@@ -682,6 +687,35 @@ def test_resumed_promotion_of_a_save_that_never_committed_never_publishes_stale_
         errors.append(str(exc))
     assert seen and all(v == 2.0 for v in seen), f"shared/step_17 was committed holding values {seen}"
     assert not errors, errors
+
+
+def test_a_promotion_another_process_already_finished_succeeds_without_touching_the_target(tmp_path: Path) -> None:
+    """Two processes running as rank 0 on one tier path: one resumes the other's promotion intent
+    and commits it first.  The original owner then runs the same intent: it must see the save is
+    promoted (same save id) and finish without error, leaving the target committed."""
+    from dcp_tiered.tiers.promotion import Promoter, _Intent
+
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    tiers = [Tier("local", str(local), every_steps=1, keep=5, codec="lz4"),
+             Tier("shared", f"faulty://{shared}", every_steps=1, keep=5, codec="zstd")]
+    ck = TieredCheckpointer(tiers, async_save=False)
+    FaultyFS.faults.stall.clear()  # the owner's promotion never gets anywhere: its intent stays recorded
+    ck.maybe_save(5, sd_for(5))
+    ck.promoter.close(wait=False)
+    intent = (local / "step_000000005" / ".promote-0.json").read_bytes()
+    FaultyFS.faults.reset()
+
+    other = TieredCheckpointer(tiers)  # the other process resumes the intent and finishes it
+    other.close()
+    assert 5 in committed_steps(shared)
+    before = {p.name: p.stat().st_mtime_ns for p in (shared / "step_000000005").iterdir()}
+
+    owner = Promoter(tiers, retry=FAST_RETRY, metadata_timeout=2)
+    owner.submit(_Intent.from_json(intent))
+    owner.close()  # raises PromotionError if the owner's run failed
+    after = {p.name: p.stat().st_mtime_ns for p in (shared / "step_000000005").iterdir()}
+    assert after == before, "the committed target was rewritten"
+    load_dir(shared / "step_000000005", 5)
 
 
 def test_retention_keeps_a_checkpoint_holding_the_optimizer(tmp_path: Path) -> None:

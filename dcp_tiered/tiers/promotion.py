@@ -322,7 +322,7 @@ class Promoter:
                 intent.meta.remove(target_name)
                 continue
             dst = self.storage(target).child(intent.name)
-            committed_id = self._source_save_id(src)
+            committed_id = self._committed_save_id(src)
             if committed_id is None or (intent.save_id is not None and committed_id != intent.save_id):
                 log.warning("%s: the save this promotion belongs to never committed; not promoting it to %s",
                             src.url, target.name)
@@ -339,8 +339,8 @@ class Promoter:
                 self._run_retention(target, (), ())
 
     @staticmethod
-    def _source_save_id(src: Storage) -> str | None:
-        """The save id of the committed source checkpoint ("" if it has none), None if uncommitted."""
+    def _committed_save_id(src: Storage) -> str | None:
+        """The save id of the checkpoint committed in ``src`` ("" if it has none), None if uncommitted."""
         try:
             md = decode_metadata(src.read_bytes(METADATA_FILE), src.url_of(METADATA_FILE))
         except MissingFileError:
@@ -349,7 +349,10 @@ class Promoter:
 
     def _copy_data(self, src: Storage, dst: Storage, data_file: str, records: list, target: Tier,
                    save_id: str | None = None) -> int:
-        if dst.exists(METADATA_FILE):
+        committed_id = self._committed_save_id(dst)
+        if committed_id is not None:
+            if save_id and committed_id == save_id:
+                return 0  # another process (e.g. one that resumed this intent) promoted this save already
             # an older checkpoint of the same step is being replaced: un-commit it before its
             # data files change, so no .metadata ever describes files that are being rewritten
             dst.remove(METADATA_FILE)
@@ -382,6 +385,8 @@ class Promoter:
             missing = [f for f in files if fragments.get(f) is None or fragments[f].get("save_id") != save_id]
             if not missing:
                 break
+            if save_id and self._committed_save_id(dst) == save_id:
+                return 0  # another process committed this very save (and removed the fragments)
             if time.monotonic() > deadline or self._stop.is_set():
                 # not a StorageError: retrying would only wait again
                 raise CheckpointNotFoundError(f"{dst.url}: data of {missing[:3]} never arrived; not committing")
