@@ -150,3 +150,24 @@ def test_native_kernel_matches_numpy_reference(data: bytes, layout: tuple[str, i
     bytegroup.merge_planes(ref, filt, itemsize, out_ref, native=False)
     bytegroup.merge_planes(nat, filt, itemsize, out_nat, native=True)
     assert out_ref.tobytes() == out_nat.tobytes() == raw.tobytes()
+
+
+@pytest.mark.parametrize("as_bf16", [False, True])
+def test_higher_zstd_levels_never_store_real_weights_larger_than_zstd_1(minilm_path, as_bf16: bool) -> None:
+    """A user who raises the level for a cold tier must not get a bigger checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+
+    w = load_file(str(minilm_path / "model.safetensors"))
+    t = torch.cat([v.reshape(-1).float() for k, v in sorted(w.items()) if "layer.1." in k])
+    t = t.bfloat16() if as_bf16 else t
+    raw = t.view(torch.uint8).numpy()[: 8 << 20].copy()
+    filt = filter_for(True, t.element_size())
+
+    def stored(codec: str) -> int:
+        fc = FrameCodec(codec, filt, t.element_size())
+        return sum(fc.encode(raw[a:b]).stored_len for a, b in frame_bounds(raw.nbytes, 4 << 20, t.element_size()))
+
+    base = stored("zstd:1")
+    for level in (3, 6, 9):
+        assert stored(f"zstd:{level}") <= base * 1.002, f"zstd:{level} stores more than zstd:1"
