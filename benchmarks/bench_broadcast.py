@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from fsspec.implementations.local import LocalFileSystem
 
-from benchmarks.common import machine_line, md_table, minilm_weights, nbytes, random_normal, write_section
+from benchmarks.common import chart_or_note, machine_line, md_table, minilm_weights, nbytes, random_normal, save_results, write_section
 from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.dcp.broadcast import load_and_broadcast
 
@@ -137,7 +137,10 @@ def main() -> None:
     ap.add_argument("--storage-mbps", default="0,100",
                     help="storage bandwidth shared by all ranks, MB/s, comma-separated runs (0: unthrottled)")
     ap.add_argument("--no-doc", action="store_true", help="print only; do not write docs/benchmarks.md")
+    ap.add_argument("--quick", action="store_true", help="a small smoke run (1 and 2 ranks, unthrottled, once)")
     args = ap.parse_args()
+    if args.quick:
+        args.ranks, args.repeats, args.storage_mbps = "1,2", 1, "0"
     state = _state(args.mb)
     raw = nbytes(state)
     with tempfile.TemporaryDirectory() as tmpdir:
@@ -145,10 +148,11 @@ def main() -> None:
         dcp.save(state, storage_writer=CompressedWriter(tmp / "ckpt", codec="zstd"), no_dist=True)
         stored = sum(f.stat().st_size for f in (tmp / "ckpt").iterdir())
         shapes = {k: tuple(v.shape) for k, v in state.items()}
-        rows = []
+        rows, results = [], []
         for mbps in [float(m) for m in args.storage_mbps.split(",")]:
             for world in [int(r) for r in args.ranks.split(",")]:
                 res = run(world, f"benchcount://{tmp}/ckpt", shapes, args.repeats, tmp, mbps)
+                results.append({"storage_mbps": mbps, "ranks": world, **res})
                 p, b = res["plain"], res["broadcast"]
                 rows.append([f"{mbps:.0f} MB/s shared" if mbps else "unthrottled (page cache)", world,
                              f"{p['seconds']:.2f}", f"{b['seconds']:.2f}", f"{p['bytes'] / 1e6:.1f}",
@@ -156,9 +160,23 @@ def main() -> None:
                 print(rows[-1], flush=True)
     table = md_table(["storage", "ranks", "plain load (s)", "leader load + broadcast (s)", "storage MB read, plain",
                       "storage MB read, leader", "reads saved"], rows)
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, len(set(r["storage_mbps"] for r in results)), figsize=(8, 3.2), squeeze=False)
+        for ax, mbps in zip(axes[0], sorted({r["storage_mbps"] for r in results})):
+            sel = [r for r in results if r["storage_mbps"] == mbps]
+            ax.plot([r["ranks"] for r in sel], [r["plain"]["seconds"] for r in sel], "o-", label="plain dcp.load")
+            ax.plot([r["ranks"] for r in sel], [r["broadcast"]["seconds"] for r in sel], "s-", label="load_and_broadcast")
+            ax.set_title(f"{mbps:.0f} MB/s shared storage" if mbps else "unthrottled")
+            ax.set_xlabel("ranks")
+            ax.set_ylabel("restore s")
+            ax.legend()
+        return fig
+
+    chart = chart_or_note("broadcast", draw) if not args.no_doc else ""
     body = f"""## Leader load: one reader per group (`load_and_broadcast`)
 
-`python -m benchmarks.bench_broadcast` ({machine_line()})
+`python -m benchmarks.bench_broadcast{" --quick" if args.quick else ""}` ({machine_line()})
 
 {raw / 1e6:.0f} MB of fp32 weights ({len(state)} tensors; {'MiniLM' if 'embeddings.word_embeddings.weight' in state else 'random normal'}),
 stored {stored / 1e6:.0f} MB with zstd. All ranks run on this one machine and share its cores; storage is a
@@ -170,6 +188,8 @@ Best of {args.repeats}; time from a barrier before the load to a barrier after i
 
 {table}
 
+{chart}
+
 Plain `dcp.load` makes storage serve the checkpoint once per rank; with `load_and_broadcast` it is served
 once per group whatever the group size, and only the leader decompresses. When storage bandwidth is the
 limit, plain restore time grows with the number of ranks and leader load stays near one read plus the
@@ -179,6 +199,7 @@ broadcast over loopback costs about a copy per receiver.
 """
     print(body)
     if not args.no_doc:
+        save_results("broadcast", results)
         write_section("broadcast", body)
 
 

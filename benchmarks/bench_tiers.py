@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine_line, md_table, write_section
+from benchmarks.common import chart_or_note, machine_line, md_table, save_results, write_section
 from dcp_tiered import Tier, TieredCheckpointer
 
 
@@ -105,10 +105,13 @@ def run(root: Path, async_save: bool, steps: int, hidden: int, layers: int) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="a small smoke run (20 steps of a small model)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.hidden, args.layers = 20, 256, 2
     rows, results = [], []
     for async_save in (False, True):
         with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
@@ -121,6 +124,20 @@ def main() -> None:
             f"{r['staging_per_save'] / r['copy_s']:.2f}x",
         ])
     cmd = f".venv/bin/python -m benchmarks.bench_tiers --steps {args.steps} --hidden {args.hidden} --layers {args.layers}"
+    save_results("tiers", results)
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        labels = ["async" if r["async"] else "sync" for r in results]
+        ax.bar(labels, [r["blocked_per_save"] * 1000 for r in results], label="blocked per save")
+        ax.bar(labels, [r["staging_per_save"] * 1000 for r in results], label="of which own save")
+        ax.axhline(results[-1]["copy_s"] * 1000, color="k", ls="--", label="one host copy")
+        ax.set_ylabel("ms (median)")
+        ax.set_title("TieredCheckpointer.maybe_save: time the loop waits")
+        ax.legend()
+        return fig
+
+    chart = chart_or_note("tiers", draw)
     table = md_table(
         ["mode", "state MB", "saves", "promotions", "step ms (median)", "blocked ms per save (median)",
          "of which own save ms (median)", "waiting for the previous save, s total", "blocked / step time",
@@ -133,7 +150,7 @@ def main() -> None:
         "Three tiers scaled to seconds (local lz4 every 2 s, shared zstd every 6 s, durable zstd:3 every 12 s, "
         "all on local disk), model and Adam state saved every time, promotions in the background. "
         "Blocked = time inside `maybe_save` on steps that saved; the percentage is over the steps' compute time.\n\n"
-        + table,
+        + table + "\n\n" + chart,
     )
     print(table)
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks.md"
+# DCP_TIERED_BENCH_DOC sends a trial run's tables (and charts, next to it) elsewhere
+DOC = Path(os.environ.get("DCP_TIERED_BENCH_DOC") or ROOT / "docs" / "benchmarks.md")
+RESULTS = DOC.parent / "bench_results"
 
 
 def minilm_weights() -> dict[str, torch.Tensor]:
@@ -120,3 +122,58 @@ def md_table(headers: list[str], rows: list[list[object]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+IMG = DOC.parent / "img"
+
+
+def save_results(name: str, data: object) -> Path:
+    """Write a benchmark's raw numbers as docs/bench_results/<name>.json (next to the doc), for
+    charts, the projection and anyone who wants to recompute a table."""
+    import json
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine_line(), "data": data}, indent=1, default=str) + "\n")
+    return path
+
+
+def load_results(name: str) -> dict | None:
+    """The raw numbers a benchmark saved with :func:`save_results`, or None if it has not run."""
+    import json
+
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def pyplot():  # -> matplotlib.pyplot | None
+    """matplotlib's pyplot on the Agg backend, or None when the optional `chart` extra is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_chart(name: str, fig) -> str:
+    """Save ``fig`` as docs/img/bench_<name>.png, close it, and return the markdown that shows it."""
+    IMG.mkdir(parents=True, exist_ok=True)
+    path = IMG / f"bench_{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return f"![{name}](img/{path.name})"
+
+
+def chart_or_note(name: str, draw: Callable) -> str:
+    """Call ``draw(plt) -> figure`` and save it as chart ``name``; without matplotlib, a note instead."""
+    plt = pyplot()
+    if plt is None:
+        return f"_(chart {name} skipped: matplotlib is not installed; `pip install dcp-tiered[chart]`)_"
+    return save_chart(name, draw(plt))
