@@ -1,0 +1,154 @@
+"""Where we stand against the targets: one table read from the other benchmarks' raw results.
+
+Run:  .venv/bin/python -m benchmarks.bench_summary   (after the others; scripts/bench.sh runs it last)
+
+Writes the section "summary" of docs/benchmarks.md from docs/bench_results/*.json, so every
+figure in it is one measured by a benchmark section below it; a benchmark that has not run
+is reported as such.  Measures nothing itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from benchmarks.common import load_results, md_table, write_section
+
+OURS = "CompressedWriter (defaults)"
+STOCK = "stock FileSystemWriter, 2 threads"
+STOCK_ZSTD = "stock + DCP zstd extension, 2 threads"
+
+
+def verdict(value: float, target: float, higher_is_better: bool = True) -> str:
+    """``met`` or ``missed by N%`` of the target."""
+    ok = value >= target if higher_is_better else value <= target
+    if ok:
+        return "met"
+    short = (target - value) / target if higher_is_better else (value - target) / target
+    return f"**missed by {short * 100:.0f}%**" if short >= 0.005 else f"**missed by {short * 100:.2f}%**"
+
+
+def codec_rows(codecs: dict | None) -> list[list[str]]:
+    if codecs is None:
+        return [["ratio no worse than zipnn's", "—", "not run (`bench_codecs`)", ""]]
+    rows = []
+    for a in codecs["data"]["ratio_to_anchor"]:
+        rows.append([f"stored/raw ≤ zipnn's: {a['data']}", f"{a['ours']:.4f} vs {a['zipnn']:.4f}",
+                     f"{a['vs_zipnn']:.4f}", verdict(a["vs_zipnn"], 1.0, higher_is_better=False)])
+    return rows
+
+
+def _compress_mbs(codecs: dict | None) -> float | None:
+    """Our default codec's 2-thread compress speed on real weights and Adam state (harmonic mean)."""
+    if codecs is None:
+        return None
+    speeds = [c["compress_mbs"] for c in codecs["data"]["cells"]
+              if c["kind"] == "ours" and c["codec"] == "zstd:1" and c["threads"] > 1
+              and c["data"] in ("MiniLM fp32", "Adam state")]
+    return statistics.harmonic_mean(speeds) if speeds else None
+
+
+def storage_rows(storage: dict | None, codecs: dict | None) -> list[list[str]]:
+    if storage is None:
+        return [["save/load against stock", "—", "not run (`bench_storage`)", ""]]
+    comp = _compress_mbs(codecs)
+    rows = []
+    for s in storage["data"]["sets"]:
+        w = s["writers"]
+        if OURS not in w or STOCK not in w:
+            continue
+        ours, stock, zstd = w[OURS], w[STOCK], w.get(STOCK_ZSTD)
+        raw = s["raw"]
+        disk_w = s["disk_write_mbps"] * 1e6
+        # what bounds our save: compressing the raw bytes, or writing the stored bytes
+        cpu_s = raw / (comp * 1e6) if comp else None
+        disk_s = ours["stored"] / disk_w
+        bound = (f"CPU: compressing {raw / 1e6:.0f} MB at {comp:.0f} MB/s on 2 threads takes {cpu_s:.2f} s, "
+                 f"writing the stored bytes {disk_s:.2f} s" if cpu_s and cpu_s > disk_s else
+                 f"disk: writing the stored bytes takes {disk_s:.2f} s" if cpu_s else "")
+        x = stock["save_s"] / ours["save_s"]
+        rows.append([f"save ≥ stock `FileSystemWriter` (2 threads): {s['name']}", f"{raw / ours['save_s'] / 1e6:.0f} vs "
+                     f"{raw / stock['save_s'] / 1e6:.0f} MB/s", f"{x:.2f}x", verdict(x, 1.0) + ("" if x >= 1 else f"; {bound}")])
+        if zstd:
+            xz = zstd["save_s"] / ours["save_s"]
+            rows.append([f"save ≥ 2x stock + DCP zstd: {s['name']}", f"{raw / ours['save_s'] / 1e6:.0f} vs "
+                         f"{raw / zstd['save_s'] / 1e6:.0f} MB/s", f"{xz:.2f}x", verdict(xz, 2.0) + ("" if xz >= 2 else f"; {bound}")])
+        xl = stock["load_cold_s"] / ours["load_cold_s"]
+        rows.append([f"load ≥ stock (cold cache): {s['name']}", f"{raw / ours['load_cold_s'] / 1e6:.0f} vs "
+                     f"{raw / stock['load_cold_s'] / 1e6:.0f} MB/s", f"{xl:.2f}x", verdict(xl, 1.0)])
+        rows.append([f"save within 10% of disk write bandwidth on stored bytes: {s['name']}",
+                     f"{ours['stored'] / ours['save_s'] / 1e6:.0f} vs {s['disk_write_mbps']:.0f} MB/s",
+                     f"{ours['disk_frac_save']:.2f}", verdict(ours["disk_frac_save"], 0.9) + ("" if ours["disk_frac_save"] >= 0.9 else f"; {bound}")])
+        rows.append([f"load within 10% of disk read bandwidth on stored bytes: {s['name']}",
+                     f"{ours['stored'] / ours['load_cold_s'] / 1e6:.0f} vs {s['disk_read_mbps']:.0f} MB/s",
+                     f"{ours['disk_frac_load']:.2f}", verdict(ours["disk_frac_load"], 0.9)
+                     + ("" if ours["disk_frac_load"] >= 0.9 else "; CPU: decompression and checksums of every frame")])
+    return rows
+
+
+def s3_rows(s3: dict | None) -> list[list[str]]:
+    if s3 is None:
+        return [["S3 bytes", "—", "not run (`bench_s3`)", ""]]
+    by = {r["writer"]: r for r in s3["data"]}
+    ours = next((r for w, r in by.items() if w.startswith("CompressedWriter (defaults")), None)
+    stock = next((r for w, r in by.items() if w.startswith("stock FsspecWriter")), None)
+    if not ours or not stock:
+        return []
+    up = ours["save_traffic"]["up"] / stock["save_traffic"]["up"]
+    return [["S3 (moto): bytes uploaded vs stock `FsspecWriter`",
+             f"{ours['save_traffic']['up'] / 1e6:.0f} vs {stock['save_traffic']['up'] / 1e6:.0f} MB", f"{up:.3f}",
+             "(no target)"],
+            ["S3 (moto): save time vs stock `FsspecWriter`", f"{ours['save_s']:.2f} vs {stock['save_s']:.2f} s",
+             f"{stock['save_s'] / ours['save_s']:.2f}x", "(no target)"]]
+
+
+def async_rows(asy: dict | None) -> list[list[str]]:
+    if asy is None:
+        return [["async blocked time", "—", "not run (`bench_async`)", ""]]
+    rows = []
+    for size in asy["data"]:
+        by = {r["mode"]: r for r in size["rows"]}
+        copy = next((r["blocked_s"] for m, r in by.items() if m.startswith("memory copy: copy_")), None)
+        for mode in ("TieredCheckpointer(async_save=True).maybe_save", "dcp.async_save, CompressedWriter, reused stager"):
+            if mode in by and copy:
+                x = by[mode]["blocked_s"] / copy
+                rows.append([f"blocked < 2x one memory copy: `{mode}`, {size['mib']} MiB",
+                             f"{by[mode]['blocked_s'] * 1000:.0f} vs {copy * 1000:.0f} ms", f"{x:.2f}x", verdict(x, 2.0, False)])
+    return rows
+
+
+def goodput_rows(good: dict | None) -> list[list[str]]:
+    if good is None:
+        return [["goodput under failures", "—", "not run (`bench_goodput`)", ""]]
+    rows = []
+    for c in good["data"].get("configs", []):
+        rows.append([f"goodput > 95% under failures: {c['name']}", f"{c['goodput'] * 100:.1f}%", f"{c['goodput']:.3f}",
+                     verdict(c["goodput"], 0.95)])
+        if c.get("overhead") is not None:
+            rows.append([f"checkpoint overhead < 2% of training time: {c['name']}", f"{c['overhead'] * 100:.1f}%",
+                         f"{c['overhead']:.3f}", verdict(c["overhead"], 0.02, False)])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="accepted for scripts/bench.sh; the same as without")
+    ap.parse_args()
+    codecs, storage = load_results("codecs"), load_results("storage")
+    rows = (codec_rows(codecs) + storage_rows(storage, codecs) + s3_rows(load_results("s3"))
+            + async_rows(load_results("async")) + goodput_rows(load_results("goodput")))
+    machines = sorted({r["machine"] for r in (codecs, storage) if r})
+    body = (
+        "## Where we stand against the targets\n\n"
+        "`.venv/bin/python -m benchmarks.bench_summary` — read from the raw results of the sections below "
+        f"({'; '.join(machines) or 'no results yet'}).\n\n"
+        "Ratio to anchor: ours ÷ anchor for stored/raw (lower is better, target ≤ 1), anchor's time ÷ ours for "
+        "speed (higher is better). Each missed row names what bounds it, from the same run's numbers.\n\n"
+        + md_table(["target", "measured (ours vs anchor)", "ratio to anchor", "verdict"], rows)
+    )
+    write_section("summary", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
