@@ -20,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from dcp_tiered.errors import DcpTieredError, StorageError
 from dcp_tiered.storage.paths import safe_relative_name
+from dcp_tiered.storage.writeback import WritebackFile
 
 
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2", "oss"}
@@ -177,11 +178,17 @@ class Storage:
             if self.is_local:
                 path = self.path(name)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    yield f
-                    f.flush()
-                    if durable:
-                        os.fsync(f.fileno())
+                with open(path, "wb") as raw:
+                    if not durable:
+                        yield raw
+                        raw.flush()
+                        return
+                    f = WritebackFile(raw)
+                    try:
+                        yield f  # type: ignore[misc]
+                        f.sync()
+                    finally:
+                        f.join()
             else:
                 self._parent_dirs(name)
                 f = self.fs.open(self.path(name), "wb")
