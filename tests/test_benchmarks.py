@@ -1,0 +1,60 @@
+"""The benchmarks' own arithmetic: projection, target verdicts, and how sections are written."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+import pytest
+
+
+def test_projection_divides_the_checkpoint_over_ranks_and_takes_the_slower_of_cpu_and_link() -> None:
+    from benchmarks.bench_projection import CodecSpeed, project
+
+    args = argparse.Namespace(ckpt_tb=1.0, ranks=4000, ranks_per_node=8, cores_per_rank=4, local_gbps=5.0,
+                              shared_gbps=500.0, object_gbps=200.0, d2h_gbps=20.0, local_codec="lz4",
+                              shared_codec="zstd:1", durable_codec="zstd:1", local_keep=2, shared_keep=3, durable_keep=24)
+    speeds = {"lz4": CodecSpeed("lz4", 0.9, 300.0), "zstd:1": CodecSpeed("zstd:1", 0.8, 100.0)}
+    rows, summary = project(args, speeds)
+    local, shared, durable = rows
+    assert summary["per_rank_bytes"] == pytest.approx(250e6)
+    assert local["stored_per_rank"] == pytest.approx(225e6)
+    assert local["write_s"] == pytest.approx(225e6 * 8 / 5e9)  # 8 ranks share a node's NVMe
+    assert shared["compress_s"] == pytest.approx(250e6 / (100e6 * 4))
+    assert shared["write_s"] == pytest.approx(200e6 * 4000 / 500e9)
+    for r in rows:
+        assert r["save_s"] == max(r["compress_s"], r["write_s"])
+        assert r["save_s_serial"] == pytest.approx(r["compress_s"] + r["write_s"])
+    # cost: 0.8 TB kept 24 times at $0.023 per GiB-month
+    assert durable["monthly_usd"] == pytest.approx(0.8e12 * 24 / 2**30 * 0.023, rel=1e-6)
+    assert durable["plain_monthly_usd"] > durable["monthly_usd"]
+
+
+@pytest.mark.parametrize("value,target,higher,expected", [
+    (1.2, 1.0, True, "met"), (0.8, 1.0, True, "**missed by 20%**"), (0.9996, 1.0, True, "**missed by 0.04%**"),
+    (0.5, 1.0, False, "met"), (1.0004, 1.0, False, "**missed by 0.04%**"), (0.23, 0.02, False, "**missed: 11.5x the target**"),
+])
+def test_verdicts_say_by_how_much_a_target_is_missed(value: float, target: float, higher: bool, expected: str) -> None:
+    from benchmarks.bench_summary import verdict
+
+    assert verdict(value, target, higher) == expected
+
+
+def test_a_section_is_replaced_in_place_and_others_are_kept(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DCP_TIERED_BENCH_DOC", str(tmp_path / "b.md"))
+    import benchmarks.common as common
+
+    common = importlib.reload(common)
+    try:
+        common.write_section("a", "## A\n1")
+        common.write_section("b", "## B\n2")
+        common.write_section("a", "## A\n3")
+        text = (tmp_path / "b.md").read_text()
+        assert "## A\n3" in text and "## A\n1" not in text and "## B\n2" in text
+        assert text.index("## A") < text.index("## B")
+        common.save_results("x", {"n": 1})
+        assert common.load_results("x")["data"] == {"n": 1}
+    finally:
+        monkeypatch.delenv("DCP_TIERED_BENCH_DOC")
+        importlib.reload(common)
