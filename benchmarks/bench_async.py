@@ -46,6 +46,7 @@ from benchmarks.common import (
     md_table,
     minilm_weights,
     nbytes,
+    repeated_state,
     save_results,
     timed,
     write_section,
@@ -58,20 +59,11 @@ Sample = tuple[float, float, float]
 
 
 def sized_state(mib: int, base: list[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-    """``{"model": ..., "optim": ...}`` of exactly ``mib`` MiB: the real tensors cycled under distinct
-    keys, each cloned into its own memory; the last one is cut to size."""
-    left = mib << 20
+    """``{"model": ..., "optim": ...}`` of exactly ``mib`` MiB: the real tensors repeated under
+    distinct keys, each cloned into its own memory."""
     sd: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
-    rep = 0
-    while left > 0:
-        for key, t in base:
-            if left <= 0:
-                break
-            n = min(t.numel(), left // t.element_size())
-            part = "optim" if key.endswith((".exp_avg", ".exp_avg_sq")) else "model"
-            sd[part][f"r{rep}.{key}"] = (t if n == t.numel() else t.reshape(-1)[:n]).clone()
-            left -= n * t.element_size()
-        rep += 1
+    for key, t in repeated_state(dict(base), mib << 20, clone=True).items():
+        sd["optim" if key.endswith((".exp_avg", ".exp_avg_sq")) else "model"][key] = t
     return sd
 
 

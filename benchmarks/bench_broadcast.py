@@ -32,7 +32,16 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from fsspec.implementations.local import LocalFileSystem
 
-from benchmarks.common import chart_or_note, machine_line, md_table, minilm_weights, nbytes, random_normal, save_results, write_section
+from benchmarks.common import (
+    chart_or_note,
+    machine_line,
+    md_table,
+    minilm_weights,
+    nbytes,
+    random_normal,
+    save_results,
+    write_section,
+)
 from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.dcp.broadcast import load_and_broadcast
 

@@ -36,6 +36,7 @@ from benchmarks.common import (
     md_table,
     minilm_weights,
     nbytes,
+    repeated_state,
     save_results,
     timed,
     write_section,
@@ -50,22 +51,9 @@ CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 
 
 def real_state(total_bytes: int) -> dict[str, torch.Tensor]:
-    """MiniLM fp32 weights + their Adam moments, repeated (same tensors under new keys) up to
-    exactly ``total_bytes``; the last tensor is cut short to fit.  Also used by bench_ranks."""
+    """MiniLM fp32 weights + their Adam moments repeated to exactly ``total_bytes``.  Also used by bench_ranks."""
     w = minilm_weights()
-    base = {**w, **adam_state(w)}
-    out: dict[str, torch.Tensor] = {}
-    n, rep = 0, 0
-    while n < total_bytes:
-        for k, v in base.items():
-            left = total_bytes - n
-            if left < v.element_size():
-                break
-            t = v if v.nbytes <= left else v.reshape(-1)[: left // v.element_size()]
-            out[f"rep{rep}.{k}"] = t
-            n += t.nbytes
-        rep += 1
-    return out
+    return repeated_state({**w, **adam_state(w)}, total_bytes)
 
 
 # -- moto server and counting proxy --------------------------------------------------------------

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import chart_or_note, machine_line, md_table, save_results, write_section
+from benchmarks.common import (
+    chart_or_note,
+    machine_line,
+    md_table,
+    save_results,
+    write_section,
+)
 from dcp_tiered import Tier, TieredCheckpointer
 
 

@@ -51,6 +51,23 @@ def adam_state(weights: dict[str, torch.Tensor], steps: int = 5, seed: int = 0) 
     return out
 
 
+def repeated_state(base: dict[str, torch.Tensor], total_bytes: int, clone: bool = False) -> dict[str, torch.Tensor]:
+    """``base`` repeated under new keys (``rep<N>.<key>``) up to exactly ``total_bytes``, the last
+    tensor cut short: a real state of any size.  ``clone`` gives every key its own memory."""
+    out: dict[str, torch.Tensor] = {}
+    n, rep = 0, 0
+    while n < total_bytes:
+        for k, v in base.items():
+            left = total_bytes - n
+            if left < v.element_size():
+                break
+            t = v if v.nbytes <= left else v.reshape(-1)[: left // v.element_size()]
+            out[f"rep{rep}.{k}"] = t.clone() if clone else t
+            n += t.nbytes
+        rep += 1
+    return out
+
+
 def random_normal(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     n = 16

@@ -18,7 +18,6 @@ sys.path.insert(0, str(GOLDEN))
 from values import golden_state  # noqa: E402
 
 
-
 @pytest.mark.parametrize("name", ["none", "lz4", "zstd_3", "zstd_bf16_downcast"])
 def test_golden_v1_checkpoint_loads_exactly(name: str) -> None:
     want = golden_state()

@@ -22,7 +22,6 @@ from dcp_tiered.errors import DcpTieredError, StorageError
 from dcp_tiered.storage.paths import safe_relative_name
 from dcp_tiered.storage.writeback import WritebackFile
 
-
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2", "oss"}
 
 
