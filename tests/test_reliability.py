@@ -628,17 +628,23 @@ def test_two_processes_on_one_tier_path_never_corrupt_each_other(tmp_path: Path,
 # =========================================================================== known library bugs
 
 
+def save_full_then_model_only(tiers: list[Tier]) -> dict:
+    """optimizer_every=2: step 1 holds the optimizer, step 2 the model only; then the job dies."""
+    full = {"model": {"w": torch.zeros(10)}, "optim": {"m": torch.zeros(10)}}
+    ck = TieredCheckpointer(tiers, optimizer_every=2)
+    for s in (1, 2):
+        full["model"]["w"].fill_(s)
+        full["optim"]["m"].fill_(s)
+        ck.maybe_save(s, full)
+    ck.close()
+    return full
+
+
 def test_restart_after_restoring_an_older_step_can_save_again(tmp_path: Path) -> None:
     """optimizer_every=2: a crash after a model-only save; the restart restores the newest save
     holding the optimizer (older) and its next save must not fail on the newer step's directory."""
     tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=5, codec="lz4")]
-    full = {"model": {"w": torch.zeros(10)}, "optim": {"m": torch.zeros(10)}}
-    ck = TieredCheckpointer(tiers, optimizer_every=2)
-    for s in (1, 2):  # step 1 holds the optimizer, step 2 the model only
-        full["model"]["w"].fill_(s)
-        full["optim"]["m"].fill_(s)
-        ck.maybe_save(s, full)
-    ck.close()  # ... and the job dies here
+    full = save_full_then_model_only(tiers)
     ck2 = TieredCheckpointer(tiers, optimizer_every=2)
     assert ck2.restore(full) == 1
     full["model"]["w"].fill_(22)  # training goes on from step 1; step 2 differs this time
@@ -722,13 +728,8 @@ def test_retention_keeps_a_checkpoint_holding_the_optimizer(tmp_path: Path) -> N
     """optimizer_every=2, keep=1: retention must not delete the only checkpoint a full resume
     (model + optimizer) can use, or a crash then restarts training from scratch."""
     tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=1, codec="lz4")]
+    save_full_then_model_only(tiers)
     full = {"model": {"w": torch.zeros(10)}, "optim": {"m": torch.zeros(10)}}
-    ck = TieredCheckpointer(tiers, optimizer_every=2)
-    for s in (1, 2):  # step 1 holds the optimizer, step 2 the model only
-        full["model"]["w"].fill_(s)
-        full["optim"]["m"].fill_(s)
-        ck.maybe_save(s, full)
-    ck.close()  # ... and the job dies here
     ck2 = TieredCheckpointer(tiers, optimizer_every=2)
     assert ck2.restore({"model": {"w": torch.zeros(10)}}) == 2
     assert ck2.restore(full) == 1, "no checkpoint holding the optimizer is left: a full resume is impossible"
