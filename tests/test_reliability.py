@@ -603,16 +603,22 @@ _TWO_PROC_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("keep", [100])
-def test_two_processes_on_one_tier_path_never_corrupt_each_other(tmp_path: Path, keep: int) -> None:
+@pytest.mark.parametrize("keep,stagger", [(100, 0.0), (100, 1.0)])
+def test_two_processes_on_one_tier_path_never_corrupt_each_other(tmp_path: Path, keep: int, stagger: float) -> None:
+    """``stagger``: the second job starts while the first is saving (it resumes the first's intents and
+    its retention sees the first's newer checkpoints)."""
     local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROC_CHILD.format(
-        tests=str(Path(__file__).parent), local=local, shared=shared, first=first, keep=keep)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for first in (1, 2)]
+    procs = []
+    for first in (1, 2):
+        procs.append(subprocess.Popen([sys.executable, "-c", _TWO_PROC_CHILD.format(
+            tests=str(Path(__file__).parent), local=local, shared=shared, first=first, keep=keep)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(stagger)
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     failures = [f for out, _ in outs for f in __import__("json").loads(out.strip().splitlines()[-1])]
+    assert not failures, f"saves failed because of the other process: {failures}"
     # every committed checkpoint is complete and holds exactly its step's values
     for t in (tmp_path / "local", tmp_path / "shared"):
         for s in committed_steps(t):
@@ -622,7 +628,6 @@ def test_two_processes_on_one_tier_path_never_corrupt_each_other(tmp_path: Path,
     assert_state(out, 30)
     if keep == 100:
         assert committed_steps(tmp_path / "local") == list(range(1, 31)), "no save of either process was lost"
-    assert not failures, f"saves failed because of the other process: {failures}"
 
 
 # =========================================================================== known library bugs
@@ -734,3 +739,27 @@ def test_retention_keeps_a_checkpoint_holding_the_optimizer(tmp_path: Path) -> N
     assert ck2.restore({"model": {"w": torch.zeros(10)}}) == 2
     assert ck2.restore(full) == 1, "no checkpoint holding the optimizer is left: a full resume is impossible"
     ck2.close()
+
+
+def test_retention_never_deletes_a_step_this_process_is_still_writing(tmp_path: Path) -> None:
+    """After a restore from an older step (or beside another job) a save in progress can be older than
+    the newest committed checkpoint: retention must not take it for this process's own leftover."""
+    from dcp_tiered.tiers.promotion import Promoter
+
+    tier = Tier("local", str(tmp_path / "local"), every_steps=1, keep=100, codec="lz4")
+    ck = TieredCheckpointer([tier])
+    ck.maybe_save(9, sd_for(9))  # the newest committed checkpoint
+    ck.close()
+    writing = tmp_path / "local" / "step_000000008"
+    writing.mkdir()
+    (writing / "__0_0.distcp").write_bytes(b"half written")  # a save of step 8 in progress, no .metadata yet
+    promoter = Promoter([tier])
+    promoter.mark_own("local", 8)
+    promoter.set_writing(["local"], 8, True)
+    promoter.retention(tier)
+    promoter.wait()
+    assert writing.exists(), "retention deleted a checkpoint while it was being written"
+    promoter.set_writing(["local"], 8, False)  # the save died: now it is a leftover of this process
+    promoter.retention(tier)
+    promoter.close()
+    assert not writing.exists()

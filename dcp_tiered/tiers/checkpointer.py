@@ -225,6 +225,7 @@ class TieredCheckpointer:
         planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
         for name in due:
             self.promoter.mark_own(name, step)
+        self.promoter.set_writing(due, step, True)
         use_async = self.async_save and not self._sync_next
         # overwrite: after a restore from an older step, the steps after it are saved again
         writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.threads, frame_size=self.frame_size,
@@ -242,7 +243,11 @@ class TieredCheckpointer:
             if self._stager is None:
                 cuda = torch.cuda.is_available()
                 self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
-            fut = dcp.async_save(sd, async_stager=self._stager, **kwargs)
+            try:
+                fut = dcp.async_save(sd, async_stager=self._stager, **kwargs)
+            except BaseException:
+                self.promoter.set_writing(due, step, False)
+                raise
             report.blocked_s = waited + time.perf_counter() - t0
             self._inflight = (fut, report, t0, writer, planner)  # type: ignore[assignment]
             self.reports.append(report)
@@ -250,6 +255,7 @@ class TieredCheckpointer:
         try:
             dcp.save(sd, **kwargs)
         except BaseException as exc:
+            self.promoter.set_writing(due, step, False)
             if isinstance(exc, KeyboardInterrupt):
                 raise
             report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
@@ -258,6 +264,7 @@ class TieredCheckpointer:
             self.reports.append(report)
             self.events.emit(report.as_dict())
             raise SaveError(f"checkpoint save of step {step} to tier {due[0]!r} failed: {exc}") from exc
+        self.promoter.set_writing(due, step, False)
         report.total_s = time.perf_counter() - t0
         report.blocked_s = waited + report.total_s
         self._complete(report, writer, planner)
@@ -289,6 +296,7 @@ class TieredCheckpointer:
         try:
             fut.result()
         except BaseException as exc:
+            self.promoter.set_writing(report.tiers, report.step, False)
             if isinstance(exc, KeyboardInterrupt):
                 raise
             report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
@@ -296,6 +304,7 @@ class TieredCheckpointer:
             self.events.emit(report.as_dict())
             self._failed = exc
             return
+        self.promoter.set_writing(report.tiers, report.step, False)
         report.total_s = time.perf_counter() - t0
         self._complete(report, writer, planner)
 

@@ -114,6 +114,7 @@ class Promoter:
         self.optimizer_keys = tuple(optimizer_keys)
         self.leftover_grace = leftover_grace
         self._own: dict[str, set[int]] = {}  # steps this process wrote or deleted, per tier
+        self._writing: dict[str, set[int]] = {}  # steps a save of this process is writing now, per tier
         self.by_name = {t.name: t for t in self.tiers}
         self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
         self.retry = retry
@@ -153,6 +154,19 @@ class Promoter:
         with self._lock:
             self._own.setdefault(tier_name, set()).add(step)
 
+    def set_writing(self, tier_names: Sequence[str], step: int, writing: bool) -> None:
+        """Mark ``step`` of ``tier_names`` as being written by a save of this process, or done.
+
+        Retention never deletes such a step: after a restore from an older step (or beside another
+        job) a save in progress can be older than the newest committed checkpoint."""
+        with self._lock:
+            for name in tier_names:
+                steps = self._writing.setdefault(name, set())
+                if writing:
+                    steps.add(step)
+                else:
+                    steps.discard(step)
+
     def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
         """Queue retention for ``tier`` (runs after any promotion already queued)."""
         self._submit(self._run_retention, tier, tuple(protect), tuple(busy))
@@ -187,9 +201,10 @@ class Promoter:
         return count
 
     def busy_steps(self, tier_name: str) -> set[int]:
-        """Steps of ``tier_name`` that a queued or running promotion still reads."""
+        """Steps of ``tier_name`` that a queued or running promotion still reads, or a save is writing."""
         with self._lock:
-            return {parse_step(n) for (t, n), c in self._busy.items() if t == tier_name and c > 0} - {None}  # type: ignore[return-value]
+            reading = {parse_step(n) for (t, n), c in self._busy.items() if t == tier_name and c > 0} - {None}
+            return reading | self._writing.get(tier_name, set())  # type: ignore[return-value]
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every queued job ran; raise :class:`PromotionError` for failures since the last call."""
