@@ -44,6 +44,18 @@ def run_ranks(fn, world_size: int, tmp: Path, *args, timeout: float = 240.0, pg_
                 p.join(5)
 
 
+def run_ranks_recording(fn, world_size: int, tmp: Path, data: str, out: Path, *args, timeout: float = 240.0
+                        ) -> tuple[Path, str | None]:
+    """:func:`run_ranks` of ``fn(rank, world_size, data, str(out), *args)`` into a fresh records folder
+    ``out``; returns it and the spawn's traceback (None if it ran), which every check lacking a record reports."""
+    out.mkdir()
+    try:
+        run_ranks(fn, world_size, tmp, data, str(out), *args, timeout=timeout)
+        return out, None
+    except BaseException:  # noqa: BLE001 - reported by every check that lacks a record
+        return out, traceback.format_exc()
+
+
 def record(out: Path, check: str, rank: int, fn) -> None:
     """Run one check on this rank, record ``ok`` or the traceback, then re-sync the ranks."""
     try:

@@ -21,10 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from tensor_values import hard_values
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
 
 from dcp_tiered import CheckpointExistsError, CompressedReader, CompressedWriter
 
@@ -38,41 +42,26 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 # -- state --------------------------------------------------------------------------------------
 
 
-def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point:
-        t = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
-        flat = t.view(-1)
-        if flat.numel() >= 7:
-            flat[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1.0], dtype=dtype)
-            flat[6:7] = torch.finfo(dtype).tiny / 4
-        return t
-    info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**40)), min(info.max, 2**40), shape, generator=g, dtype=dtype)
-
-
 def make_state(seed: int = 0) -> dict:
     """Every kind of value a training state dict holds; ``seed`` changes every tensor."""
-    base = _values(torch.float32, (24, 33), seed + 11)
+    base = hard_values(torch.float32, (24, 33), seed + 11)
     return {
         "model": {
-            "w_f32": _values(torch.float32, (96, 70), seed + 1),  # ~26 KiB: 7 frames
-            "w_bf16": _values(torch.bfloat16, (129, 65), seed + 2),
-            "w_f16": _values(torch.float16, (4099,), seed + 3),
-            "w_f64": _values(torch.float64, (31, 29), seed + 4),
-            "i64": _values(torch.int64, (1500,), seed + 5),
-            "i32": _values(torch.int32, (1025,), seed + 6),
-            "u8": _values(torch.uint8, (5000,), seed + 7),
-            "mask": _values(torch.bool, (4100,), seed + 8),
+            "w_f32": hard_values(torch.float32, (96, 70), seed + 1),  # ~26 KiB: 7 frames
+            "w_bf16": hard_values(torch.bfloat16, (129, 65), seed + 2),
+            "w_f16": hard_values(torch.float16, (4099,), seed + 3),
+            "w_f64": hard_values(torch.float64, (31, 29), seed + 4),
+            "i64": hard_values(torch.int64, (1500,), seed + 5),
+            "i32": hard_values(torch.int32, (1025,), seed + 6),
+            "u8": hard_values(torch.uint8, (5000,), seed + 7),
+            "mask": hard_values(torch.bool, (4100,), seed + 8),
             "scalar": torch.tensor(float(seed) - 0.5),
             "scalar_i": torch.tensor(2**40 + seed),
             "empty": torch.empty(0, 7),
             "nc_t": base.t(),
             "nc_step": base[::2, 1::3],
         },
-        "optim": {"state": {"0": {"step": torch.tensor(float(seed + 3)), "exp_avg": _values(torch.float32, (96, 70), seed + 9)}},
+        "optim": {"state": {"0": {"step": torch.tensor(float(seed + 3)), "exp_avg": hard_values(torch.float32, (96, 70), seed + 9)}},
                   "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": ["0"]}]},
         "step": 1000 + seed,
         "run": f"run-{seed}-\u00e9",

@@ -22,9 +22,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-
 from gloo_ranks import run_ranks
-from dcp_tiered import CompressedReader, CompressedWriter, ConfigError, CheckpointNotFoundError
+from tensor_values import hard_values
+
+from dcp_tiered import (
+    CheckpointNotFoundError,
+    CompressedReader,
+    CompressedWriter,
+    ConfigError,
+)
 from dcp_tiered.dcp.broadcast import LeaderLoadError, _plan_buckets, load_and_broadcast
 
 SPAWN_TIMEOUT = 240.0
@@ -78,35 +84,22 @@ def register() -> None:
 # -- state ------------------------------------------------------------------------------------
 
 
-def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point:
-        t = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
-        flat = t.view(-1)
-        if flat.numel() >= 5:
-            flat[:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1.0], dtype=dtype)
-        return t
-    return torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64).to(dtype)
-
-
 def state() -> dict:
     """Replicated state: a tensor bigger than several small buckets, many dtypes, 0-d and
     empty tensors, a list of tensors, non-tensor values."""
     return {
         "model": {
-            "big": _values(torch.float32, (300, 70), 1),  # 84000 bytes: ~21 small buckets
-            "bf16": _values(torch.bfloat16, (1001,), 2),
-            "f16": _values(torch.float16, (513,), 3),
-            "f64": _values(torch.float64, (129,), 4),
-            "i64": _values(torch.int64, (333,), 5),
-            "i8": _values(torch.int8, (77,), 6),
-            "bool": _values(torch.bool, (1023,), 7),
+            "big": hard_values(torch.float32, (300, 70), 1),  # 84000 bytes: ~21 small buckets
+            "bf16": hard_values(torch.bfloat16, (1001,), 2),
+            "f16": hard_values(torch.float16, (513,), 3),
+            "f64": hard_values(torch.float64, (129,), 4),
+            "i64": hard_values(torch.int64, (333,), 5),
+            "i8": hard_values(torch.int8, (77,), 6),
+            "bool": hard_values(torch.bool, (1023,), 7),
             "scalar": torch.tensor(2.5),
             "empty": torch.empty(0, 3),
-            "nc": _values(torch.float32, (40, 30), 8),  # loaded into a transposed view
-            "layers": [_values(torch.float32, (50,), 9), _values(torch.int32, (4, 4), 10)],
+            "nc": hard_values(torch.float32, (40, 30), 8),  # loaded into a transposed view
+            "layers": [hard_values(torch.float32, (50,), 9), hard_values(torch.int32, (4, 4), 10)],
         },
         "optim": {"step": 17, "lr": 3e-4, "betas": [0.9, 0.999], "name": "adam-\u00e9"},
         "epoch": 3,

@@ -16,18 +16,23 @@ tensors of every dtype (0-d, empty, non-contiguous views), ints, strings, nested
 from __future__ import annotations
 
 import datetime
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from gloo_ranks import read_records, record, run_ranks_recording
+from tensor_values import hard_values
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from gloo_ranks import read_records, record, run_ranks
-from dcp_tiered import DowncastSavePlanner, CheckpointExistsError, CompressedReader, CompressedWriter
+from dcp_tiered import (
+    CheckpointExistsError,
+    CompressedReader,
+    CompressedWriter,
+    DowncastSavePlanner,
+)
 
 CODECS = ["none", "lz4", "zstd", "zstd:3"]
 FRAME = 4096  # smallest allowed frame: small tensors still span many frames
@@ -61,45 +66,29 @@ def shard_dim(name: str, swapped: bool) -> int:
 
 def own_state(rank: int) -> dict[str, torch.Tensor]:
     """A key only this rank saves (its items live only in this rank's data file)."""
-    return {f"r{rank}": _values(torch.float32, (1500 + rank,), 900 + rank)}
+    return {f"r{rank}": hard_values(torch.float32, (1500 + rank,), 900 + rank)}
 
 
 # -- deterministic data (identical in every process) ------------------------------------
 
 
-def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point:
-        t = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
-        flat = t.view(-1)
-        if flat.numel() >= 6:  # values a lossy or sloppy path would change
-            flat[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1.0], dtype=dtype)
-            flat[6:7] = torch.finfo(dtype).tiny / 4  # subnormal
-        return t
-    info = torch.iinfo(dtype)
-    lo, hi = max(info.min, -(2**40)), min(info.max, 2**40)
-    return torch.randint(lo, hi, shape, generator=g, dtype=dtype)
-
-
 def full_sharded() -> dict[str, torch.Tensor]:
-    return {name: _values(dt, shape, 100 + i) for i, (name, (dt, shape, _)) in enumerate(SHARDED.items())}
+    return {name: hard_values(dt, shape, 100 + i) for i, (name, (dt, shape, _)) in enumerate(SHARDED.items())}
 
 
 def plain_state() -> dict:
     """Replicated (identical on every rank) tensors and non-tensor values, nested."""
-    base = _values(torch.float32, (12, 20), 7)
+    base = hard_values(torch.float32, (12, 20), 7)
     return {
         "plain": {
-            "f32": _values(torch.float32, (3000,), 1),
-            "f16": _values(torch.float16, (2049,), 2),
-            "bf16": _values(torch.bfloat16, (2051,), 3),
-            "f64": _values(torch.float64, (700,), 4),
-            "i64": _values(torch.int64, (999,), 5),
-            "i16": _values(torch.int16, (1001,), 6),
+            "f32": hard_values(torch.float32, (3000,), 1),
+            "f16": hard_values(torch.float16, (2049,), 2),
+            "bf16": hard_values(torch.bfloat16, (2051,), 3),
+            "f64": hard_values(torch.float64, (700,), 4),
+            "i64": hard_values(torch.int64, (999,), 5),
+            "i16": hard_values(torch.int16, (1001,), 6),
             "u8": torch.arange(5000, dtype=torch.int64).remainder(251).to(torch.uint8),
-            "bool": _values(torch.bool, (4097,), 8),
+            "bool": hard_values(torch.bool, (4097,), 8),
             "scalar_f32": torch.tensor(-2.5),
             "scalar_i64": torch.tensor(2**40 + 3),
             "scalar_bool": torch.tensor(True),
@@ -108,7 +97,7 @@ def plain_state() -> dict:
             "nc_t": base.t(),
             "nc_step": base[:, ::3],
             "nc_slice": base[2:9, 4:17],
-            "list": [_values(torch.float32, (40,), 9), _values(torch.int32, (3, 3), 10)],
+            "list": [hard_values(torch.float32, (40,), 9), hard_values(torch.int32, (3, 3), 10)],
         },
         "meta": {"step": 42, "name": "run-\u00e9\u4e2d", "nested": {"lr": 3e-4, "betas": [0.9, 0.999], "flag": True}},
         "epoch": 7,
@@ -431,13 +420,7 @@ def _ws4_worker(rank: int, world_size: int, root: str, out: str) -> None:
 
 
 def _spawn_checks(worker, world_size: int, root: Path) -> tuple[Path, str | None]:
-    out = root / f"records_ws{world_size}"
-    out.mkdir()
-    try:
-        run_ranks(worker, world_size, root, str(root), str(out), timeout=SPAWN_TIMEOUT)
-        return out, None
-    except BaseException:  # noqa: BLE001 - reported by every check that lacks a record
-        return out, traceback.format_exc()
+    return run_ranks_recording(worker, world_size, root, str(root), root / f"records_ws{world_size}", timeout=SPAWN_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -531,7 +514,7 @@ def test_one_process_overwrites_a_four_rank_checkpoint(ws4, root: Path, tmp_path
     read_records(ws4[0], "save_load[lz4]", 4, ws4[1])
     path = tmp_path / "ck"
     shutil.copytree(root / "ws4_lz4", path)
-    sd = {"x": _values(torch.float32, (3000,), 77), "meta": {"step": 43}}
+    sd = {"x": hard_values(torch.float32, (3000,), 77), "meta": {"step": 43}}
     dcp.save(sd, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME, overwrite=True), no_dist=True)
     assert {p.name for p in path.iterdir() if p.name.endswith(".distcp")} == {"__0_0.distcp"}
     out = {"x": torch.zeros(3000), "meta": {"step": None}}

@@ -24,15 +24,14 @@ import json
 import os
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from gloo_ranks import read_records, record, run_ranks_recording
 
-from gloo_ranks import read_records, record, run_ranks
 from dcp_tiered import CompressedReader, Tier, TieredCheckpointer
 from dcp_tiered.tiers.catalog import list_tier
 
@@ -425,13 +424,7 @@ def _resume_worker(rank: int, world_size: int, root: str, out: str, tests_dir: s
 
 def _spawn(worker, root: Path, name: str, records: str, *args) -> tuple[Path, str | None]:
     """Spawn the ranks on data folder ``root/name``; their records go to ``root/records``."""
-    out = root / records
-    out.mkdir()
-    try:
-        run_ranks(worker, WS, root, str(root / name), str(out), *args, timeout=SPAWN_TIMEOUT)
-        return out, None
-    except BaseException:  # noqa: BLE001 - reported by every check that lacks a record
-        return out, traceback.format_exc()
+    return run_ranks_recording(worker, WS, root, str(root / name), root / records, *args, timeout=SPAWN_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
