@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dcp_tiered.dcp.planners import DowncastSavePlanner
 from dcp_tiered.dcp.reader import CompressedReader
+from dcp_tiered.dcp.statedict import flatten_keys
 from dcp_tiered.errors import ConfigError, SaveError
 from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
@@ -36,35 +37,6 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: CPU priority offset of background saves and promotions, so the training loop keeps the cores.
 BACKGROUND_NICE = 10
-
-
-def _is_leaf(value: Any) -> bool:
-    # DCP's rule: mappings are traversed; a list is traversed when it holds (at any depth)
-    # a tensor or a mapping; everything else is a leaf.
-    if isinstance(value, Mapping):
-        return False
-    if not isinstance(value, list):
-        return True
-    return not any(isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and not _is_leaf(v)) for v in value)
-
-
-def flatten_keys(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dot-joined leaf keys exactly as DCP flattens a state dict into metadata keys."""
-    out: list[str] = []
-
-    def walk(path: str, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(f"{path}.{k}", v)
-        elif _is_leaf(value):
-            out.append(path)
-        else:
-            for i, v in enumerate(value):
-                walk(f"{path}.{i}", v)
-
-    for k, v in state_dict.items():
-        walk(f"{prefix}{k}", v)
-    return out
 
 
 def _state_bytes(state_dict: Mapping[str, Any]) -> int:
