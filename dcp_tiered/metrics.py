@@ -11,7 +11,7 @@ Both consume the event dicts that :class:`~dcp_tiered.tiers.report.EventLog` fan
 ``prometheus_client`` is imported only when a :class:`PrometheusExporter` is created
 (``pip install 'dcp-tiered[metrics]'``).  :class:`TierTotals` needs nothing.
 
-Metric names (see DESIGN.md, "Observability and cost"):
+Metric names:
 
 - ``checkpoint_bytes_written_total{tier}``: stored bytes written (saves and promotions)
 - ``checkpoint_raw_bytes_total{tier}``: raw (uncompressed, original dtype) bytes those held

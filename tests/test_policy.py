@@ -1,7 +1,7 @@
 """Pure scheduling and retention policies (dcp_tiered.tiers.policy): no I/O, no clocks.
 
 Readable example tests first, then Hypothesis properties that check the rules exhaustively
-against small reference models written from the docstrings and DESIGN.md ("Tiers").
+against small reference models written from the docstrings and docs/architecture.md ("Retention").
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from dcp_tiered.errors import CodecError
 
-#: Level used when a spec names zstd without a level.  Levels above 3 gain under 0.5% on
-#: model weights and cost 10-100x the time (see MEASUREMENTS.md), so the default is 1.
+#: Level used when a spec names zstd without a level.  On weights and optimizer state no higher
+#: level stores more than 0.4% less than level 1, while levels 15-19 compress 8-35x slower
+#: (codec table in docs/benchmarks.md), so the default is 1.
 DEFAULT_ZSTD_LEVEL = 1
 ZSTD_LEVELS = range(1, 23)
 VALID_SPECS = ("none", "lz4", "zstd", "zstd:N (N in 1..22)")
