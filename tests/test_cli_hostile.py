@@ -194,7 +194,7 @@ def test_verify_checks_every_path_and_exits_with_the_worst_code(hostile: dict[st
     assert text.returncode == common.EXIT_NOT_FOUND, text.stderr
     err = [ln for ln in text.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "not a committed checkpoint" in err[0] and str(hostile["nothing"]) in err[0]
-    assert f"{hostile['truncated-data']}: 1 problem(s) found" in text.stdout or "problem(s) found" in text.stdout
+    assert re.search(rf"^{re.escape(str(hostile['truncated-data']))}: \d+ problem\(s\) found", text.stdout, re.M), text.stdout
     assert f"{hostile['good']}: OK" in text.stdout
     assert "verified 3 paths: 1 OK, 1 with problems, 1 could not be verified (exit 3)" in text.stdout
 
@@ -270,6 +270,7 @@ GOOD = sys.argv[1]
 res = {}
 res["internal"] = run(ZeroDivisionError("boom"), "inspect", GOOD)
 res["debug"] = run(ZeroDivisionError("boom"), "--debug", "inspect", GOOD)
+res["debug-after"] = run(ZeroDivisionError("boom"), "inspect", GOOD, "--debug")
 res["memory"] = run(MemoryError(), "inspect", GOOD)
 res["recursion"] = run(RecursionError("maximum recursion depth exceeded"), "inspect", GOOD)
 res["interrupt"] = run(KeyboardInterrupt(), "inspect", GOOD)
@@ -315,7 +316,8 @@ def test_unexpected_errors_are_one_line_with_their_code(hostile: dict[str, Path]
     assert r["internal"]["code"] == common.EXIT_INTERNAL
     text = line("internal")
     assert "internal error" in text and "ZeroDivisionError: boom" in text and "--debug" in text and common.DEBUG_ENV in text
-    assert r["debug"]["code"] == common.EXIT_INTERNAL and "Traceback" in r["debug"]["stderr"]
+    for case in ("debug", "debug-after"):  # `dcp-tiered --debug inspect X` and `dcp-tiered inspect X --debug`
+        assert r[case]["code"] == common.EXIT_INTERNAL and "Traceback" in r[case]["stderr"], r[case]
     assert r["memory"]["code"] == common.EXIT_NO_MEMORY and "MemoryError" in line("memory")
     assert r["recursion"]["code"] == common.EXIT_INTERNAL and "RecursionError" in line("recursion")
     assert r["interrupt"]["code"] == common.EXIT_INTERRUPTED and "interrupted" in line("interrupt")

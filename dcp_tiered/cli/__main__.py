@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     tier_cmds.add_parsers(sub)
     bench.add_parsers(sub)
     for p in sub.choices.values():
+        # also after the command; SUPPRESS keeps a --debug given before it
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
         if not p.epilog or "exit codes:" not in p.epilog:
             p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + EXIT_CODES_HELP
         p.formatter_class = argparse.RawDescriptionHelpFormatter
