@@ -11,14 +11,15 @@ from collections.abc import Sequence
 
 from dcp_tiered.cli.common import (
     EXIT_CODES_HELP,
-    EXIT_CORRUPT,
     EXIT_INTERRUPTED,
-    EXIT_NOT_FOUND,
-    EXIT_PROBLEMS,
-    EXIT_STORAGE,
     EXIT_USAGE,
-    CliError,
+    debug_enabled,
+    error_line,
+    exit_code_for,
+    unwrap_error,
 )
+
+__all__ = ["build_parser", "exit_code_for", "main"]
 
 DESCRIPTION = """\
 Compressed, tiered PyTorch Distributed Checkpoint (DCP) storage.
@@ -27,7 +28,7 @@ commands:
   train     a real training loop (small GPT on synthetic tokens) wired to TieredCheckpointer
   demo      train with a one-minute preset: 3 tiers, async saves, a crash, a bit-exact resume
   inspect   tensors, dtypes, shapes, stored vs raw size, codec, format version
-  verify    every checksum and every referenced file (exit 1 on any problem)
+  verify    every checksum and every referenced file of each path (exit: the worst verdict)
   ls        every checkpoint of every tier: committed, step, size, optimizer, promotion state
   convert   re-encode a checkpoint: codec, dtype, stock DCP, torch.save file
   promote   run pending promotions now (--dry-run lists them)
@@ -46,13 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug logs and tracebacks)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (or set DCP_TIERED_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train.add_parsers(sub)
     checkpoint_cmds.add_parsers(sub)
     tier_cmds.add_parsers(sub)
     bench.add_parsers(sub)
     for p in sub.choices.values():
+        # also after the command; SUPPRESS keeps a --debug given before it
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
         if not p.epilog or "exit codes:" not in p.epilog:
             p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + EXIT_CODES_HELP
         p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -65,78 +70,105 @@ def _version() -> str:
     return __version__
 
 
-def exit_code_for(exc: BaseException) -> int:
-    """The documented exit code of an error."""
-    from dcp_tiered.errors import (
-        CheckpointExistsError,
-        CheckpointNotFoundError,
-        ConfigError,
-        CorruptCheckpointError,
-        PromotionError,
-        SaveError,
-        StorageError,
-        UnsupportedFormatError,
-    )
+class _OneLineFormatter(logging.Formatter):
+    """Log records on one line: an attached exception becomes ``(Type: message)``, never a traceback."""
 
-    if isinstance(exc, CliError):
-        return exc.code
-    if isinstance(exc, (CheckpointNotFoundError,)):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, StorageError) and isinstance(exc, FileNotFoundError):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, (CorruptCheckpointError, UnsupportedFormatError)):
-        return EXIT_CORRUPT
-    if isinstance(exc, (ConfigError, CheckpointExistsError)):
-        return EXIT_USAGE
-    if isinstance(exc, (PromotionError, SaveError)):
-        return EXIT_PROBLEMS
-    if isinstance(exc, StorageError):
-        return EXIT_STORAGE
-    if isinstance(exc, FileNotFoundError):
-        return EXIT_NOT_FOUND
-    return EXIT_PROBLEMS
+    def format(self, record: logging.LogRecord) -> str:
+        exc = record.exc_info[1] if record.exc_info else None
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        try:
+            text = super().format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+        return f"{text} ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})" if exc is not None else text
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 600 else text[:597] + "..."
+def _setup_logging(args: argparse.Namespace, debug: bool) -> None:
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    handler = logging.StreamHandler()
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt) if debug else _OneLineFormatter(fmt))
+    logging.basicConfig(level=level, handlers=[handler])
+    if args.verbose < 2:
+        logging.getLogger("dcp_tiered.events").setLevel(logging.WARNING)
+
+
+def _quiet_hooks(command: str) -> dict:
+    """Errors in background threads and ignored ones in finalizers: one line each, no traceback."""
+    import threading
+
+    saved = {"thread": threading.excepthook, "unraisable": sys.unraisablehook}
+
+    def thread_hook(hook_args: threading.ExceptHookArgs) -> None:
+        if hook_args.exc_type is SystemExit or hook_args.exc_value is None:
+            return
+        name = getattr(hook_args.thread, "name", "a thread")
+        print(f"{error_line(command, hook_args.exc_value)} [in background thread {name}]", file=sys.stderr)
+
+    def unraisable_hook(u: "sys.UnraisableHookArgs") -> None:
+        if u.exc_value is not None:
+            print(f"{error_line(command, u.exc_value)} [ignored]", file=sys.stderr)
+
+    threading.excepthook = thread_hook
+    sys.unraisablehook = unraisable_hook
+    return saved
+
+
+def _restore_hooks(saved: dict) -> None:
+    import threading
+
+    threading.excepthook = saved["thread"]
+    sys.unraisablehook = saved["unraisable"]
+
+
+def _report(command: str, exc: BaseException, debug: bool, path: str | None = None) -> int:
+    """Print ``exc`` as one line (and its traceback when debugging); return its exit code."""
+    inner = unwrap_error(exc)
+    if debug:
+        import traceback
+
+        traceback.print_exception(exc)
+    try:
+        print(error_line(command, inner, path), file=sys.stderr)
+    except BaseException:  # a message that cannot even be formatted (str() raising, recursion)
+        print(f"dcp-tiered {command}: internal error: {type(inner).__name__}", file=sys.stderr)
+    return exit_code_for(inner)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return EXIT_USAGE
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if args.verbose < 2:
-        logging.getLogger("dcp_tiered.events").setLevel(logging.WARNING)
+    """Run one command; every error becomes one line on stderr and its documented exit code."""
+    command, path = "-", None
+    debug = debug_enabled()
+    saved = None
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        debug = debug_enabled(args)
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return EXIT_USAGE
+        command, path = args.command, getattr(args, "path", None)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _setup_logging(args, debug)
+        if not debug:
+            saved = _quiet_hooks(command)
+            if argv is None:  # the script: keep the hooks for threads that fail while the process exits
+                saved = None
         return int(args.func(args) or 0)
+    except SystemExit:  # argparse: --help, --version, a usage error (exit 2)
+        raise
     except KeyboardInterrupt:
-        print("dcp-tiered: interrupted", file=sys.stderr)
+        print(f"dcp-tiered {command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `dcp-tiered ls | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            raise
-        if args.verbose >= 2:
-            raise
-        # DCP wraps errors raised inside dcp.save/dcp.load in CheckpointException
-        failures = getattr(exc, "failures", None)
-        if isinstance(failures, dict) and failures:
-            inner = next(iter(failures.values()))
-            inner = inner[0] if isinstance(inner, tuple) else inner
-            if isinstance(inner, BaseException):
-                exc = inner
-        code = exit_code_for(exc)
-        prefix = "" if isinstance(exc, CliError) else f"{type(exc).__name__}: "
-        print(f"dcp-tiered {args.command}: error: {prefix}{_one_line(exc)}", file=sys.stderr)
-        return code
+        return _report(command, exc, debug, path)
+    finally:
+        if saved is not None:
+            _restore_hooks(saved)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,16 @@ from dcp_tiered.cli.common import (
     CliError,
     Progress,
     add_storage_args,
+    debug_enabled,
+    error_line,
+    exit_code_for,
     human_bytes,
+    one_line,
     parse_dtype,
     print_json,
     storage_options_for,
     table,
+    unwrap_error,
 )
 
 INSPECT_EXAMPLES = """\
@@ -55,7 +60,8 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("verify", help="check every checksum and every referenced file",
                        description="Verify checkpoints: .metadata integrity, every data file it names (present, long "
                                    "enough) and every frame checksum (stock DCP items: files present and long enough). "
-                                   "Exits 1 on any problem in any of the paths.",
+                                   "Every path is checked and gets a verdict; the exit code is the worst of them "
+                                   "(1: damaged data found, 3: no checkpoint, 4: unreadable or unsafe .metadata, ...).",
                        epilog=VERIFY_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint directories or URLs")
     p.add_argument("--json", action="store_true", help="machine-readable output (a list when several paths are given)")
@@ -102,33 +108,55 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _verify_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
-
+    """Verify one path; never raises (but for Ctrl-C): an error becomes the path's verdict and exit code."""
     t0 = time.perf_counter()
     try:
         reader = ckptio.open_reader(path, storage_options_for(path, args))
-    except (CorruptCheckpointError, UnsupportedFormatError) as exc:
-        problems, counts = [f"{type(exc).__name__}: {exc}"], {}
-    else:
         summary, _ = ckptio.describe(reader)
         with Progress(summary["stored_bytes"], "verify", unit="B") as bar:
             problems, counts = ckptio.verify_checkpoint(reader, bar.update)
-    return {"path": path, "ok": not problems, "problems": problems, **counts, "seconds": round(time.perf_counter() - t0, 3)}
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as raised:
+        exc = unwrap_error(raised)
+        if debug_enabled(args):
+            import traceback
+
+            traceback.print_exception(raised)
+        code = exit_code_for(exc)
+        return {"path": path, "ok": False, "exit_code": code, "error": error_line("verify", exc, path),
+                "error_type": type(exc).__name__, "problems": [f"{type(exc).__name__}: {one_line(exc)}"],
+                "seconds": round(time.perf_counter() - t0, 3)}
+    return {"path": path, "ok": not problems, "exit_code": EXIT_PROBLEMS if problems else EXIT_OK, "problems": problems,
+            **counts, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    results = [_verify_one(p, args) for p in args.paths]
-    if args.json:
-        print_json(results[0] if len(results) == 1 else results)
-    for r in results if not args.json else ():
-        if r["problems"]:
+    """Verify every path, print a verdict per path, exit with the worst (highest) code."""
+    results = []
+    for path in args.paths:
+        r = _verify_one(path, args)
+        results.append(r)
+        if "error" in r:
+            print(r["error"], file=sys.stderr, flush=True)
+        elif args.json:
+            pass
+        elif r["problems"]:
             for p in r["problems"]:
                 print(f"PROBLEM  {p}")
-            print(f"{r['path']}: {len(r['problems'])} problem(s) found; restore from another tier or an older step")
+            print(f"{r['path']}: {len(r['problems'])} problem(s) found; restore from another tier or an older step", flush=True)
         else:
             print(f"{r['path']}: OK ({r['items']} items, {r['frames']} frames checksummed, "
-                  f"{r['files']} files, {human_bytes(r['bytes'])} read)")
-    return EXIT_OK if all(r["ok"] for r in results) else EXIT_PROBLEMS
+                  f"{r['files']} files, {human_bytes(r['bytes'])} read)", flush=True)
+    code = max(r["exit_code"] for r in results)
+    if args.json:
+        print_json(results[0] if len(results) == 1 else results)
+    elif len(results) > 1:
+        good = sum(r["ok"] for r in results)
+        damaged = sum(r["exit_code"] == EXIT_PROBLEMS for r in results)
+        print(f"verified {len(results)} paths: {good} OK, {damaged} with problems, "
+              f"{len(results) - good - damaged} could not be verified (exit {code})")
+    return code
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

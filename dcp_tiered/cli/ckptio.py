@@ -7,7 +7,8 @@ the frame codec) so that each command stays short.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,26 @@ def _dtype_str(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# What reading a field of the wrong type or range raises; from metadata that means a malformed checkpoint.
+_MALFORMED = (TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError)
+
+
+@contextmanager
+def _untrusted(reader: Any) -> Iterator[None]:
+    """Turn a builtin error raised while interpreting ``reader``'s metadata into ``CorruptCheckpointError``."""
+    from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError
+
+    try:
+        yield
+    except DcpTieredError:
+        raise
+    except _MALFORMED as exc:
+        raise CorruptCheckpointError(
+            f"{getattr(reader, 'checkpoint_id', 'the checkpoint')}/.metadata is malformed "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); restore from another tier or an older step"
+        ) from exc
+
+
 def _numel(shape: Any) -> int:
     n = 1
     for d in shape:
@@ -65,12 +86,17 @@ def _numel(shape: Any) -> int:
 
 
 def describe(reader: Any) -> tuple[dict[str, Any], list[TensorRow]]:
-    """Summary and per-key rows of the checkpoint ``reader`` opened."""
+    """Summary and per-key rows of the checkpoint ``reader`` opened (malformed records: ``CorruptCheckpointError``)."""
+    md = reader.read_metadata()
+    with _untrusted(reader):
+        return _describe(reader, md)
+
+
+def _describe(reader: Any, md: Any) -> tuple[dict[str, Any], list[TensorRow]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from dcp_tiered.dcp.format import FORMAT_VERSION, is_native_record
 
-    md = reader.read_metadata()
     rows: dict[str, TensorRow] = {}
     for fqn, smd in md.state_dict_metadata.items():
         if isinstance(smd, TensorStorageMetadata):
@@ -142,14 +168,22 @@ def fp32_bytes(md: Any) -> int:
 
 
 def verify_checkpoint(reader: Any, on_bytes: Callable[[int], None] | None = None) -> tuple[list[str], dict[str, Any]]:
-    """Check every referenced file and every frame checksum; return (problems, counts)."""
+    """Check every referenced file and every frame checksum; return (problems, counts).
+
+    Malformed records raise ``CorruptCheckpointError``; damaged data files are listed as problems.
+    """
+    md = reader.read_metadata()
+    with _untrusted(reader):
+        return _verify_records(reader, md, on_bytes)
+
+
+def _verify_records(reader: Any, md: Any, on_bytes: Callable[[int], None] | None) -> tuple[list[str], dict[str, Any]]:
     from dcp_tiered.codecs import verify_frame
     from dcp_tiered.dcp.format import is_native_record
     from dcp_tiered.errors import DcpTieredError
     from dcp_tiered.storage import MissingFileError
 
     storage = reader.storage
-    md = reader.read_metadata()
     problems: list[str] = []
     sizes: dict[str, int | None] = {}
     counts = {"items": 0, "frames": 0, "files": 0, "bytes": 0}
