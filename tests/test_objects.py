@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +284,48 @@ def test_safe_globals_argument_is_checked(tmp_path: Path) -> None:
         CompressedWriter(tmp_path / "a", safe_globals="numpy.ndarray")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="safe_globals"):
         CompressedWriter(tmp_path / "b", safe_globals=[42])  # type: ignore[list-item]
+
+
+class _Reduce:
+    """Unpickles as ``fn(arg)``."""
+
+    def __init__(self, fn: Any, arg: str) -> None:
+        self.fn, self.arg = fn, arg
+
+    def __reduce__(self) -> tuple:
+        return (self.fn, (self.arg,))
+
+
+UNPICKLED: list[Any] = []
+
+
+class Recorder:
+    """Records each unpickling: the refusal's diagnosis must not build it."""
+
+    def __setstate__(self, state: dict) -> None:
+        UNPICKLED.append(state)
+        self.__dict__.update(state)
+
+
+def test_code_payload_is_refused_at_save_and_at_load_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    sd = {"obj": _Reduce(os.system, f"touch {shlex.quote(str(marker))}"), "w": torch.ones(2)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(sd, storage_writer=CompressedWriter(tmp_path / "c"), no_dist=True)
+    (err,) = failures(info.value)
+    assert isinstance(err, UnsafeObjectError) and "do not allow" in str(err) and "system" in str(err), err
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "stock"), no_dist=True)  # stock writers do not check
+    rec = Recorder()
+    rec.x = 1
+    dcp.save({"rec": rec}, storage_writer=FileSystemWriter(tmp_path / "rec"), no_dist=True)
+    UNPICKLED.clear()
+    for path, key in ((tmp_path / "stock", "obj"), (tmp_path / "rec", "rec")):
+        with pytest.raises(CheckpointException) as info:
+            dcp.load({key: None}, storage_reader=CompressedReader(path, safe_globals=TRUST), no_dist=True)
+        (err,) = failures(info.value)
+        assert isinstance(err, UnsafeCheckpointError) and f"{key!r}" in str(err), err
+    assert f"{__name__}.Recorder" in str(err)
+    assert UNPICKLED == [] and not marker.exists()
 
 
 # -- stock checkpoints ----------------------------------------------------------------------------------

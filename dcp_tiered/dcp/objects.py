@@ -122,38 +122,53 @@ def _torch_load(data: "bytes | memoryview") -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def missing_globals(data: "bytes | memoryview", safe_globals: Sequence[Any] = ()) -> list[str]:
+def missing_globals(data: "bytes | memoryview", safe_globals: Sequence[Any] = (), error: BaseException | None = None,
+                    *, explore: bool = False) -> list[str]:
     """The ``module.name`` globals ``data`` (a ``torch.save`` payload) needs beyond ``safe_globals``.
 
-    Static (the pickle's GLOBALs) plus dynamic (classes torch refuses to build, e.g. numpy's
-    ``dtypes.UInt32DType``): each missing global is taken from ``sys.modules`` (never imported)
-    and the load retried, so the list is complete when the types are loaded in this process.
+    The pickle's own GLOBALs (read statically, nothing runs) plus the one ``error`` (torch's
+    refusal) names.  With ``explore`` (the writer only: the objects are the caller's own),
+    classes that torch refuses to build only once the rest is allowed (numpy's
+    ``dtypes.UInt32DType``) are found too: named globals that are non-stdlib classes or numpy
+    functions are taken from ``sys.modules`` (never imported) and the load retried.
     """
     names: list[str] = []
-    extra: list[Any] = []
-    for _ in range(32):
-        with allowing((*safe_globals, *extra)):
-            if not names:
-                try:
-                    names += sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
-                except Exception:  # noqa: BLE001 - not a torch.save zip: only the load below can tell
-                    pass
-                extra += [g for g in map(_from_loaded_modules, names) if g is not None]
-                continue
-            try:
-                _torch_load(data)
-                break
-            except Exception as exc:  # noqa: BLE001 - any refusal: find the global it names
-                text = str(exc)
+
+    def add(exc: BaseException) -> bool:
+        text = str(exc)
         found = next((m.group(1) for r in _GLOBAL_RE if (m := r.search(text))), None)
         if found is None or found in names:
-            break
+            return False
         names.append(found)
-        obj = _from_loaded_modules(found)
-        if obj is None:
+        return True
+
+    with allowing(safe_globals):
+        try:
+            names += sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+        except Exception:  # noqa: BLE001 - not a torch.save zip: only the error can tell
+            pass
+    if error is not None:
+        add(error)
+    for _ in range(32 if explore else 0):
+        extra = [g for g in map(_from_loaded_modules, names) if _explorable(g)]
+        if len(extra) < len(names):
+            break  # something we will not run is needed first
+        try:
+            with allowing((*safe_globals, *extra)):
+                _torch_load(data)
             break
-        extra.append(obj)
+        except Exception as exc:  # noqa: BLE001 - any refusal: find the global it names
+            if not add(exc):
+                break
     return names
+
+
+def _explorable(obj: Any) -> bool:
+    """A global that the save-time diagnosis may allow on the caller's own objects."""
+    module = (getattr(obj, "__module__", None) or "").partition(".")[0]
+    if not module or module in sys.stdlib_module_names or module in ("builtins", "torch"):
+        return False
+    return isinstance(obj, type) or module == "numpy"
 
 
 def _from_loaded_modules(name: str) -> Any:
@@ -164,8 +179,14 @@ def _from_loaded_modules(name: str) -> Any:
     return obj
 
 
-def _refusal(data: "bytes | memoryview", safe_globals: Sequence[Any], exc: BaseException) -> str:
-    names = missing_globals(data, safe_globals)
+def _refusal(data: "bytes | memoryview", safe_globals: Sequence[Any], exc: BaseException, explore: bool = False) -> str:
+    names = missing_globals(data, safe_globals, exc, explore=explore)
+    risky = [n for n in names if n.partition(".")[0] in sys.stdlib_module_names or n.startswith("builtins.")]
+    if risky:
+        return (
+            f"torch.load(weights_only=True) refuses the global(s) {', '.join(names)}; do not allow "
+            f"{', '.join(risky)}: such functions can run arbitrary code (store plain data instead)"
+        )
     if names:
         return (
             f"torch.load(weights_only=True) refuses the global(s) {', '.join(names)}. If you trust these types, "
@@ -225,7 +246,7 @@ def encode_object(item: WriteItem, data: Any, planner: SavePlanner, safe_globals
     except Exception as exc:  # noqa: BLE001 - whatever the reader would refuse
         raise UnsafeObjectError(
             f"cannot save non-tensor item {key!r} to {where}: a restore would refuse it, "
-            f"{_refusal(payload, safe_globals, exc)}. Nothing was committed"
+            f"{_refusal(payload, safe_globals, exc, explore=True)}. Nothing was committed"
         ) from exc
     if isinstance(value, io.BytesIO) and isinstance(loaded, io.BytesIO):
         return loaded.getvalue(), {OBJECT_FIELD: OBJECT_BYTESIO}
