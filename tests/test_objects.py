@@ -34,11 +34,13 @@ from dcp_tiered import (
     ConfigError,
     UnsafeCheckpointError,
     UnsafeObjectError,
+    UnsupportedFormatError,
     load_and_broadcast,
     numpy_safe_globals,
 )
 from dcp_tiered.cli.ckptio import load_state
 from dcp_tiered.dcp.format import METADATA_FILE
+from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
 from dcp_tiered.dcp.objects import OBJECT_BYTESIO, OBJECT_FIELD, expand_stateful
 
 WS = 4
@@ -210,6 +212,19 @@ def test_bytesio_through_async_save(tmp_path: Path) -> None:
     out = {"buf": io.BytesIO(), "w": torch.zeros(2)}
     dcp.load(out, storage_reader=CompressedReader(tmp_path / "ck"), no_dist=True)
     assert out["buf"].getvalue() == PAYLOAD
+
+
+def test_unknown_object_encoding_is_refused_naming_the_key(tmp_path: Path) -> None:
+    dcp.save({"buf": io.BytesIO(PAYLOAD)}, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    md_path = tmp_path / "ck" / METADATA_FILE
+    md = decode_metadata(md_path.read_bytes(), str(md_path))
+    for rec in md.storage_data.values():
+        rec[OBJECT_FIELD] = "json-v9"  # a later version's encoding
+    md_path.write_bytes(encode_metadata(md))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"buf": io.BytesIO()}, storage_reader=CompressedReader(tmp_path / "ck"), no_dist=True)
+    (err,) = failures(info.value)
+    assert isinstance(err, UnsupportedFormatError) and "'buf'" in str(err) and "json-v9" in str(err), err
 
 
 # -- objects that need an opt-in -----------------------------------------------------------------------

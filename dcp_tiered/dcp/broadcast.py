@@ -297,9 +297,8 @@ def load_and_broadcast(
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ConfigError(f"load_and_broadcast: bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     normalize_safe_globals(safe_globals, "load_and_broadcast")
-    user_state_dict = state_dict
     # Every rank expands its own Stateful objects; finish() calls their load_state_dict at the end.
-    state_dict, finish = expand_stateful(user_state_dict)
+    state_dict, finish = expand_stateful(state_dict)
 
     def load_alone(ranks: list[int]) -> BroadcastStats:
         _describe(_leaves(state_dict))  # same refusal of sharded state as with a group
