@@ -21,6 +21,7 @@ from dcp_tiered.errors import (
     StorageError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
+    UnsafeObjectError,
 )
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ _LAZY = {
     "CheckpointInfo": "dcp_tiered.tiers.catalog",
     "load_and_broadcast": "dcp_tiered.dcp.broadcast",
     "LeaderLoadError": "dcp_tiered.dcp.broadcast",
+    "numpy_safe_globals": "dcp_tiered.dcp.objects",
 }
 
 __all__ = [
@@ -65,6 +67,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "__version__",
+    "UnsafeObjectError",
+    "numpy_safe_globals",
 ]
 
 

@@ -50,3 +50,7 @@ class PromotionError(StorageError):
 
 class SaveError(DcpTieredError, RuntimeError):
     """A checkpoint save (possibly in the background) failed; raised at the next call that can report it."""
+
+
+class UnsafeObjectError(ConfigError):
+    """A non-tensor value would be refused on restore (``weights_only``); raised at save, naming the opt-in."""

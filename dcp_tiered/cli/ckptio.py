@@ -22,10 +22,11 @@ def is_torch_save_path(path: str) -> bool:
     return str(path).endswith(TORCH_SAVE_SUFFIXES)
 
 
-def open_reader(path: str, storage_options: dict[str, Any] | None = None, verify: bool = True) -> Any:
+def open_reader(path: str, storage_options: dict[str, Any] | None = None, verify: bool = True,
+                safe_globals: Any = None) -> Any:
     from dcp_tiered.dcp.reader import CompressedReader
 
-    return CompressedReader(path, storage_options=storage_options, verify=verify)
+    return CompressedReader(path, storage_options=storage_options, verify=verify, safe_globals=safe_globals)
 
 
 @dataclass
@@ -243,8 +244,12 @@ def _verify_records(reader: Any, md: Any, on_bytes: Callable[[int], None] | None
 # -- load into memory / save ------------------------------------------------------------------
 
 
-def load_state(path: str, storage_options: dict[str, Any] | None = None, on_item: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Load a whole checkpoint (or a ``torch.save`` file) into a new state dict, original dtypes."""
+def load_state(path: str, storage_options: dict[str, Any] | None = None, on_item: Callable[[], None] | None = None,
+               safe_globals: Any = None) -> dict[str, Any]:
+    """Load a whole checkpoint (or a ``torch.save`` file) into a new state dict, original dtypes.
+
+    ``safe_globals``: the opt-in for non-tensor values beyond ``weights_only`` (see ``CompressedReader``).
+    """
     import torch
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -252,8 +257,10 @@ def load_state(path: str, storage_options: dict[str, Any] | None = None, on_item
     if is_torch_save_path(path):
         import fsspec
 
+        from dcp_tiered.dcp.objects import allowing, normalize_safe_globals
+
         try:
-            with fsspec.open(path, "rb", **(storage_options or {})) as f:
+            with fsspec.open(path, "rb", **(storage_options or {})) as f, allowing(normalize_safe_globals(safe_globals, "load")):
                 sd = torch.load(f, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise CliError(f"{path} does not exist", EXIT_NOT_FOUND) from None
@@ -272,7 +279,7 @@ def load_state(path: str, storage_options: dict[str, Any] | None = None, on_item
             if on_item:
                 on_item()
 
-    reader = open_reader(path, storage_options)
+    reader = open_reader(path, storage_options, safe_globals=safe_globals)
     sd: dict[str, Any] = {}
     _load_state_dict(sd, storage_reader=reader, planner=_Counting(), no_dist=True)
     return sd
@@ -285,8 +292,11 @@ def count_items(path: str, storage_options: dict[str, Any] | None = None) -> int
 
 
 def save_state(sd: dict[str, Any], dst: str, codec: str, dtype: Any = None, storage_options: dict[str, Any] | None = None,
-               overwrite: bool = False, on_item: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Save ``sd`` to ``dst``: a directory (``codec`` ``stock`` for stock DCP) or a ``torch.save`` file."""
+               overwrite: bool = False, on_item: Callable[[], None] | None = None, safe_globals: Any = None) -> dict[str, Any]:
+    """Save ``sd`` to ``dst``: a directory (``codec`` ``stock`` for stock DCP) or a ``torch.save`` file.
+
+    ``safe_globals``: the opt-in the non-tensor values need (checked at save, see ``CompressedWriter``).
+    """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -331,7 +341,7 @@ def save_state(sd: dict[str, Any], dst: str, codec: str, dtype: Any = None, stor
             raise CliError(f"a committed checkpoint already exists at {dst}; pass --overwrite to replace it", 2)
         dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
         return {"format": "stock DCP"}
-    writer = CompressedWriter(dst, codec, storage_options=storage_options, overwrite=overwrite)
+    writer = CompressedWriter(dst, codec, storage_options=storage_options, overwrite=overwrite, safe_globals=safe_globals)
     dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
     stats = writer.last_stats
     return {"format": "dcp_tiered", "codec": writer.codec, **(stats.as_dict() if stats else {})}

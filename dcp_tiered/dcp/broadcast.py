@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.storage import StorageReader
 
+from dcp_tiered.dcp.objects import expand_stateful, normalize_safe_globals
 from dcp_tiered.errors import ConfigError, DcpTieredError
 
 #: Default bucket size: bounds the extra memory a broadcast needs on every rank.
@@ -193,13 +194,14 @@ def _leader_threads(group_size: int) -> int:
     return max(1, min(cores, default_threads() * group_size))
 
 
-def _reader(source: ReaderSource, storage_options: dict | None, threads: int | None = None) -> StorageReader:
+def _reader(source: ReaderSource, storage_options: dict | None, threads: int | None = None,
+            safe_globals: Any = None) -> StorageReader:
     if isinstance(source, StorageReader):
         return source
     if isinstance(source, (str, os.PathLike)):
         from dcp_tiered.dcp.reader import CompressedReader
 
-        return CompressedReader(source, storage_options=storage_options, threads=threads)
+        return CompressedReader(source, storage_options=storage_options, threads=threads, safe_globals=safe_globals)
     if callable(source):
         reader = source()
         if not isinstance(reader, StorageReader):
@@ -260,14 +262,18 @@ def load_and_broadcast(
     planner: Any = None,
     storage_options: dict[str, Any] | None = None,
     threads: int | None = None,
+    safe_globals: Any = None,
 ) -> BroadcastStats:
     """Load ``state_dict`` in place on one leader per group and broadcast it to the group.
 
     Args:
         state_dict: the destination, as for ``dcp.load``: plain tensors (any device, views
-            included) are written in place, other values are replaced.  Every rank of a group
-            must pass the same structure (keys, tensor dtypes and shapes); a mismatch raises
-            :class:`ConfigError` on every rank of the group.
+            included) are written in place, other values are replaced.  Top-level ``Stateful``
+            values (modules, optimizers, an ``AppState``) are expanded to their
+            ``state_dict()`` and get ``load_state_dict`` called with the loaded state on every
+            rank, as ``dcp.load`` does.  Every rank of a group must pass the same structure
+            (keys, tensor dtypes and shapes); a mismatch raises :class:`ConfigError` on every
+            rank of the group.
         storage_reader: a ``StorageReader``; a path or URL (a :class:`CompressedReader` is
             built, with ``storage_options``); or a zero-argument factory returning a reader.
             With a path or a factory only the leader touches storage.
@@ -280,6 +286,9 @@ def load_and_broadcast(
         storage_options: fsspec options when ``storage_reader`` is a path.
         threads: decompression threads of the reader built from a path (default: the
             leader's share of the node's cores plus its receivers' shares, as they wait).
+        safe_globals: the opt-in of the reader built from a path for non-tensor values that
+            need more than ``weights_only`` (see :class:`CompressedReader`).  Receivers get the
+            leader's loaded values, unpickled from the group (trusted: it is this job's leader).
 
     Without an initialized default process group this is ``dcp.load(..., no_dist=True)``.
     If the leader's load fails, the leader raises its error and the receivers raise
@@ -287,11 +296,16 @@ def load_and_broadcast(
     """
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ConfigError(f"load_and_broadcast: bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    normalize_safe_globals(safe_globals, "load_and_broadcast")
+    # Every rank expands its own Stateful objects; finish() calls their load_state_dict at the end.
+    state_dict, finish = expand_stateful(state_dict)
+
     def load_alone(ranks: list[int]) -> BroadcastStats:
         _describe(_leaves(state_dict))  # same refusal of sharded state as with a group
         t0 = time.perf_counter()
-        reader = _reader(storage_reader, storage_options, threads)
+        reader = _reader(storage_reader, storage_options, threads, safe_globals)
         dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+        finish()
         return BroadcastStats(True, ranks, ranks[0], load_s=time.perf_counter() - t0)
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -315,7 +329,7 @@ def load_and_broadcast(
         failure: BaseException | None = None
         try:
             _describe(_leaves(state_dict))  # refuse sharded state before reading anything
-            reader = _reader(storage_reader, storage_options, threads or _leader_threads(len(ranks)))
+            reader = _reader(storage_reader, storage_options, threads or _leader_threads(len(ranks)), safe_globals)
             dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException;
             failure = exc  # every failure is reported to the receivers first (else they would wait), then re-raised
@@ -419,4 +433,5 @@ def load_and_broadcast(
     stats.bytes_sent = sum(sizes)
     stats.buckets = len(buckets)
     stats.broadcast_s = time.perf_counter() - t0
+    finish()  # Stateful objects take their loaded state, on every rank
     return stats

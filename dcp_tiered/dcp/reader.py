@@ -36,10 +36,11 @@ from dcp_tiered.dcp.format import (
     is_native_record,
 )
 from dcp_tiered.dcp.metadata_io import decode_metadata
+from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
 from dcp_tiered.dcp.writer import default_threads
-from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 # Largest single ranged read; bounds host memory held by one read.
@@ -97,6 +98,12 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         threads: decompression threads (default: cores of this node divided by its ranks).
         max_object_bytes: largest decoded non-tensor item accepted (their size is not in
             DCP's metadata, so a hostile checkpoint could otherwise claim any size).
+        safe_globals: classes/functions that non-tensor values may need beyond ``torch.load``'s
+            ``weights_only`` allow-list (numpy values: :func:`~dcp_tiered.dcp.objects.numpy_safe_globals`,
+            user classes), as for ``torch.serialization.add_safe_globals``; applied only around
+            this reader's own loads.  Objects needing anything else raise
+            :class:`UnsafeCheckpointError` naming the key and the missing globals.
+            ``io.BytesIO`` values need nothing (stored as raw bytes, or a stock pickled ``BytesIO``).
 
     The constructor reads and validates ``.metadata``, so a path that is not a checkpoint,
     or a damaged or hostile ``.metadata``, raises here with this package's error (inside
@@ -111,8 +118,10 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         verify: bool = True,
         threads: int | None = None,
         max_object_bytes: int = MAX_OBJECT_BYTES,
+        safe_globals: SafeGlobals | None = None,
     ) -> None:
         super().__init__()
+        self.safe_globals = normalize_safe_globals(safe_globals, "CompressedReader")
         if threads is not None and threads < 1:
             raise ConfigError(f"threads must be at least 1, got {threads}")
         self.storage_options = dict(storage_options or {})
@@ -374,7 +383,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
 
     def _finish(self, r: _Request, planner: LoadPlanner) -> None:
         if r.record["kind"] == KIND_BYTES:
-            self._load_bytes(r.req, r.buf.tobytes(), planner)
+            self._load_bytes(r.req, r.buf.tobytes(), planner, r.record)
             return
         if r.direct:
             planner.commit_tensor(r.req, r.tensor)
@@ -393,15 +402,8 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
-    def _load_bytes(self, req: ReadItem, data: bytes, planner: LoadPlanner) -> None:
-        try:
-            torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as exc:
-            raise UnsafeCheckpointError(
-                f"item {req.storage_index.fqn!r} in {self.storage.url} does not load with weights_only=True "
-                f"({type(exc).__name__}: {str(exc)[:200]}); refusing to unpickle it"
-            ) from exc
-        planner.load_bytes(req, io.BytesIO(data))
+    def _load_bytes(self, req: ReadItem, data: bytes, planner: LoadPlanner, record: Any) -> None:
+        deliver(planner, req, data, record, self.safe_globals, self.storage.url)
 
     def _read_stock(self, req: ReadItem, planner: LoadPlanner) -> None:
         info = self._record(req)
@@ -415,7 +417,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         bound = stock_raw_bound(req, self._chunk_sizes, self._tensor_dtypes, info.length)
         raw = decode_stock_item(data, info.transform_descriptors or (), bound, f"{key!r} in {self.storage.url_of(name)}")
         if req.type == LoadItemType.BYTE_IO:
-            self._load_bytes(req, raw, planner)
+            self._load_bytes(req, raw, planner, info)
             return
         try:
             tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)

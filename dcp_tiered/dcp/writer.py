@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import io
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from dcp_tiered.dcp.common import UrlCheckpointId, completed, lower_thread_prior
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
 from dcp_tiered.dcp.format import DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, dtype_name
 from dcp_tiered.dcp.metadata_io import encode_metadata
+from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
 from dcp_tiered.dcp.report import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
@@ -65,6 +65,12 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             (turn off only where other ranks' files are not visible to it, e.g. node-local disks).
         nice: run the writing thread and the encoding threads at this lower CPU priority
             (``TieredCheckpointer`` uses it for background saves, so training keeps the cores).
+        safe_globals: classes/functions that non-tensor values need beyond ``torch.load``'s
+            ``weights_only`` allow-list (numpy values: :func:`~dcp_tiered.dcp.objects.numpy_safe_globals`),
+            as for ``torch.serialization.add_safe_globals``.  Every non-tensor item is loaded back
+            at save time under them: one that a reader would refuse raises
+            :class:`~dcp_tiered.errors.UnsafeObjectError`, naming the key and the missing globals.
+            Readers need the same list.  ``io.BytesIO`` values are stored as raw bytes.
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         sync_files: bool = True,
         check_sizes: bool = True,
         nice: int | None = None,
+        safe_globals: SafeGlobals | None = None,
     ) -> None:
         super().__init__()
         self.codec = str(parse_codec(codec))
@@ -95,6 +102,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         self.sync_files = sync_files
         self.check_sizes = check_sizes
         self.nice = nice
+        self.safe_globals = normalize_safe_globals(safe_globals, "CompressedWriter")
         self.storage = Storage(path, self.storage_options)
         self.storage.check_reachable()
         self.is_coordinator = False
@@ -183,9 +191,9 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         """Resolve one item to (uint8 array, keep-alive, record fields)."""
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
-            buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-            arr = np.frombuffer(buf, dtype=np.uint8)
-            return (arr, data), {"kind": KIND_BYTES, "itemsize": 1, "filter": filter_for(False, 1)}
+            raw, extra = encode_object(item, data, planner, self.safe_globals, self.storage.url)
+            arr = np.frombuffer(raw, dtype=np.uint8)
+            return (arr, raw), {"kind": KIND_BYTES, "itemsize": 1, "filter": filter_for(False, 1), **extra}
         if not isinstance(data, torch.Tensor):
             raise ConfigError(f"planner resolved tensor item {item.index.fqn!r} to {type(data).__name__}, not a tensor")
         arr, keep = tensor_bytes(data)
