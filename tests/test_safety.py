@@ -329,7 +329,13 @@ def test_metadata_pickle_memo_cannot_allocate_gigabytes(ckpt):
 # --------------------------------------------------------------------------- non-tensor items
 
 
-def test_custom_class_bytes_item_is_not_unpickled(tmp_path):
+def unchecked_objects(monkeypatch) -> None:
+    """Let CompressedWriter write objects a reader must refuse (it refuses them at save otherwise)."""
+    monkeypatch.setattr("dcp_tiered.dcp.writer.encode_object", lambda item, data, *a: (data.getvalue(), {}))
+
+
+def test_custom_class_bytes_item_is_not_unpickled(tmp_path, monkeypatch):
+    unchecked_objects(monkeypatch)
     path = save(tmp_path / "c", {"obj": Custom(3), "w": torch.ones(4)})
     UNPICKLED.clear()
     err = failure_of(lambda: load(path, {"obj": Custom(0), "w": torch.ones(4)}))
@@ -338,7 +344,8 @@ def test_custom_class_bytes_item_is_not_unpickled(tmp_path):
 
 
 @pytest.mark.parametrize("writer", ["compressed", "stock", "stock-zstd"])
-def test_code_payload_in_bytes_item_runs_nothing(tmp_path, writer):
+def test_code_payload_in_bytes_item_runs_nothing(tmp_path, writer, monkeypatch):
+    unchecked_objects(monkeypatch)
     marker = tmp_path / "PWNED"
     sd = {"obj": _Reduce(os.system, f"touch {shlex.quote(str(marker))}"), "w": torch.ones(4)}
     path = tmp_path / "c"
