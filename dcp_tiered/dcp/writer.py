@@ -260,10 +260,14 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 )
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
+        committed = False
         try:
             commit_metadata(self.storage, encode_metadata(metadata), self.overwrite, expected)
+            committed = True
         finally:
-            self._release(committed=True)
+            # The lock file goes only after a commit: a save that failed leaves it (unlocked) so
+            # that a save which opened it meanwhile and one that would create it again never both run.
+            self._release(committed=committed)
         self.last_stats = stats_from_records((i.fqn, r) for i, r in storage_md.items())
         if self._replacing:
             for name in self.storage.listdir():

@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.format import METADATA_FILE
 from dcp_tiered.dcp.report import SaveStats
-from dcp_tiered.dcp.writer import CompressedWriter, _Prefix, claim_checkpoint, unique_tag
+from dcp_tiered.dcp.writer import CompressedWriter, _Prefix, check_count, check_frame_size, claim_checkpoint, unique_tag
 from dcp_tiered.errors import ConfigError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
@@ -74,7 +74,11 @@ class TieredWriter(StorageWriter):
         overwrite: bool = False,
     ) -> None:
         super().__init__()
-        self.tiers = validate_tiers(tiers)
+        # Structure only: probing every tier on every save would cost a request per tier;
+        # TieredCheckpointer probes once at construction, the primary is probed at write.
+        self.tiers = validate_tiers(tiers, probe=False)
+        check_count(threads, "threads", optional=True)
+        check_frame_size(frame_size, optional=True)
         self.by_name = {t.name: t for t in self.tiers}
         if due is not None:
             unknown = [d for d in due if d not in self.by_name]
@@ -213,10 +217,12 @@ class TieredWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self._inner is not None, "finish called before write_data"
+        committed = False
         try:
             self._inner.finish(metadata, results)
+            committed = True
         finally:
-            self._release(committed=True)
+            self._release(committed=committed)
         self.last_stats = self._inner.last_stats
         self.last_tiers = self._plan_tiers
         promoter = self._promoter()
