@@ -201,7 +201,9 @@ import json, os, sys, time
 import torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from dcp_tiered import CompressedWriter
-me, root, sync, rounds, opts = sys.argv[1:]
+from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.writer import TieredWriter
+me, root, sync, rounds, opts, kind = sys.argv[1:]
 me, rounds, opts = int(me), int(rounds), json.loads(opts) or None
 out = []
 for r in range(rounds):
@@ -213,8 +215,15 @@ for r in range(rounds):
         time.sleep(0.0002)
     sd = {"w": torch.full((128, 64), float(1000 * me + r)), "b": torch.arange(3000) + me}
     try:
-        dcp.save(sd, storage_writer=CompressedWriter(f"{root}/r{r}", storage_options=opts, frame_size=4096,
-                                                     sync_files=False), no_dist=True)
+        if kind == "tiered":
+            writer = TieredWriter([Tier("t", root, keep=1000, storage_options=opts or {})], due=["t"], frame_size=4096)
+            try:
+                dcp.save(sd, storage_writer=writer, checkpoint_id=f"r{r}", no_dist=True)
+            finally:
+                writer.close()
+        else:
+            dcp.save(sd, storage_writer=CompressedWriter(f"{root}/r{r}", storage_options=opts, frame_size=4096,
+                                                         sync_files=False), no_dist=True)
         out.append(["won", ""])
     except CheckpointException as exc:
         err = next(iter(exc.failures.values()))[0]
@@ -225,13 +234,13 @@ emit(out)
 """
 
 
-def race(root: str, sync: Path, rounds: int, storage_options: dict | None = None) -> list[list]:
+def race(root: str, sync: Path, rounds: int, storage_options: dict | None = None, kind: str = "compressed") -> list[list]:
     """Two processes save to ``root/r{i}`` at the same moment, ``rounds`` times; each one's outcomes."""
     sync.mkdir(parents=True, exist_ok=True)
     results: list = [None, None]
 
     def run(me: int) -> None:
-        args = [str(me), root, str(sync), str(rounds), json.dumps(storage_options or {})]
+        args = [str(me), root, str(sync), str(rounds), json.dumps(storage_options or {}), kind]
         code = "import sys\nsys.argv = ['x'] + %r\n" % (args,) + _RACER
         results[me] = run_isolated(code, timeout=60 + 10 * rounds, memory_mb=4000)
 
@@ -259,10 +268,11 @@ def check_race(root: str, outcomes: list[list], rounds: int, storage_options: di
         assert all(torch.equal(got_sd[k], want[k]) for k in want), f"round {r}: the committed checkpoint is not the winner's"
 
 
-def test_two_concurrent_saves_to_one_local_path_exactly_one_wins(tmp_path):
-    rounds = 20
+@pytest.mark.parametrize("kind", ["compressed", "tiered"])
+def test_two_concurrent_saves_to_one_local_path_exactly_one_wins(tmp_path, kind):
+    rounds = 20 if kind == "compressed" else 10
     root = str(tmp_path / "ckpts")
-    outcomes = race(root, tmp_path / "sync", rounds)
+    outcomes = race(root, tmp_path / "sync", rounds, kind=kind)
     check_race(root, outcomes, rounds)
     # A committed checkpoint keeps no lock file behind.
     assert not any(p.name == ".lock" for p in Path(root).rglob("*"))
