@@ -319,3 +319,31 @@ os._exit(0)  # dies holding the lock, as a killed save would
     assert (ckpt / ".lock").exists()
     save(ckpt, state())
     assert load(ckpt, state())["b"].equal(state()["b"])
+
+
+def _save_on_ranks(rank: int, world_size: int, path: str, out: str) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    sd = {"w": torch.full((1000,), float(rank))}
+    try:
+        dcp.save(sd, storage_writer=CompressedWriter(path, frame_size=4096, sync_files=False))
+        result = "saved"
+    except CheckpointException as exc:
+        errs = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        result = ",".join(sorted({type(e).__name__ for e in errs}))
+    Path(out, f"rank{rank}").write_text(result)
+
+
+def test_a_refused_claim_fails_every_rank_before_any_writes(tmp_path):
+    from gloo_ranks import run_ranks
+
+    ckpt = tmp_path / "ckpt"
+    lock = Storage(ckpt).try_lock(".lock")  # another job is writing this checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        run_ranks(_save_on_ranks, 2, tmp_path, str(ckpt), str(out), timeout=300)
+    finally:
+        lock.release()
+    assert [(out / f"rank{r}").read_text() for r in (0, 1)] == ["CheckpointExistsError"] * 2
+    assert not list(ckpt.glob("*.distcp")), "a rank wrote data although the coordinator lost the claim"
