@@ -251,11 +251,11 @@ def test_str_is_not_a_list_of_keys():
     assert check_str_list(("a", "b"), "k") == ("a", "b")
 
 
-@pytest.mark.parametrize("step", [-5, -1, True, 1.0, "5", 10**9, None])
+@pytest.mark.parametrize("step", [-5, -1, True, 1.0, "5", None])
 def test_bad_steps(step):
     assert "step" in config_error(check_step, step)
 
 
-@pytest.mark.parametrize("step", [0, 5, 10**9 - 1])
+@pytest.mark.parametrize("step", [0, 5, 10**9 - 1, 10**12])
 def test_good_steps(step):
     assert check_step(step) == step

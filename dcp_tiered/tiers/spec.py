@@ -228,8 +228,8 @@ def check_str_list(value: object, field: str) -> tuple[str, ...]:
 
 
 def check_step(step: object) -> int:
-    """A checkpoint step: an integer from 0 to 999,999,999 (the width of ``step_NNNNNNNNN``)."""
-    return check_count(step, "step", 0, 10**9 - 1)  # type: ignore[return-value]
+    """A checkpoint step: a non-negative integer (``-5`` would name ``step_-00000005``, which no listing finds)."""
+    return check_count(step, "step", 0)  # type: ignore[return-value]
 
 
 def check_checkpointer_options(
