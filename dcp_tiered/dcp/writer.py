@@ -8,6 +8,7 @@ order, so compression and I/O overlap.  ``.metadata`` is committed last, atomica
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import os
 import uuid
@@ -30,6 +31,42 @@ from dcp_tiered.dcp.report import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
 from dcp_tiered.storage import Storage
+from dcp_tiered.storage.fs import FileLock
+
+#: Smallest and largest ``frame_size`` a writer accepts (a frame is one unit of compression and of reading).
+MIN_FRAME_SIZE = 4 << 10
+MAX_FRAME_SIZE = 256 << 20
+#: Lock file a local checkpoint directory holds while a save writes it (removed at commit).
+LOCK_FILE = ".lock"
+
+
+def check_count(value: object, field: str, minimum: int = 1, maximum: int | None = None, optional: bool = False) -> int | None:
+    """``value`` as an int in ``[minimum, maximum]`` (None allowed when ``optional``), else a ConfigError naming ``field``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{field} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ConfigError(f"{field} must be {bound}, got {value!r}")
+    return value
+
+
+def check_frame_size(value: object, optional: bool = False) -> int | None:
+    """A valid ``frame_size`` (bytes, ``MIN_FRAME_SIZE`` .. ``MAX_FRAME_SIZE``) or a ConfigError."""
+    return check_count(value, "frame_size", MIN_FRAME_SIZE, MAX_FRAME_SIZE, optional)
+
+
+def exists_error(url: str, busy: bool = False) -> CheckpointExistsError:
+    """The refusal of a save whose target is committed (or being written by another save)."""
+    if busy:
+        return CheckpointExistsError(
+            f"Checkpoint already exists or is being written at {url}: another save holds {url}/{LOCK_FILE}; "
+            "save to a new path, or wait for it and pass overwrite=True to replace it"
+        )
+    return CheckpointExistsError(
+        f"Checkpoint already exists at {url} (overwrite=False); pass overwrite=True to replace it or save to a new path"
+    )
 
 
 def default_threads() -> int:
@@ -47,6 +84,48 @@ class _Prefix:
     """Per-rank file name prefix, shared through the save plan (plain builtins only)."""
 
     prefix: str
+
+
+def claim_checkpoint(storage: Storage, overwrite: bool) -> "tuple[FileLock, bool]":
+    """Claim ``storage`` for one save (coordinator, before any data is written).
+
+    Locally an exclusive lock on ``LOCK_FILE`` (held until the commit; the kernel drops it if
+    the process dies) makes a second concurrent save fail here.  Returns the lock and whether a
+    committed checkpoint is being replaced; raises :class:`CheckpointExistsError` when one is
+    committed and ``overwrite`` is off, or when another save holds the lock.
+    """
+    lock = storage.try_lock(LOCK_FILE)
+    if lock is None:
+        raise exists_error(storage.url, busy=True)
+    try:
+        replacing = storage.exists(METADATA_FILE)
+        if replacing and not overwrite:
+            raise exists_error(storage.url)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, replacing
+
+
+def unique_tag(storage: Storage) -> str:
+    """Part of the data file names unique to one save, where two saves could race on one name.
+
+    Object stores have no locks: each save writes its own data files and only the exclusive
+    commit of ``.metadata`` decides which one wins, so the loser never overwrites the winner's
+    data.  Local directories are locked instead and keep the plain names.
+    """
+    return f"{uuid.uuid4().hex[:12]}_" if storage.is_object_store else ""
+
+
+def commit_metadata(storage: Storage, data: bytes, overwrite: bool, own_files: "collections.abc.Iterable[str]") -> None:
+    """Commit ``.metadata``; without ``overwrite`` only if none exists (atomically), else
+    remove this save's own uniquely named data files and raise :class:`CheckpointExistsError`."""
+    if storage.commit_bytes(METADATA_FILE, data, exclusive=not overwrite):
+        return
+    if storage.is_object_store:
+        for name in own_files:
+            storage.remove(name)
+    raise exists_error(storage.url)
 
 
 class CompressedWriter(UrlCheckpointId, StorageWriter):
@@ -90,10 +169,17 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     ) -> None:
         super().__init__()
         self.codec = str(parse_codec(codec))
-        if frame_size < 4096:
-            raise ConfigError(f"frame_size must be at least 4096 bytes, got {frame_size}")
-        if threads is not None and threads < 1:
-            raise ConfigError(f"threads must be at least 1, got {threads}")
+        check_frame_size(frame_size)
+        check_count(threads, "threads", optional=True)
+        check_count(nice, "nice", 0, 19, optional=True)
+        for flag, value in (("byte_group", byte_group), ("overwrite", overwrite), ("sync_files", sync_files),
+                            ("check_sizes", check_sizes)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} must be True or False, got {value!r}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ConfigError(f"path must be a local path or fsspec URL, got {path!r}")
         self.storage_options = dict(storage_options or {})
         self.byte_group = byte_group
         self.frame_size = frame_size
@@ -105,6 +191,9 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         self.safe_globals = normalize_safe_globals(safe_globals, "CompressedWriter")
         self.storage = Storage(path, self.storage_options)
         self.storage.check_reachable()
+        if self.storage.is_local and os.path.exists(self.storage.root) and not os.path.isdir(self.storage.root):
+            raise ConfigError(f"path {self.storage.url} exists and is not a directory")
+        self._lock: FileLock | None = None
         self.is_coordinator = False
         self.rank: int | None = None
         self.save_id = uuid.uuid4().hex
@@ -129,29 +218,33 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             )
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
+        self._release()
+
+    def _release(self, committed: bool = False) -> None:
+        if self._lock is not None:
+            self._lock.release(unlink=committed)
+            self._lock = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.storage.makedirs()
         if self.storage.exists(METADATA_FILE):
             if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"a committed checkpoint already exists at {self.storage.url}; "
-                    "pass overwrite=True to replace it or save to a new path"
-                )
+                raise exists_error(self.storage.url)
             self._replacing = True
         if self.rank is not None and plan.storage_data is None:
             plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator before any rank writes data: a refusal here fails every rank.
+        self._lock, self._replacing = claim_checkpoint(self.storage, self.overwrite)
         if self._replacing:
             # Un-commit before any rank writes data, so the old .metadata can never describe
             # files that are being replaced.
             self.storage.remove(METADATA_FILE)
-        return [
-            dataclasses.replace(p, storage_data=_Prefix(f"__{i}_")) if p.storage_data is None else p
-            for i, p in enumerate(plans)
-        ]
+        tag = unique_tag(self.storage)
+        prefixes = [p.storage_data.prefix if isinstance(p.storage_data, _Prefix) else f"__{i}_" for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=_Prefix(prefix + tag)) for p, prefix in zip(plans, prefixes)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix if plan.storage_data is not None else "__0_"
@@ -175,7 +268,14 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 )
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        self.storage.commit_bytes(METADATA_FILE, encode_metadata(metadata))
+        committed = False
+        try:
+            commit_metadata(self.storage, encode_metadata(metadata), self.overwrite, expected)
+            committed = True
+        finally:
+            # The lock file goes only after a commit: a save that failed leaves it (unlocked) so
+            # that a save which opened it meanwhile and one that would create it again never both run.
+            self._release(committed=committed)
         self.last_stats = stats_from_records((i.fqn, r) for i, r in storage_md.items())
         if self._replacing:
             for name in self.storage.listdir():

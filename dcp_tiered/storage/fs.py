@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import posixpath
+import stat
 import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -18,7 +20,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from dcp_tiered.errors import DcpTieredError, StorageError
+from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError, StorageError, UnsafeCheckpointError
 from dcp_tiered.storage.paths import safe_relative_name
 from dcp_tiered.storage.writeback import WritebackFile
 
@@ -27,6 +29,48 @@ _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci",
 
 class MissingFileError(StorageError, FileNotFoundError):
     """A file that should exist in storage does not."""
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+
+
+class FileLock:
+    """An exclusive advisory lock (``flock``) on a local file, held until :meth:`release`.
+
+    The kernel drops it when the process dies, so a crashed save never leaves a stale lock.
+    A pickled copy is released (a lock belongs to the process that took it).
+    """
+
+    def __init__(self, fd: int | None = None, path: str = "") -> None:
+        self._fd = fd
+        self.path = path
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self._fd, self.path = None, state["path"]
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self, unlink: bool = False) -> None:
+        """Give the lock up; ``unlink`` first removes the lock file (after a commit: nothing to guard)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if unlink:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+        finally:
+            os.close(fd)
+
+    def __del__(self) -> None:  # the lock must not outlive a writer dropped after a failed save
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 def _map_error(exc: BaseException, url: str, action: str) -> DcpTieredError:
@@ -67,12 +111,17 @@ class Storage:
         # is treated as remote, so that every access goes through it.
         self.is_local = isinstance(fs, LocalFileSystem) and bool(protocols & {"file", "local"})
         self.is_object_store = bool(protocols & _OBJECT_STORES)
+        # Local reads walk from ``_anchor`` (trusted: the directory the caller named) through
+        # ``_inside`` (directories reached through checkpoint contents) without following links.
+        self._anchor: str = self.root
+        self._inside: tuple[str, ...] = ()
 
     def __getstate__(self) -> dict:
-        return {"url": self.url, "storage_options": self.storage_options}
+        return {"url": self.url, "storage_options": self.storage_options, "anchor": self._anchor, "inside": self._inside}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+        self._anchor, self._inside = state.get("anchor", self.root), tuple(state.get("inside", ()))
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -80,7 +129,10 @@ class Storage:
     def child(self, name: str) -> "Storage":
         """A Storage for a subdirectory ``name`` (contained)."""
         sub = safe_relative_name(name, self.url)
-        return Storage(self.url.rstrip("/") + "/" + sub, self.storage_options)
+        child = Storage(self.url.rstrip("/") + "/" + sub, self.storage_options)
+        # The child is reached through this directory: a link on the way is not followed.
+        child._anchor, child._inside = self._anchor, self._inside + tuple(sub.split("/"))
+        return child
 
     def path(self, name: str) -> str:
         """The filesystem path of ``name`` inside the root (containment checked)."""
@@ -94,6 +146,47 @@ class Storage:
     def _refresh(self, path: str | None = None) -> None:
         if not self.is_local:
             self.fs.invalidate_cache(path)
+
+    # -- local files: regular files only, never through a link -------------------------
+
+    def _open_local(self, name: str, flags: int = _READ_FLAGS, directory: bool = False) -> int:
+        """Open ``name`` (``""``: the root) by walking from the anchor with ``O_NOFOLLOW`` at every step.
+
+        Path containment is then physical, not only lexical: a file or a directory of the
+        checkpoint that is a symbolic link (to ``/dev/zero``, to another checkpoint, ...) is
+        refused with :class:`UnsafeCheckpointError` instead of being followed, and anything
+        but a regular file (``directory``: a directory) is refused after opening it without
+        blocking (a FIFO never stalls the reader).
+        """
+        inner = tuple(safe_relative_name(name, self.url).split("/")) if name else ()
+        parts = [p for p in self._inside + inner if p not in ("", ".")]
+        url = self.url_of(name) if name else self.url
+        fd = os.open(self._anchor, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                try:
+                    nxt = os.open(part, flags | os.O_NOFOLLOW if last and not directory else _DIR_FLAGS, 0o666, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and _is_link(part, fd)):
+                        raise UnsafeCheckpointError(
+                            f"{url}: {'/'.join(parts[: i + 1])} is a symbolic link; files of a checkpoint are "
+                            "never read through links (copy the files instead of linking them)"
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = nxt
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
+                what = "a directory" if directory else "a regular file"
+                raise UnsafeCheckpointError(f"{url} is not {what} (a FIFO, device, link or directory?); refusing to use it")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _local_file(self, name: str) -> BinaryIO:
+        return os.fdopen(self._open_local(name), "rb", buffering=0)
 
     def check_reachable(self) -> None:
         """Raise a clear error now if the bucket (object stores) of the root does not exist."""
@@ -129,7 +222,14 @@ class Storage:
             return bool(self.fs.exists(path))
 
     def size(self, name: str) -> int:
+        """Size of the regular file ``name`` (links and special files are refused locally)."""
         with storage_errors(self.url_of(name), "stat"):
+            if self.is_local:
+                fd = self._open_local(name)
+                try:
+                    return os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
             self._refresh(self.path(name))
             return int(self.fs.size(self.path(name)))
 
@@ -144,7 +244,13 @@ class Storage:
         return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {""})
 
     def _find(self) -> dict[str, dict]:
-        """fsspec ``find`` details of every file under the root, by relative name."""
+        """fsspec ``find`` details of every file under the root, by relative name.
+
+        Locally only regular files count and links are not followed (a link to ``/`` inside a
+        checkpoint must not make a listing walk the whole machine).
+        """
+        if self.is_local:
+            return self._find_local()
         with storage_errors(self.url, "list"):
             self._refresh(self.root)
             try:
@@ -153,6 +259,27 @@ class Storage:
                 return {}
         root = self.root.replace(os.sep, "/")
         return {posixpath.relpath(str(p).replace(os.sep, "/"), root): info for p, info in found.items()}
+
+    def _find_local(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        with storage_errors(self.url, "list"):
+            try:
+                top = self._open_local("", directory=True)
+            except (FileNotFoundError, NotADirectoryError, UnsafeCheckpointError):
+                return {}
+            try:
+                for dirpath, _dirs, files, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                    for f in files:
+                        try:
+                            st = os.stat(f, dir_fd=dfd, follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        if stat.S_ISREG(st.st_mode):
+                            rel = posixpath.normpath(posixpath.join(dirpath, f))
+                            out[rel] = {"size": st.st_size, "mtime": st.st_mtime}
+            finally:
+                os.close(top)
+        return out
 
     def file_sizes(self) -> dict[str, int]:
         """Every file under the root, by relative name, with its size."""
@@ -177,7 +304,9 @@ class Storage:
             if self.is_local:
                 path = self.path(name)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as raw:
+                # O_NOFOLLOW: a link planted where a data file goes must not redirect the write
+                fd = self._open_local(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                with os.fdopen(fd, "wb") as raw:
                     if not durable:
                         yield raw
                         raw.flush()
@@ -200,19 +329,29 @@ class Storage:
                 f.flush()
                 f.close()
 
-    def commit_bytes(self, name: str, data: bytes) -> None:
-        """Make ``name`` hold ``data`` atomically: temp file + fsync + rename locally, one PUT remotely."""
+    def commit_bytes(self, name: str, data: bytes, exclusive: bool = False) -> bool:
+        """Make ``name`` hold ``data`` atomically: temp file + fsync + rename locally, one PUT remotely.
+
+        With ``exclusive`` the commit only happens if ``name`` does not exist, atomically under a
+        race where the backend allows it (``link(2)`` locally, ``If-None-Match: *`` on S3);
+        returns False (and changes nothing) when ``name`` already exists.
+        """
         url = self.url_of(name)
         with storage_errors(url, "commit"):
             if self.is_local:
                 final = self.path(name)
                 tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
                 try:
-                    with open(tmp, "wb") as f:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+                    with os.fdopen(fd, "wb") as f:
                         f.write(data)
                         f.flush()
                         os.fsync(f.fileno())
-                    os.replace(tmp, final)
+                    if exclusive:
+                        if not _link_exclusive(tmp, final):
+                            return False
+                    else:
+                        os.replace(tmp, final)
                 finally:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)
@@ -222,10 +361,24 @@ class Storage:
                 finally:
                     os.close(fd)
             elif self.is_object_store:
-                self.fs.pipe_file(self.path(name), data)  # one PUT: atomic on object stores
-                self._refresh(self.path(name))
+                path = self.path(name)
+                if exclusive:
+                    try:
+                        self.fs.pipe_file(path, data, mode="create")  # conditional PUT: If-None-Match: *
+                    except FileExistsError:
+                        return False
+                    except TypeError:  # a backend without exclusive writes: best effort
+                        self._refresh(path)
+                        if self.fs.exists(path):
+                            return False
+                        self.fs.pipe_file(path, data)
+                else:
+                    self.fs.pipe_file(path, data)  # one PUT: atomic on object stores
+                self._refresh(path)
             else:
                 self._parent_dirs(name)
+                if exclusive and self.fs.exists(self.path(name)):  # no atomic primitive here: best effort
+                    return False
                 tmp = f"{self.path(name)}.{uuid.uuid4().hex[:8]}.tmp"
                 try:
                     self.fs.pipe_file(tmp, data)
@@ -234,14 +387,45 @@ class Storage:
                     with contextlib.suppress(Exception):
                         if self.fs.exists(tmp):
                             self.fs.rm_file(tmp)
+        return True
+
+    def try_lock(self, name: str) -> FileLock | None:
+        """Take an exclusive lock on the local file ``name`` (created if missing) without waiting.
+
+        Returns None when another writer holds it.  Filesystems without locks (object stores,
+        ``memory://``) get a lock that holds nothing: they rely on :meth:`commit_bytes` with
+        ``exclusive`` instead.
+        """
+        if not self.is_local:
+            return FileLock()
+        path = self.path(name)
+        with storage_errors(self.url_of(name), "lock"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafeCheckpointError(f"{self.url_of(name)} is a symbolic link; refusing to use it as a lock") from None
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            except BaseException:
+                os.close(fd)
+                raise
+        return FileLock(fd, path)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``name``; fewer bytes mean the file is short."""
         with storage_errors(self.url_of(name), "read"):
             if self.is_local:
-                with open(self.path(name), "rb") as f:
-                    f.seek(start)
-                    return f.read(end - start)
+                fd = self._open_local(name)
+                try:
+                    return os.pread(fd, max(0, end - start), start)
+                finally:
+                    os.close(fd)
             return self.fs.cat_file(self.path(name), start=start, end=end)
 
     def read_range_into(self, name: str, start: int, buf: "bytearray | memoryview") -> int:
@@ -252,7 +436,7 @@ class Storage:
         view = memoryview(buf).cast("B")
         with storage_errors(self.url_of(name), "read"):
             if self.is_local:
-                with open(self.path(name), "rb", buffering=0) as f:
+                with self._local_file(name) as f:
                     f.seek(start)
                     got = 0
                     while got < len(view):
@@ -265,12 +449,38 @@ class Storage:
         view[: len(data)] = data
         return len(data)
 
-    def read_bytes(self, name: str) -> bytes:
-        with storage_errors(self.url_of(name), "read"):
+    def read_bytes(self, name: str, max_bytes: int | None = None) -> bytes:
+        """The whole file ``name``; with ``max_bytes``, its size is checked before anything is read.
+
+        A file larger than ``max_bytes`` raises :class:`CorruptCheckpointError`; locally only a
+        regular file reached without links is read (a FIFO does not block, ``/dev/zero`` is
+        never opened).
+        """
+        url = self.url_of(name)
+
+        def too_big(size: "int | str") -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{url} has {size} bytes, more than the {max_bytes} allowed; refusing to read it")
+
+        with storage_errors(url, "read"):
             if self.is_local:
-                with open(self.path(name), "rb") as f:
-                    return f.read()
-            return self.fs.cat_file(self.path(name))
+                with self._local_file(name) as f:
+                    if max_bytes is None:
+                        return f.read()
+                    if os.fstat(f.fileno()).st_size > max_bytes:
+                        raise too_big(os.fstat(f.fileno()).st_size)
+                    data = f.read(max_bytes + 1)  # +1: a file growing while read is still caught
+            else:
+                path = self.path(name)
+                if max_bytes is None:
+                    return self.fs.cat_file(path)
+                self._refresh(path)
+                size = int(self.fs.size(path))
+                if size > max_bytes:
+                    raise too_big(size)
+                data = self.fs.cat_file(path, start=0, end=max_bytes + 1) if size else self.fs.cat_file(path)
+            if len(data) > max_bytes:
+                raise too_big(f"more than {max_bytes}")
+            return data
 
     def remove(self, name: str) -> None:
         """Delete one file; a missing file is not an error."""
@@ -289,3 +499,27 @@ class Storage:
             except FileNotFoundError:
                 pass
             self._refresh(self.root)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _link_exclusive(src: str, dst: str) -> bool:
+    """Publish ``src`` as ``dst`` only if ``dst`` does not exist (atomic: ``link(2)``); False if it does."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+    # A filesystem without hard links: fall back to check-then-rename (writers also hold a lock).
+    if os.path.lexists(dst):
+        return False
+    os.replace(src, dst)
+    return True

@@ -9,7 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import fsspec
+
 from dcp_tiered.codecs import parse_codec
+from dcp_tiered.dcp.writer import check_count, check_frame_size
 from dcp_tiered.errors import CodecError, ConfigError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|m|min|h|hr|d)?\s*$", re.IGNORECASE)
@@ -116,8 +119,73 @@ class Tier:
         return cls(**dict(data))
 
 
-def validate_tiers(tiers: Sequence[Tier]) -> list[Tier]:
-    """Check a tier list (fastest first): non-empty, unique names and URLs."""
+def tier_location(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, str, str]:
+    """``(filesystem, endpoint, path)`` naming the directory ``url`` points at, for comparing tiers.
+
+    The protocol is stripped, local paths are made absolute with links resolved (``/x``,
+    ``/x/``, ``file:///x`` and a link to ``/x`` are one place), and object-store keys lose
+    their trailing ``/``; two URLs on different endpoints are different places.
+    """
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol in (None, "file", "local"):
+        return "file", "", os.path.realpath(os.path.expanduser(path))
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+        family = cls.protocol if isinstance(cls.protocol, str) else cls.protocol[0]
+        path = cls._strip_protocol(url)
+    except (ValueError, ImportError):  # unknown or chained protocol: compare the text
+        family = protocol
+    options = storage_options or {}
+    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url") or ""
+    return str(family), str(endpoint), str(path).rstrip("/") or "/"
+
+
+def _nested(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _check_local_dir(tier: Tier, path: str, probe: bool) -> None:
+    where = f"tier {tier.name!r}: field 'url'"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{where}: {path} exists and is not a directory")
+    if not probe:
+        return
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{where}: cannot create {path}: {existing} is not a directory")
+    read_only = bool(os.statvfs(existing).f_flag & getattr(os, "ST_RDONLY", 1))
+    if read_only or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: {existing} is not writable" + (" (read-only filesystem)" if read_only else ""))
+
+
+def _probe_remote(tier: Tier, url: str) -> None:
+    from dcp_tiered.errors import StorageError
+    from dcp_tiered.storage import MissingFileError, Storage
+
+    try:
+        Storage(url, tier.storage_options).check_reachable()
+    except MissingFileError as exc:
+        raise ConfigError(f"tier {tier.name!r}: field 'url': {exc}") from exc
+    except StorageError as exc:
+        raise StorageError(f"tier {tier.name!r} is not reachable: {exc}") from exc
+
+
+def validate_tiers(tiers: Sequence[Tier], *, probe: bool = True, rank: int = 0, node: int = 0) -> list[Tier]:
+    """Check a tier list (fastest first) and return it as a list.
+
+    Always: non-empty, only :class:`Tier` objects, unique names, and no two tiers at the same
+    or nested places (URLs are compared after :func:`tier_location`, so ``/x`` and ``/x/`` are
+    one path); a local tier path that exists must be a directory.
+
+    With ``probe`` (the default) each tier is also reached, as seen by ``rank`` on ``node``:
+    the bucket of an object store must exist, and a local directory must be writable (or
+    creatable: its nearest existing parent writable).  Nothing is created.  Pass
+    ``probe=False`` to check the configuration only (offline tools, a list checked before).
+    """
+    if isinstance(tiers, (str, bytes, Mapping)):
+        raise ConfigError(f"tiers must be a list of Tier objects, got {type(tiers).__name__}")
     tiers = list(tiers)
     if not tiers:
         raise ConfigError("at least one tier is needed")
@@ -128,11 +196,76 @@ def validate_tiers(tiers: Sequence[Tier]) -> list[Tier]:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"tier names must be unique; repeated: {dup}")
-    urls = [t.url for t in tiers]
-    dup = sorted({u for u in urls if urls.count(u) > 1})
-    if dup:
-        raise ConfigError(f"tier URLs must differ; repeated: {dup}")
+    # Compare the templates and what they resolve to here: '/a/{rank}' and '/a/{node}' meet at '/a/0'.
+    for resolve in (False, True):
+        places = [tier_location(t.resolved_url(rank, node) if resolve else t.url, t.storage_options) for t in tiers]
+        for i, a in enumerate(places):
+            for j, b in enumerate(places):
+                if i != j and a[:2] == b[:2] and _nested(b[2], a[2]):
+                    how = "the URLs name the same place" if a[2] == b[2] else f"the URLs are nested: {tiers[j].url!r} is inside {tiers[i].url!r}"
+                    raise ConfigError(
+                        f"tiers {tiers[i].name!r} and {tiers[j].name!r}: field 'url': {how} ({b[2]}); "
+                        "each tier needs a directory of its own (retention of one would delete the other's checkpoints)"
+                    )
+    for t in tiers:
+        url = t.resolved_url(rank, node)
+        family, _, path = tier_location(url, t.storage_options)
+        if family == "file":
+            _check_local_dir(t, path, probe)
+        elif probe:
+            _probe_remote(t, url)
     return tiers
+
+
+def check_str_list(value: object, field: str) -> tuple[str, ...]:
+    """A list of strings (e.g. ``optimizer_keys``); a bare ``str`` is an error, not a list of letters."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise ConfigError(f"{field} must be a list of strings, got {value!r}" +
+                          (f"; write [{value!r}]" if isinstance(value, str) else ""))
+    if not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{field} must hold non-empty strings, got {list(value)!r}")
+    return tuple(value)
+
+
+def check_step(step: object) -> int:
+    """A checkpoint step: a non-negative integer (``-5`` would name ``step_-00000005``, which no listing finds)."""
+    return check_count(step, "step", 0)  # type: ignore[return-value]
+
+
+def check_checkpointer_options(
+    *,
+    optimizer_every: object = 1,
+    optimizer_keys: object = ("optim", "optimizer"),
+    on_busy: object = "wait",
+    threads: object = None,
+    frame_size: object = None,
+    async_save: object = False,
+    via_fastest: object = True,
+    resume_promotions: object = True,
+    leftover_grace: object = "1h",
+) -> dict[str, Any]:
+    """Validate ``TieredCheckpointer`` arguments at construction; return them normalized.
+
+    Each error is a short :class:`ConfigError` naming the argument.  ``leftover_grace`` comes
+    back in seconds (``0`` stays 0.0).
+    """
+    for flag, value in (("async_save", async_save), ("via_fastest", via_fastest), ("resume_promotions", resume_promotions)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{flag} must be True or False, got {value!r}")
+    if on_busy not in ("wait", "skip"):
+        raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+    grace = 0.0 if leftover_grace in (0, "0") and not isinstance(leftover_grace, bool) else parse_duration(leftover_grace, "leftover_grace")
+    return {
+        "optimizer_every": check_count(optimizer_every, "optimizer_every"),
+        "optimizer_keys": check_str_list(optimizer_keys, "optimizer_keys"),
+        "on_busy": on_busy,
+        "threads": check_count(threads, "threads", optional=True),
+        "frame_size": check_frame_size(frame_size, optional=True),
+        "async_save": async_save,
+        "via_fastest": via_fastest,
+        "resume_promotions": resume_promotions,
+        "leftover_grace": grace,
+    }
 
 
 def load_tiers_yaml(path: "str | os.PathLike[str]") -> tuple[list[Tier], dict[str, Any]]:
@@ -152,6 +285,6 @@ def load_tiers_yaml(path: "str | os.PathLike[str]") -> tuple[list[Tier], dict[st
         doc = {"tiers": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("tiers"), list):
         raise ConfigError(f"tier file {path}: expected a top-level 'tiers:' list")
-    tiers = validate_tiers([Tier.from_dict(t, i) for i, t in enumerate(doc["tiers"])])
+    tiers = validate_tiers([Tier.from_dict(t, i) for i, t in enumerate(doc["tiers"])], probe=False)
     options = {k: v for k, v in doc.items() if k != "tiers"}
     return tiers, options

@@ -18,8 +18,8 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.format import METADATA_FILE
 from dcp_tiered.dcp.report import SaveStats
-from dcp_tiered.dcp.writer import CompressedWriter, _Prefix
-from dcp_tiered.errors import CheckpointExistsError, ConfigError
+from dcp_tiered.dcp.writer import CompressedWriter, _Prefix, check_count, check_frame_size, claim_checkpoint, unique_tag
+from dcp_tiered.errors import ConfigError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save
@@ -74,7 +74,11 @@ class TieredWriter(StorageWriter):
         overwrite: bool = False,
     ) -> None:
         super().__init__()
-        self.tiers = validate_tiers(tiers)
+        # Structure only: probing every tier on every save would cost a request per tier;
+        # TieredCheckpointer probes once at construction, the primary is probed at write.
+        self.tiers = validate_tiers(tiers, probe=False)
+        check_count(threads, "threads", optional=True)
+        check_frame_size(frame_size, optional=True)
         self.by_name = {t.name: t for t in self.tiers}
         if due is not None:
             unknown = [d for d in due if d not in self.by_name]
@@ -168,14 +172,21 @@ class TieredWriter(StorageWriter):
         primary = self.by_name[tiers[0]]
         target = Storage(primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name,
                          primary.storage_options)
-        if target.exists(METADATA_FILE):
-            if not self.overwrite:
-                raise CheckpointExistsError(f"a committed checkpoint already exists at {target.url}; pass overwrite=True")
+        # Claimed before any rank writes: of two concurrent saves to one path exactly one goes on.
+        self._release()
+        self._lock, replacing = claim_checkpoint(target, self.overwrite)
+        if replacing:
             # Un-commit before any rank rewrites a data file, so the old .metadata never
             # describes files that are being replaced.
             target.remove(METADATA_FILE)
         save_id = uuid.uuid4().hex
-        return [dataclasses.replace(p, storage_data=TieredPlan(f"__{i}_", tiers, save_id)) for i, p in enumerate(plans)]
+        tag = unique_tag(target)
+        return [dataclasses.replace(p, storage_data=TieredPlan(f"__{i}_{tag}", tiers, save_id)) for i, p in enumerate(plans)]
+
+    def _release(self, committed: bool = False) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.release(unlink=committed)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         tp: TieredPlan = plan.storage_data
@@ -206,7 +217,12 @@ class TieredWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self._inner is not None, "finish called before write_data"
-        self._inner.finish(metadata, results)
+        committed = False
+        try:
+            self._inner.finish(metadata, results)
+            committed = True
+        finally:
+            self._release(committed=committed)
         self.last_stats = self._inner.last_stats
         self.last_tiers = self._plan_tiers
         promoter = self._promoter()
