@@ -96,6 +96,8 @@ class TieredCheckpointer:
         self.async_save = async_save
         self.via_fastest = via_fastest
         self.optimizer_every = optimizer_every
+        if isinstance(optimizer_keys, str) or not all(isinstance(k, str) for k in optimizer_keys):
+            raise ConfigError(f"optimizer_keys must be a list of top-level keys such as ['optim'], got {optimizer_keys!r}")
         self.optimizer_keys = tuple(optimizer_keys)
         self.on_busy = on_busy
         self.clock = clock
@@ -116,6 +118,10 @@ class TieredCheckpointer:
                                  optimizer_keys=self.optimizer_keys if optimizer_every > 1 else (),
                                  leftover_grace=0.0 if leftover_grace in (0, "0") else parse_duration(leftover_grace, "leftover_grace"))
         self.histories = {t.name: TierHistory() for t in self.tiers}
+        self._schedules = [Schedule(t.every, t.every_steps, t.max_per_hour) for t in self.tiers]
+        self._clock_based = any(t.every is not None or t.max_per_hour is not None for t in self.tiers)
+        self._due_step: int | None = None  # the step of the decision cached by due()
+        self._due_names: list[str] = []
         self.reports: list[SaveReport] = []
         self.restore_failures = 0
         self.skipped = 0
@@ -154,9 +160,9 @@ class TieredCheckpointer:
 
     def _decide(self, step: int) -> list[str]:
         now = self.clock()
-        schedules = [Schedule(t.every, t.every_steps, t.max_per_hour) for t in self.tiers]
-        idx = due_tiers(schedules, [self.histories[t.name] for t in self.tiers], step, now, self.via_fastest)
-        if self.distributed:
+        idx = due_tiers(self._schedules, [self.histories[t.name] for t in self.tiers], step, now, self.via_fastest)
+        if self.distributed and self._clock_based:
+            # wall clocks differ between ranks: the coordinator's decision is everyone's
             mask = torch.tensor([sum(1 << i for i in idx)], dtype=torch.int64)
             dist.broadcast(mask, src=self._src, group=self._decide_pg)
             idx = [i for i in range(len(self.tiers)) if int(mask.item()) >> i & 1]
@@ -165,18 +171,56 @@ class TieredCheckpointer:
             self.histories[n] = record_save(self.histories[n], step, now)
         return names
 
-    def maybe_save(self, step: int, state_dict: Mapping[str, Any], *, force: bool = False) -> SaveReport | None:
+    @staticmethod
+    def _check_step(step: Any) -> None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError(f"step must be an int, got {type(step).__name__} {step!r}")
+        if step < 0:
+            raise ConfigError(f"step must be >= 0, got {step}")
+
+    def due(self, step: int) -> bool:
+        """Whether a save is due at ``step``: decide once (collectively, when the schedules use the
+        wall clock: all ranks call it for the same steps) and remember it for ``maybe_save(step)``.
+
+        Lets a training loop skip building the state dict when nothing is due; cheap (no
+        collective, no allocation) when every tier is scheduled by steps only.
+        """
+        if self._closed:
+            raise ConfigError("this TieredCheckpointer is closed")
+        self._check_step(step)
+        if self._due_step != step:
+            self._due_names = self._decide(step)
+            self._due_step = step
+        return bool(self._due_names)
+
+    def maybe_save(self, step: int, state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]]", *,
+                   force: bool = False) -> SaveReport | None:
         """Save ``state_dict`` as ``step`` to the tiers that are due; return the report, or None.
 
+        ``state_dict`` may be a zero-argument callable returning the state: it is called only
+        when a save is due.  A decision already made by :meth:`due` for ``step`` is reused.
         Raises :class:`SaveError` if the previous background save failed (the save asked
         for now is then not attempted; the next one runs synchronously).
         """
         if self._closed:
             raise ConfigError("this TieredCheckpointer is closed")
-        self._check_background()
-        due = [t.name for t in self.tiers] if force else self._decide(step)
+        self._check_step(step)
+        if self._inflight is not None or self._failed is not None:
+            self._check_background()
+        if force:
+            due = [t.name for t in self.tiers]
+        elif self._due_step == step:
+            due = self._due_names
+        else:
+            due = self._decide(step)
+        self._due_step, self._due_names = None, []
         if not due:
             return None
+        if callable(state_dict) and not isinstance(state_dict, Mapping):
+            state_dict = state_dict()
+            if not isinstance(state_dict, Mapping):
+                raise ConfigError(f"the state callable passed to maybe_save returned {type(state_dict).__name__}, "
+                                  "not a mapping")
         if self._inflight is not None:
             if self.on_busy == "skip" and not self._inflight[0].done():
                 self.skipped += 1
