@@ -76,3 +76,163 @@ def test_optimizer_keys_as_a_string_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="optimizer_keys") as info:
         TieredCheckpointer(two_tiers(tmp_path), optimizer_keys="optim")
     assert len(str(info.value)) < 200
+
+
+# -- Stateful ------------------------------------------------------------------------------
+
+
+class AppState:
+    """The DCP tutorial's wrapper: model and optimizer behind state_dict()/load_state_dict()."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+        self.loaded = 0
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+        self.loaded += 1
+
+
+class Counter:
+    """A Stateful holding a plain Python value (replaced, not loaded in place)."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def make_app(seed: int) -> AppState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 6)).sum().backward()
+    optim.step()
+    return AppState(model, optim)
+
+
+def app_tensors(app: AppState) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in app.model.state_dict().items()}
+    for pid, st in app.optim.state_dict()["state"].items():
+        out.update({f"optim.{pid}.{k}": v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_flatten_keys_expands_stateful_at_any_depth() -> None:
+    from dcp_tiered.dcp.statedict import flatten_keys
+
+    app = make_app(0)
+    keys = flatten_keys({"app": app, "extra": {"counter": Counter(3), "lr": 0.1}})
+    assert "app.model.0.weight" in keys and "app.optim.state.0.exp_avg" in keys
+    assert "extra.counter.n" in keys and "extra.lr" in keys and "app" not in keys
+
+
+def test_stateful_app_state_round_trips_through_restore(tmp_path: Path) -> None:
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    saved = make_app(0)
+    nested = Counter(41)
+    assert ck.maybe_save(0, {"app": saved, "extra": {"counter": nested, "epoch": 7}}) is not None
+    ck.close()
+    want = app_tensors(saved)
+
+    fresh = make_app(1)
+    counter = Counter(0)
+    sd = {"app": fresh, "extra": {"counter": counter, "epoch": 0}}
+    ck2 = TieredCheckpointer(two_tiers(tmp_path))
+    assert ck2.restore(sd) == 0
+    ck2.close()
+    assert fresh.loaded == 1 and counter.n == 41 and sd["extra"]["epoch"] == 7
+    assert sd["app"] is fresh and sd["extra"]["counter"] is counter
+    assert_same(app_tensors(fresh), want)
+
+
+# -- RestoreError / None ---------------------------------------------------------------------
+
+
+def test_restore_returns_none_only_when_no_tier_holds_a_committed_checkpoint(tmp_path: Path) -> None:
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    assert ck.restore(small_state()) is None
+    # an uncommitted leftover is no checkpoint either
+    (tmp_path / "shared" / "step_000000003").mkdir(parents=True)
+    (tmp_path / "shared" / "step_000000003" / "__0_0.distcp").write_bytes(b"partial")
+    assert ck.restore(small_state()) is None
+    ck.close()
+
+
+def test_missing_keys_raise_restore_error_naming_every_candidate(tmp_path: Path) -> None:
+    from dcp_tiered import DcpTieredError, RestoreError
+
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    ck.maybe_save(0, small_state())
+    ck.close()
+    with pytest.raises(RestoreError) as info:
+        TieredCheckpointer(two_tiers(tmp_path)).restore({"model": {"w": torch.zeros(8, 4)}, "sched": {"x": torch.zeros(1)}})
+    err = info.value
+    assert isinstance(err, DcpTieredError) and isinstance(err, RuntimeError)
+    assert sorted((t, s) for t, s, _ in err.candidates) == [("local", 0), ("shared", 0)]
+    assert all("sched.x" in why for _, _, why in err.candidates)
+    assert "step 0 on tier 'local'" in str(err) and "step 0 on tier 'shared'" in str(err)
+
+
+def test_every_candidate_failing_raises_restore_error_with_each_failure(tmp_path: Path) -> None:
+    from dcp_tiered import RestoreError
+
+    ck = TieredCheckpointer(two_tiers(tmp_path, local_every=1, shared_every=1))
+    ck.maybe_save(0, small_state(0))
+    ck.maybe_save(1, small_state(1))
+    ck.close()
+    for f in tmp_path.rglob("*.distcp"):  # every data file of every step on every tier
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    ck2 = TieredCheckpointer(two_tiers(tmp_path))
+    with pytest.raises(RestoreError) as info:
+        ck2.restore(small_state(5))
+    got = [(t, s) for t, s, _ in info.value.candidates]
+    assert got == [("local", 1), ("shared", 1), ("local", 0)]  # newest first, fastest first (shared keeps 1)
+    assert all("Corrupt" in why or "checksum" in why.lower() for _, _, why in info.value.candidates), info.value
+    assert ck2.restore_failures == 3
+    ck2.close()
+
+
+def test_requested_step_that_does_not_exist_raises(tmp_path: Path) -> None:
+    from dcp_tiered import RestoreError
+
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    ck.maybe_save(0, small_state())
+    assert ck.restore(small_state(), step=0) == 0
+    with pytest.raises(RestoreError, match="of step 9"):
+        ck.restore(small_state(), step=9)
+    ck.close()
+
+
+# -- SaveError, wait/close timeouts ------------------------------------------------------------
+
+
+def test_save_error_is_short_and_carries_its_cause(tmp_path: Path) -> None:
+    from dcp_tiered import SaveError
+
+    blocker = tmp_path / "local"
+    blocker.write_text("a file where the tier directory should be")
+    ck = TieredCheckpointer([Tier("local", str(blocker), every_steps=1, keep=1)])
+    with pytest.raises(SaveError) as info:
+        ck.maybe_save(0, small_state())
+    err = info.value
+    assert len(str(err)) < 500, str(err)
+    assert "Traceback" not in str(err) and "step 0" in str(err)
+    assert err.__cause__ is not None and type(err.__cause__).__name__ in str(err)
+    assert type(err.__cause__).__name__ != "CheckpointException"
