@@ -232,6 +232,16 @@ def test_every_candidate_failing_raises_restore_error_with_each_failure(tmp_path
     ck2.close()
 
 
+def test_a_tier_that_cannot_be_listed_is_no_empty_tier(tmp_path: Path) -> None:
+    from dcp_tiered import RestoreError
+
+    ck = TieredCheckpointer([Tier("local", str(tmp_path / "l")), Tier("shared", "nosuchproto://bucket/run")],
+                            resume_promotions=False)
+    with pytest.raises(RestoreError, match="tier 'shared' cannot be listed"):
+        ck.restore(small_state())  # None would restart training at step 0 while checkpoints may exist
+    ck.close()
+
+
 def test_requested_step_that_does_not_exist_raises(tmp_path: Path) -> None:
     from dcp_tiered import RestoreError
 
