@@ -253,6 +253,64 @@ def test_requested_step_that_does_not_exist_raises(tmp_path: Path) -> None:
     ck.close()
 
 
+CRASH_DURING_PROMOTION = """
+import os
+import torch
+from faults import FaultyFS, register
+from dcp_tiered import Tier, TieredCheckpointer
+register()
+tiers = [Tier("local", {local!r}, every_steps=1, keep=1), Tier("shared", {shared!r}, every_steps=1, keep=1)]
+ck = TieredCheckpointer(tiers)
+for step in (8, 10):
+    if step == 10:
+        FaultyFS.faults.stall.clear()  # the promotion of step 10 to shared hangs ...
+    ck.maybe_save(step, {{"model": {{"w": torch.arange(1 << 16, dtype=torch.float32) + step}}}})
+    if step == 8:
+        ck.wait(timeout=60)
+assert FaultyFS.faults.stalled.wait(60)
+os.kill(os.getpid(), 9)  # ... and the process dies: a restart resumes it
+"""
+
+
+def test_restore_pins_its_candidate_against_a_resumed_promotions_retention(tmp_path: Path, monkeypatch) -> None:
+    """keep=1 on shared: the restart resumes the promotion of step 10, whose commit makes retention
+    delete step 8 — the very step a restore (of step 8) is reading at that moment."""
+    import torch.distributed.checkpoint as dcp
+    from faults import FaultyFS, register
+    from isolated import run_isolated
+
+    register()
+    local, shared = str(tmp_path / "local"), f"faulty://{tmp_path}/shared"
+    res = run_isolated(CRASH_DURING_PROMOTION.format(local=local, shared=shared), timeout=180,
+                       env={"PYTHONPATH": str(Path(__file__).parent)})
+    assert res.returncode == -9, res.describe()
+    assert (tmp_path / "shared" / "step_000000008" / ".metadata").exists()
+    assert not (tmp_path / "shared" / "step_000000010" / ".metadata").exists()
+    __import__("shutil").rmtree(tmp_path / "local" / "step_000000008")  # local retention (queued behind) ran
+
+    FaultyFS.faults.reset()
+    FaultyFS.faults.stall.clear()  # the resumed promotion waits until the restore is reading
+    tiers = [Tier("local", local, every_steps=1, keep=1), Tier("shared", shared, every_steps=1, keep=1)]
+    ck = TieredCheckpointer(tiers)
+    real_load = dcp.load
+
+    def load_while_the_promotion_commits(*args, **kwargs):
+        FaultyFS.faults.stall.set()
+        ck.promoter.wait(timeout=60)  # step 10 committed on shared, retention ran there
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", load_while_the_promotion_commits)
+    try:
+        sd = {"model": {"w": torch.zeros(1 << 16)}}
+        assert ck.restore(sd, step=8) == 8
+        assert torch.equal(sd["model"]["w"], torch.arange(1 << 16, dtype=torch.float32) + 8)
+        assert (tmp_path / "shared" / "step_000000010" / ".metadata").exists()
+    finally:
+        FaultyFS.faults.stall.set()
+        ck.close(timeout=60)
+        FaultyFS.faults.reset()
+
+
 # -- SaveError, wait/close timeouts ------------------------------------------------------------
 
 
