@@ -22,6 +22,7 @@ from dcp_tiered.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
     UnsafeObjectError,
+    RestoreError,
 )
 
 __version__ = "0.1.0"
@@ -69,6 +70,7 @@ __all__ = [
     "__version__",
     "UnsafeObjectError",
     "numpy_safe_globals",
+    "RestoreError",
 ]
 
 
