@@ -32,6 +32,10 @@ from dcp_tiered import (
     CompressedReader,
     CompressedWriter,
     ConfigError,
+    RestoreError,
+    SaveError,
+    Tier,
+    TieredCheckpointer,
     UnsafeCheckpointError,
     UnsafeObjectError,
     UnsupportedFormatError,
@@ -41,7 +45,8 @@ from dcp_tiered import (
 from dcp_tiered.cli.ckptio import load_state
 from dcp_tiered.dcp.format import METADATA_FILE
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
-from dcp_tiered.dcp.objects import OBJECT_BYTESIO, OBJECT_FIELD, expand_stateful
+from dcp_tiered.dcp.objects import OBJECT_BYTESIO, OBJECT_FIELD
+from dcp_tiered.dcp.statedict import expand_stateful
 
 WS = 4
 SPAWN_TIMEOUT = 300.0
@@ -285,6 +290,36 @@ def test_numpy_state_is_refused_at_async_save_without_the_opt_in(tmp_path: Path)
     with pytest.raises(CheckpointException) as info:
         fut.result(timeout=120)
     _assert_refused_at_save(info.value, tmp_path / "ck")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_tiered_checkpointer_refuses_numpy_state_at_save_and_restores_it_with_the_opt_in(tmp_path: Path, async_save: bool
+                                                                                         ) -> None:
+    rng = np.random.RandomState(7)
+    sd = {"w": torch.arange(8.0), "rng": rng.get_state()}
+    tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=2)]
+    plain = TieredCheckpointer(tiers, async_save=async_save)
+    try:
+        with pytest.raises((SaveError, UnsafeObjectError)) as info:
+            plain.maybe_save(1, sd)
+            plain.wait()  # the async save surfaces its failure here
+        assert "rng" in str(info.value) and "safe_globals" in str(info.value)
+        assert plain.list() == [] or not any(i.committed for i in plain.list())
+    finally:
+        plain.close()
+    opted = TieredCheckpointer(tiers, async_save=async_save, safe_globals=numpy_safe_globals())
+    opted.maybe_save(2, sd)
+    opted.close()
+    again = TieredCheckpointer(tiers, safe_globals=numpy_safe_globals())
+    dst = {"w": torch.zeros(8), "rng": None}
+    assert again.restore(dst) == 2
+    again.close()
+    assert torch.equal(dst["w"], sd["w"])
+    got = dst["rng"]
+    assert got[0] == sd["rng"][0] and np.array_equal(got[1], sd["rng"][1]) and got[2:] == sd["rng"][2:]
+    with pytest.raises(RestoreError) as refused:  # without the opt-in: refused, never "start from 0"
+        TieredCheckpointer(tiers).restore({"w": torch.zeros(8), "rng": None})
+    assert "rng" in str(refused.value)
 
 
 def test_user_class_refused_at_save_names_it(tmp_path: Path) -> None:

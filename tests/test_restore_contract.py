@@ -318,8 +318,8 @@ def test_save_error_is_short_and_carries_its_cause(tmp_path: Path) -> None:
     from dcp_tiered import SaveError
 
     blocker = tmp_path / "local"
-    blocker.write_text("a file where the tier directory should be")
     ck = TieredCheckpointer([Tier("local", str(blocker), every_steps=1, keep=1)])
+    blocker.write_text("a file where the tier directory should be")  # after construction, which refuses it
     with pytest.raises(SaveError) as info:
         ck.maybe_save(0, small_state())
     err = info.value

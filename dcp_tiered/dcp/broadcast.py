@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.storage import StorageReader
 
-from dcp_tiered.dcp.objects import expand_stateful, normalize_safe_globals
+from dcp_tiered.dcp.objects import normalize_safe_globals
+from dcp_tiered.dcp.statedict import expand_stateful
 from dcp_tiered.errors import ConfigError, DcpTieredError
 
 #: Default bucket size: bounds the extra memory a broadcast needs on every rank.
@@ -298,7 +299,7 @@ def load_and_broadcast(
         raise ConfigError(f"load_and_broadcast: bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     normalize_safe_globals(safe_globals, "load_and_broadcast")
     # Every rank expands its own Stateful objects; finish() calls their load_state_dict at the end.
-    state_dict, finish = expand_stateful(state_dict)
+    state_dict, finish = expand_stateful(state_dict, nested=False)  # as dcp.load does
 
     def load_alone(ranks: list[int]) -> BroadcastStats:
         _describe(_leaves(state_dict))  # same refusal of sharded state as with a group

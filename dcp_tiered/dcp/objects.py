@@ -1,4 +1,4 @@
-"""Non-tensor values of a state dict: ``io.BytesIO`` items, ``weights_only`` objects, ``Stateful``.
+"""Non-tensor values of a state dict: ``io.BytesIO`` items and ``weights_only`` objects.
 
 DCP stores every non-tensor value as a BYTE_IO item holding ``torch.save(value)``.  This
 module is the one place that decides how such an item is written and read back:
@@ -15,8 +15,7 @@ module is the one place that decides how such an item is written and read back:
   so a checkpoint that every restore would refuse fails at save time
   (:class:`~dcp_tiered.errors.UnsafeObjectError`), naming the key and the missing globals.
 
-:func:`expand_stateful` is ``dcp.load``'s ``Stateful`` contract for callers that load the
-state dict themselves (``load_and_broadcast``, ``TieredCheckpointer``).
+``Stateful`` objects are expanded by :func:`dcp_tiered.dcp.statedict.expand_stateful`.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from typing import Any, Union
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlanner, WriteItem
-from torch.distributed.checkpoint.stateful import Stateful
 
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError, UnsafeObjectError, UnsupportedFormatError
 
@@ -307,64 +305,3 @@ def deliver(planner: LoadPlanner, req: ReadItem, data: bytes, record: Any, safe_
         payload = buf.getvalue()
     with allowing(safe_globals):
         planner.load_bytes(req, io.BytesIO(payload))
-
-
-# -- Stateful ----------------------------------------------------------------------------------
-
-
-def _is_stateful(value: Any) -> bool:
-    return isinstance(value, Stateful) and not isinstance(value, Mapping)
-
-
-def expand_stateful(state_dict: dict[str, Any], *, nested: bool = False) -> tuple[dict[str, Any], Callable[[], None]]:
-    """``dcp.load``'s ``Stateful`` contract for callers that load a state dict themselves.
-
-    Returns the state dict to load into, in which every ``Stateful`` value (an object with
-    ``state_dict()``/``load_state_dict()``: modules, optimizers, the DCP tutorial's
-    ``AppState``) is replaced by its ``state_dict()``, and a ``finish()`` to call once that
-    is loaded: it puts replaced non-tensor values back into ``state_dict`` and calls each
-    object's ``load_state_dict`` with its loaded state, innermost first.  As ``dcp.load``
-    and ``dcp.save`` do, only top-level values are expanded; ``nested=True`` also expands
-    them inside mappings at any depth (the save must then have expanded them alike).
-    Without any ``Stateful`` value, ``state_dict`` itself is returned.
-    """
-    finishers: list[Callable[[], None]] = []
-
-    def expand(mapping: Mapping[str, Any], deep: bool) -> Mapping[str, Any]:
-        # deep: expand below this mapping too (nested=True, or the top level itself)
-        if not deep or not any(_is_stateful(v) or (nested and isinstance(v, Mapping)) for v in mapping.values()):
-            return mapping  # loaded in place
-        copy: dict[str, Any] = {}
-        objects: dict[str, tuple[Any, Mapping[str, Any]]] = {}
-        copied: set[str] = set()
-        for k, v in mapping.items():
-            if _is_stateful(v):  # deep is True here
-                sd = v.state_dict()
-                if isinstance(sd, Mapping):
-                    copy[k] = expand(sd, nested)
-                    objects[k] = (v, sd)
-                    continue
-            if nested and isinstance(v, Mapping):
-                copy[k] = expand(v, True)
-                copied.add(k)
-                continue
-            copy[k] = v
-
-        def finish_mapping() -> None:  # runs after the finishers of the mappings inside
-            for k, v in copy.items():
-                if k in objects:
-                    obj, sd = objects[k]
-                    obj.load_state_dict(sd)
-                elif k not in copied and mapping[k] is not v:
-                    mapping[k] = v  # type: ignore[index]  # a replaced non-tensor value, as dcp.load does
-
-        finishers.append(finish_mapping)
-        return copy
-
-    expanded = expand(state_dict, True)
-
-    def finish() -> None:
-        for f in finishers:
-            f()
-
-    return expanded, finish  # type: ignore[return-value]

@@ -61,11 +61,12 @@ def flatten_keys(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
-def expand_stateful(state_dict: Mapping[str, Any]) -> tuple[Mapping[str, Any], Callable[[], None]]:
+def expand_stateful(state_dict: Mapping[str, Any], *, nested: bool = True) -> tuple[Mapping[str, Any], Callable[[], None]]:
     """``state_dict`` with every ``Stateful`` object (at any depth) replaced by its ``state_dict()``, and
     a ``finish()`` to call after ``dcp.load`` into it.
 
-    DCP itself expands ``Stateful`` objects only at the top level (deeper ones would be pickled whole).
+    DCP itself expands ``Stateful`` objects only at the top level (deeper ones would be pickled
+    whole); ``nested=False`` does the same, for loading checkpoints that plain ``dcp.save`` wrote.
     Only the containers on the way to a ``Stateful`` are copied; the rest, tensors included, is
     shared, so DCP still loads tensors in place.  ``finish()`` writes the loaded non-tensor values
     back into the caller's containers and calls each object's ``load_state_dict`` with its loaded
@@ -84,24 +85,26 @@ def expand_stateful(state_dict: Mapping[str, Any]) -> tuple[Mapping[str, Any], C
             if isinstance(orig, (MutableMapping, list)):
                 orig[k] = copy[k]
 
-    def expand(value: Any) -> Any:
+    def expand(value: Any, depth: int) -> Any:
+        if depth > 1 and not nested:
+            return value
         if is_stateful(value):
             inner = value.state_dict()
-            plain = expand(inner)
+            plain = expand(inner, depth + 1)
             steps.append(lambda obj=value, inner=inner: obj.load_state_dict(inner))
             return plain
-        if isinstance(value, (Mapping, list)) and has_stateful(value):
+        if isinstance(value, (Mapping, list)) and (has_stateful(value) if nested else any(map(is_stateful, value.values()))):
             if isinstance(value, Mapping):
-                copy: Any = {k: expand(v) for k, v in value.items()}
+                copy: Any = {k: expand(v, depth + 1) for k, v in value.items()}
             else:
-                copy = [expand(v) for v in value]
+                copy = [expand(v, depth + 1) for v in value]
             steps.append(lambda orig=value, copy=copy: write_back(orig, copy))
             return copy
         return value
 
-    if not has_stateful(state_dict):
+    if not (has_stateful(state_dict) if nested else any(map(is_stateful, state_dict.values()))):
         return state_dict, lambda: None
-    expanded = expand(state_dict)
+    expanded = expand(state_dict, 0)
 
     def finish() -> None:
         for step in steps:  # post-order: children before the object or container holding them

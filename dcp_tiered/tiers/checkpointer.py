@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.planners import DowncastSavePlanner
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
@@ -32,7 +33,7 @@ from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, includes_optimizer, record_save, restore_order
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
 from dcp_tiered.tiers.report import EventLog, SaveReport
-from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, parse_duration, validate_tiers
+from dcp_tiered.tiers.spec import Tier, check_checkpointer_options, check_step, load_tiers_yaml, validate_tiers
 from dcp_tiered.tiers.writer import TieredWriter, node_of
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BACKGROUND_NICE = 10
 
 
-def describe_error(exc: BaseException, limit: int = 300) -> str:
+def describe_error(exc: BaseException, limit: int = 800) -> str:
     """``Type: message`` of ``exc`` on one line, at most ``limit`` characters; for DCP's
     ``CheckpointException`` (whose text holds every rank's traceback) the first failure's."""
     rank = None
@@ -91,6 +92,9 @@ class TieredCheckpointer:
         via_fastest: when only slower tiers are due, write to the fastest tier too and
             promote from there (the default), so a slow tier never blocks the training loop
             for longer than a fast-tier save.
+        safe_globals: what non-tensor values need beyond ``weights_only`` (numpy values:
+            :func:`~dcp_tiered.dcp.objects.numpy_safe_globals`); a save holding a value that
+            restore would refuse without it fails at save time, naming the key.
     """
 
     def __init__(
@@ -110,25 +114,25 @@ class TieredCheckpointer:
         resume_promotions: bool = True,
         via_fastest: bool = True,
         leftover_grace: "str | float" = "1h",
+        safe_globals: "Sequence[Any] | None" = None,
     ) -> None:
-        self.tiers = validate_tiers(tiers)
-        if not isinstance(optimizer_every, int) or optimizer_every < 1:
-            raise ConfigError(f"optimizer_every must be a positive integer, got {optimizer_every!r}")
-        if on_busy not in ("wait", "skip"):
-            raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
-        self.async_save = async_save
-        self.via_fastest = via_fastest
-        self.optimizer_every = optimizer_every
-        if isinstance(optimizer_keys, str) or not all(isinstance(k, str) for k in optimizer_keys):
-            raise ConfigError(f"optimizer_keys must be a list of top-level keys such as ['optim'], got {optimizer_keys!r}")
-        self.optimizer_keys = tuple(optimizer_keys)
-        self.on_busy = on_busy
+        opts = check_checkpointer_options(
+            optimizer_every=optimizer_every, optimizer_keys=optimizer_keys, on_busy=on_busy, threads=threads,
+            frame_size=frame_size, async_save=async_save, via_fastest=via_fastest,
+            resume_promotions=resume_promotions, leftover_grace=leftover_grace)
+        self.safe_globals = normalize_safe_globals(safe_globals, "TieredCheckpointer")
+        self.async_save = opts["async_save"]
+        self.via_fastest = opts["via_fastest"]
+        self.optimizer_every = opts["optimizer_every"]
+        self.optimizer_keys = opts["optimizer_keys"]
+        self.on_busy = opts["on_busy"]
         self.clock = clock
-        self.threads, self.frame_size = threads, frame_size
+        self.threads, self.frame_size = opts["threads"], opts["frame_size"]
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world = dist.get_world_size(process_group) if self.distributed else 1
         self.node = node_of(self.rank)
+        self.tiers = validate_tiers(tiers, rank=self.rank, node=self.node)  # reachable as this rank sees them
         # DCP's own collectives for async saves run on a background thread: give them a group
         # of their own so they never interleave with this object's main-thread collectives.
         ranks = dist.get_process_group_ranks(process_group) if self.distributed and process_group is not None else None
@@ -138,8 +142,8 @@ class TieredCheckpointer:
         self.events = EventLog(event_log)
         self.promoter = Promoter(self.tiers, rank=self.rank, node=self.node, is_coordinator=self.rank == 0,
                                  retry=retry, on_report=self._on_promotion,
-                                 optimizer_keys=self.optimizer_keys if optimizer_every > 1 else (),
-                                 leftover_grace=0.0 if leftover_grace in (0, "0") else parse_duration(leftover_grace, "leftover_grace"))
+                                 optimizer_keys=self.optimizer_keys if self.optimizer_every > 1 else (),
+                                 leftover_grace=opts["leftover_grace"])
         self.histories = {t.name: TierHistory() for t in self.tiers}
         self._schedules = [Schedule(t.every, t.every_steps, t.max_per_hour) for t in self.tiers]
         self._clock_based = any(t.every is not None or t.max_per_hour is not None for t in self.tiers)
@@ -154,7 +158,7 @@ class TieredCheckpointer:
         self._sync_next = False
         self._stager: DefaultStager | None = None
         self._closed = False
-        if resume_promotions:
+        if opts["resume_promotions"]:
             n = self.promoter.resume()
             if n:
                 log.info("resuming %d unfinished promotion(s)", n)
@@ -195,13 +199,6 @@ class TieredCheckpointer:
             self.histories[n] = record_save(self.histories[n], step, now)
         return names
 
-    @staticmethod
-    def _check_step(step: Any) -> None:
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ConfigError(f"step must be an int, got {type(step).__name__} {step!r}")
-        if step < 0:
-            raise ConfigError(f"step must be >= 0, got {step}")
-
     def due(self, step: int) -> bool:
         """Whether a save is due at ``step``: decide once (collectively, when the schedules use the
         wall clock: all ranks call it for the same steps) and remember it for ``maybe_save(step)``.
@@ -211,7 +208,7 @@ class TieredCheckpointer:
         """
         if self._closed:
             raise ConfigError("this TieredCheckpointer is closed")
-        self._check_step(step)
+        check_step(step)
         if self._due_step != step:
             self._due_names = self._decide(step)
             self._due_step = step
@@ -228,7 +225,7 @@ class TieredCheckpointer:
         """
         if self._closed:
             raise ConfigError("this TieredCheckpointer is closed")
-        self._check_step(step)
+        check_step(step)
         if self._inflight is not None or self._failed is not None:
             self._check_background()
         if force:
@@ -270,6 +267,7 @@ class TieredCheckpointer:
         use_async = self.async_save and not self._sync_next
         # overwrite: after a restore from an older step, the steps after it are saved again
         writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.threads, frame_size=self.frame_size,
+                              safe_globals=self.safe_globals,
                               nice=BACKGROUND_NICE if use_async else None, overwrite=True)
         self._sync_next = False
         report = SaveReport(step, list(due), with_optim, use_async, raw_bytes=_state_bytes(sd), waited_s=waited)
@@ -422,7 +420,7 @@ class TieredCheckpointer:
         picks one leader per group (e.g. one per node).
         """
         if step is not None:
-            self._check_step(step)
+            check_step(step)
         self._finish_inflight(wait=True)
         required = flatten_keys(expand_stateful(state_dict)[0])
         rejected: dict[tuple[int, int], str] = {}
@@ -547,7 +545,8 @@ class TieredCheckpointer:
             plain, finish = expand_stateful(state_dict)
 
             def make_reader() -> CompressedReader:
-                return CompressedReader(url, storage_options=tier.storage_options, threads=self.threads)
+                return CompressedReader(url, storage_options=tier.storage_options, threads=self.threads,
+                                        safe_globals=self.safe_globals)
 
             if broadcast is not False and broadcast is not None and self.distributed:
                 from dcp_tiered.dcp.broadcast import load_and_broadcast

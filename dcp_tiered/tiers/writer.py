@@ -72,8 +72,10 @@ class TieredWriter(StorageWriter):
         step: int | None = None,
         nice: int | None = None,
         overwrite: bool = False,
+        safe_globals: "Sequence[Any] | None" = None,
     ) -> None:
         super().__init__()
+        self.safe_globals = safe_globals
         # Structure only: probing every tier on every save would cost a request per tier;
         # TieredCheckpointer probes once at construction, the primary is probed at write.
         self.tiers = validate_tiers(tiers, probe=False)
@@ -197,7 +199,7 @@ class TieredWriter(StorageWriter):
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
         url = primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name
-        inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, **kwargs)
+        inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals, **kwargs)
         inner.save_id = tp.save_id or inner.save_id
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
         inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=_Prefix(tp.prefix)))
