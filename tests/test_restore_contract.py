@@ -317,9 +317,9 @@ def test_restore_pins_its_candidate_against_a_resumed_promotions_retention(tmp_p
 def test_save_error_is_short_and_carries_its_cause(tmp_path: Path) -> None:
     from dcp_tiered import SaveError
 
-    blocker = tmp_path / "local"
-    ck = TieredCheckpointer([Tier("local", str(blocker), every_steps=1, keep=1)])
-    blocker.write_text("a file where the tier directory should be")  # after construction, which refuses it
+    ck = TieredCheckpointer([Tier("local", str(tmp_path / "local"), every_steps=1, keep=1)])
+    (tmp_path / "local").mkdir(exist_ok=True)
+    (tmp_path / "local" / "step_000000000").write_text("a file where the checkpoint directory should be")
     with pytest.raises(SaveError) as info:
         ck.maybe_save(0, small_state())
     err = info.value
