@@ -22,6 +22,11 @@ SIGKILL after a random delay, then checks with a fresh ``TieredCheckpointer``:
   committed step holding the optimizer (never older than the last journaled one);
 * the restored values equal the replayed values bit for bit; no restore candidate fails.
 
+Half the configurations hand the state over as DCP ``Stateful`` objects (whose
+``state_dict()`` returns copies, so a restore that never calls ``load_state_dict`` is
+caught); some make the fastest tier node-local and wipe it after a kill now and then, as
+when a node is replaced: restore must then come from the slower tiers, exact, without hanging.
+
 Trials are chained: the next child restarts on the directories the killed one left, so
 kills also land during restore, promotion resume and retention of leftovers.
 
@@ -53,7 +58,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_tiered import CompressedReader, CompressedWriter, DcpTieredError, PromotionError, Tier, TieredCheckpointer
+from dcp_tiered import (CompressedReader, CompressedWriter, DcpTieredError, PromotionError, RestoreError, Tier,
+                        TieredCheckpointer)
 from dcp_tiered.storage.retry import RetryPolicy
 
 CODECS = ("none", "lz4", "zstd", "zstd:3")
@@ -160,19 +166,56 @@ class Config:
     async_save: bool
     optimizer_every: int
     keep: int = 2
+    #: the state is handed to the checkpointer as DCP ``Stateful`` objects (the DCP tutorial's pattern)
+    stateful: bool = False
+    #: the fastest tier is node-local (``{node}`` in its URL), and a restart may find it wiped
+    #: (the node was replaced): restore must come from the slower tiers, without hanging
+    node_local: bool = False
 
     def tiers(self, root: "str | Path") -> list[Tier]:
         names, steps = ("local", "shared", "durable"), (1, 2, 3)
-        return [Tier(names[i], str(Path(root) / names[i]), every_steps=steps[i], keep=self.keep, codec=c)
+        urls = [str(Path(root) / n) for n in names]
+        if self.node_local:
+            urls[0] += "/node{node}"
+        return [Tier(names[i], urls[i], every_steps=steps[i], keep=self.keep, codec=c)
                 for i, c in enumerate(self.codecs)]
 
     def label(self) -> str:
-        return f"{'async' if self.async_save else 'sync'} {'/'.join(self.codecs)} opt_every={self.optimizer_every} keep={self.keep}"
+        return (f"{'async' if self.async_save else 'sync'} {'/'.join(self.codecs)} opt_every={self.optimizer_every} "
+                f"keep={self.keep}{' stateful' if self.stateful else ''}{' node-local' if self.node_local else ''}")
 
 
 def random_config(rng: random.Random) -> Config:
     n = rng.choice((2, 3))
-    return Config(tuple(rng.choice(CODECS) for _ in range(n)), rng.random() < 0.5, rng.choice((1, 2)), rng.choice((1, 2, 3)))
+    return Config(tuple(rng.choice(CODECS) for _ in range(n)), rng.random() < 0.5, rng.choice((1, 2)), rng.choice((1, 2, 3)),
+                  stateful=rng.random() < 0.5, node_local=rng.random() < 0.3)
+
+
+class Part:
+    """A DCP ``Stateful`` view of one part of the training state, as the DCP tutorial's ``AppState``.
+
+    ``state_dict()`` returns copies, so values reach the training state only through
+    ``load_state_dict``: a restore that forgets to call it leaves the state untouched and is caught.
+    """
+
+    def __init__(self, state: dict[str, Any], part: str) -> None:
+        self.state, self.part = state, part
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.state[self.part].items()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k, v in sd.items():
+            cur = self.state[self.part][k]
+            if isinstance(cur, torch.Tensor):
+                cur.copy_(v)
+            else:
+                self.state[self.part][k] = v
+
+
+def as_saved(cfg: Config, state: dict[str, Any]) -> dict[str, Any]:
+    """The state dict handed to the checkpointer: plain, or each top-level part as a ``Stateful``."""
+    return {p: Part(state, p) for p in state} if cfg.stateful else state
 
 
 def checkpointer(cfg: Config, root: "str | Path", **kw: Any) -> TieredCheckpointer:
@@ -196,7 +239,8 @@ def child_main(root: str, cfg: Config, journal: str, max_steps: int = 3000, work
     try:
         ckpt = checkpointer(cfg, root)
         state = initial_state()
-        restored = ckpt.restore(state)
+        saved = as_saved(cfg, state)
+        restored = ckpt.restore(saved)
         note(f"start {restored if restored is not None else -1}")
         step = restored or 0
         # Work around a library bug (see docs/reliability.md, "Known bugs"): after restoring
@@ -211,7 +255,7 @@ def child_main(root: str, cfg: Config, journal: str, max_steps: int = 3000, work
             if step <= existing:
                 continue
             note(f"begin {step}")
-            ckpt.maybe_save(step, state)
+            ckpt.maybe_save(step, saved)
             if step % 7 == 0:
                 try:
                     ckpt.wait()
@@ -312,7 +356,12 @@ def check_after_crash(root: "str | Path", cfg: Config, replay: Replay, begun: se
             ("full", initial_state(), newest_optim, last_optim),
         ):
             target = zeros_like_state(template)
-            r = ckpt.restore(target)
+            try:
+                r = ckpt.restore(as_saved(cfg, target))
+            except RestoreError:
+                # checkpoints exist, none holds every key asked for: refused, never "start from 0"
+                c[f"restore_{what}_refused"] += 1
+                r = None
             if last_journaled is not None and (r is None or r < last_journaled):
                 c[f"FAIL_lost_{what}"] += 1  # a journaled commit does not restore
             if r != expect_newest:
@@ -389,6 +438,12 @@ def run_kills(kills: int, root: "str | Path", *, seed: int = 0, chain: int = 8, 
             commits.update(j.commits)
             counts: Counter = Counter()
             counts["kills"] += 1
+            if cfg.node_local and rng.random() < 0.3:
+                # the node is replaced: its local tier is gone, with any promotion intents in it;
+                # what was journaled there is legitimately lost, the slower tiers must serve
+                shutil.rmtree(d / "local", ignore_errors=True)
+                commits.clear()
+                counts["local_tier_lost"] += 1
             if not alive:
                 counts["child_exited_before_kill"] += 1
             if j.errors:
