@@ -39,7 +39,11 @@ L = pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
 
-def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0):
+def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: int = 4, ckpt_path: str | None = None,
+                   precision: bool = False, caught: list | None = None):
+    """Fit a tiny module (Adam, StepLR; ``batches`` batches per epoch); ``precision``: fp16
+    AMP with a GradScaler whose scale changes every 2 steps; ``caught`` collects warnings."""
+    from lightning.pytorch.plugins import MixedPrecision
     from torch.utils.data import DataLoader, TensorDataset
 
     class Tiny(L.LightningModule):
@@ -57,14 +61,18 @@ def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0):
             return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 6, generator=g)
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=4)  # 4 batches per epoch
+    x = torch.randn(4 * batches, 6, generator=g)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=4)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2))]
     model = Tiny()
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, data)
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        plugins=plugins if precision else None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+    if caught is not None:
+        caught.extend(str(w.message) for w in seen)
     return model, trainer
 
 
@@ -105,6 +113,137 @@ def test_lightning_callback_saves_and_restores(tmp_path: Path) -> None:
     straight, _ = _lightning_fit(7, [])
     assert cb3.restored_step == 4 and t3.global_step == 7
     assert _same_params(resumed, straight)
+
+
+class _Counter(L.Callback):
+    """A stateful callback (an int and a tensor), as EarlyStopping or EMA callbacks are."""
+
+    def __init__(self) -> None:
+        self.batches, self.loss_sum = 0, torch.zeros(())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+        self.loss_sum = self.loss_sum + outputs["loss"].detach().float()
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "loss_sum": self.loss_sum.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches, self.loss_sum = state["batches"], state["loss_sum"]
+
+
+class _Probe(L.Callback):
+    """Records what ``trainer.save_checkpoint`` would write: after each batch, and on fit start."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        self.crash_at, self.dumps, self.at_fit_start = crash_at, {}, None
+
+    def _dump(self, trainer) -> dict:
+        import copy
+
+        return copy.deepcopy(trainer._checkpoint_connector.dump_checkpoint())
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.at_fit_start = self._dump(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.dumps[trainer.global_step] = self._dump(trainer)
+        if trainer.global_step == self.crash_at:
+            raise RuntimeError("simulated crash")
+
+
+class _CountingCallback:
+    """Mixin counting how often the state dict is built."""
+
+    built = 0
+
+    def state(self, trainer, pl_module):
+        type(self).built += 1
+        return super().state(trainer, pl_module)
+
+
+def _assert_same(a, b, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}.{i}")
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Path) -> None:
+    """Interrupted at step 10, resumed from step 9 (an epoch boundary): the trainer holds exactly
+    what ``trainer.save_checkpoint`` held at step 9 (loops, optimizer, scheduler, callback and
+    GradScaler states), training on equals an uninterrupted run bit for bit, the state dict was
+    built only on the steps that saved, and the last step is saved when training ends."""
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    class Counting(_CountingCallback, TieredCheckpointCallback):
+        pass
+
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=4, keep=3)]  # due at steps 1, 5, 9, 13
+    probe = _Probe(crash_at=10)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _lightning_fit(12, [_Counter(), Counting(tiers), probe], batches=3, precision=True)
+    assert Counting.built == 3  # steps 1, 5, 9: never on the 7 steps where nothing was due
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000005", "step_000000009"]
+    assert probe.dumps[9]["MixedPrecision"]["scale"] != 2.0**8  # the GradScaler state did change
+
+    Counting.built = 0
+    counter, cb, probe2 = _Counter(), Counting(tiers), _Probe()
+    resumed, trainer = _lightning_fit(12, [counter, cb, probe2], seed=7, batches=3, precision=True)
+    assert cb.restored_step == 9 and trainer.global_step == 12
+    want, got = probe.dumps[9], probe2.at_fit_start
+    for key in ("state_dict", "loops", "callbacks", "optimizer_states", "lr_schedulers", "MixedPrecision",
+                "epoch", "global_step"):
+        _assert_same(want[key], got[key], key)
+    assert Counting.built == 1  # step 12, saved at the end of training (13 would be the next due step)
+    assert (tmp_path / "ck" / "step_000000012" / ".metadata").exists()
+
+    straight, straight_trainer = _lightning_fit(12, [_Counter()], batches=3, precision=True)
+    assert _same_params(resumed, straight)
+    assert trainer.precision_plugin.state_dict() == straight_trainer.precision_plugin.state_dict()
+    assert counter.batches == 12
+
+    # the step saved at the end resumes like any other
+    cb3 = TieredCheckpointCallback(tiers)
+    _, t3 = _lightning_fit(12, [cb3], seed=3, batches=3, precision=True)
+    assert cb3.restored_step == 12 and t3.global_step == 12
+
+
+def test_lightning_save_on_train_end_can_be_turned_off(tmp_path: Path) -> None:
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=4, keep=3)]
+    _lightning_fit(6, [TieredCheckpointCallback(tiers, save_on_train_end=False)])
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000005"]
+
+
+def test_lightning_ckpt_path_wins_over_the_tiered_restore(tmp_path: Path) -> None:
+    """``fit(ckpt_path=...)``: Lightning restores that checkpoint alone (weights, optimizer,
+    loops); the callback warns and does not restore its own newer checkpoint."""
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=1, keep=2)]
+    _lightning_fit(8, [TieredCheckpointCallback(tiers)])  # the tiers hold step 8
+    _, t = _lightning_fit(3, [])
+    t.save_checkpoint(tmp_path / "step3.ckpt")
+
+    caught: list[str] = []
+    cb = TieredCheckpointCallback(tiers)
+    probe = _Probe()
+    model, trainer = _lightning_fit(6, [cb, probe], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"), caught=caught)
+    assert any("ckpt_path" in w and "tiered restore is skipped" in w for w in caught), caught
+    assert cb.restored_step is None and trainer.global_step == 6
+    reference, _ = _lightning_fit(6, [], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"))
+    assert _same_params(model, reference)  # not the weights of the tiered step 8
+    assert (tmp_path / "ck" / "step_000000006").exists()  # and it keeps saving on its schedule
 
 
 def test_lightning_example_runs() -> None:
@@ -172,6 +311,31 @@ def test_accelerate_save_and_load_state(tmp_path: Path) -> None:
     straight = _prepared(accelerator, 0)
     _train(accelerator, *straight, range(1, 9), None)
     assert _same_params(model, straight[0])
+
+
+def test_accelerate_builds_the_state_only_when_a_save_is_due(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import Accelerator
+
+    import dcp_tiered.integrations.accelerate as integration
+
+    built: list[int] = []
+    real = integration.state_dict
+    monkeypatch.setattr(integration, "state_dict", lambda acc, extra=None: built.append(1) or real(acc, extra))
+    extras: list[int] = []
+    accelerator = Accelerator(cpu=True)
+    model, opt, sched = _prepared(accelerator, 0)
+    with TieredCheckpointer([Tier("local", str(tmp_path / "ck"), every_steps=2, keep=5)]) as ckpt:
+        for step in range(1, 7):
+            integration.save_state(accelerator, ckpt, step, extra={"n": step})
+    assert len(built) == 3  # steps 1, 3, 5
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000003", "step_000000005"]
+    # extra as a callable: built only when due as well
+    with TieredCheckpointer([Tier("local", str(tmp_path / "ck2"), every_steps=2, keep=5)]) as ckpt:
+        for step in range(1, 7):
+            integration.save_state(accelerator, ckpt, step, extra=lambda: extras.append(1) or {"n": len(extras)})
+        extra = {"n": 0}
+        assert integration.load_state(accelerator, ckpt, extra=extra) == 5 and extra == {"n": 3}
+    assert len(extras) == 3
 
 
 def test_accelerate_example_runs() -> None:
