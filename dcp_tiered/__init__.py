@@ -21,6 +21,7 @@ from dcp_tiered.errors import (
     StorageError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
+    RestoreError,
 )
 
 __version__ = "0.1.0"
@@ -65,6 +66,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "__version__",
+    "RestoreError",
 ]
 
 

@@ -50,3 +50,15 @@ class PromotionError(StorageError):
 
 class SaveError(DcpTieredError, RuntimeError):
     """A checkpoint save (possibly in the background) failed; raised at the next call that can report it."""
+
+
+class RestoreError(DcpTieredError, RuntimeError):
+    """Committed checkpoints exist but none could be restored; ``candidates`` lists each
+    ``(tier, step, reason)`` that was rejected, in the order they were considered."""
+
+    def __init__(self, message: str, candidates: "list[tuple[str, int, str]] | None" = None) -> None:
+        super().__init__(message)
+        self.candidates = list(candidates or [])
+
+    def __reduce__(self):  # picklable across processes with its candidates
+        return (type(self), (str(self), self.candidates))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_tiered import CompressedReader, PromotionError, SaveError, Tier, TieredCheckpointer, TieredWriter
+from dcp_tiered import CompressedReader, PromotionError, RestoreError, SaveError, Tier, TieredCheckpointer, TieredWriter
 from dcp_tiered.storage.retry import RetryPolicy
 
 from faults import FaultyFS, register
@@ -144,7 +144,8 @@ def test_optimizer_every_and_restore_never_mixes_steps(tmp_path: Path) -> None:
     assert restorer.restore(model_only) == 5  # the caller asked for the model only
     assert torch.equal(m2.state_dict()["0.weight"], models[5]["0.weight"])
     assert restorer.restore(state(m2, o2), step=1) == 1
-    assert restorer.restore(state(m2, o2), step=2) is None  # step 2 has no optimizer state
+    with pytest.raises(RestoreError, match=r"step 2 on tier 'local': lacks key\(s\) \['optim"):
+        restorer.restore(state(m2, o2), step=2)  # step 2 has no optimizer state
     restorer.close()
 
 

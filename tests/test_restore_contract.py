@@ -76,3 +76,356 @@ def test_optimizer_keys_as_a_string_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="optimizer_keys") as info:
         TieredCheckpointer(two_tiers(tmp_path), optimizer_keys="optim")
     assert len(str(info.value)) < 200
+
+
+# -- Stateful ------------------------------------------------------------------------------
+
+
+class AppState:
+    """The DCP tutorial's wrapper: model and optimizer behind state_dict()/load_state_dict()."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+        self.loaded = 0
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+        self.loaded += 1
+
+
+class Counter:
+    """A Stateful holding a plain Python value (replaced, not loaded in place)."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def make_app(seed: int) -> AppState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 6)).sum().backward()
+    optim.step()
+    return AppState(model, optim)
+
+
+def app_tensors(app: AppState) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in app.model.state_dict().items()}
+    for pid, st in app.optim.state_dict()["state"].items():
+        out.update({f"optim.{pid}.{k}": v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_flatten_keys_expands_stateful_at_any_depth() -> None:
+    from dcp_tiered.dcp.statedict import flatten_keys
+
+    app = make_app(0)
+    keys = flatten_keys({"app": app, "extra": {"counter": Counter(3), "lr": 0.1}})
+    assert "app.model.0.weight" in keys and "app.optim.state.0.exp_avg" in keys
+    assert "extra.counter.n" in keys and "extra.lr" in keys and "app" not in keys
+
+
+def test_stateful_app_state_round_trips_through_restore(tmp_path: Path) -> None:
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    saved = make_app(0)
+    nested = Counter(41)
+    assert ck.maybe_save(0, {"app": saved, "extra": {"counter": nested, "epoch": 7}}) is not None
+    ck.close()
+    want = app_tensors(saved)
+
+    fresh = make_app(1)
+    counter = Counter(0)
+    sd = {"app": fresh, "extra": {"counter": counter, "epoch": 0}}
+    ck2 = TieredCheckpointer(two_tiers(tmp_path))
+    assert ck2.restore(sd) == 0
+    ck2.close()
+    assert fresh.loaded == 1 and counter.n == 41 and sd["extra"]["epoch"] == 7
+    assert sd["app"] is fresh and sd["extra"]["counter"] is counter
+    assert_same(app_tensors(fresh), want)
+
+
+# -- RestoreError / None ---------------------------------------------------------------------
+
+
+def test_restore_returns_none_only_when_no_tier_holds_a_committed_checkpoint(tmp_path: Path) -> None:
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    assert ck.restore(small_state()) is None
+    # an uncommitted leftover is no checkpoint either
+    (tmp_path / "shared" / "step_000000003").mkdir(parents=True)
+    (tmp_path / "shared" / "step_000000003" / "__0_0.distcp").write_bytes(b"partial")
+    assert ck.restore(small_state()) is None
+    ck.close()
+
+
+def test_missing_keys_raise_restore_error_naming_every_candidate(tmp_path: Path) -> None:
+    from dcp_tiered import DcpTieredError, RestoreError
+
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    ck.maybe_save(0, small_state())
+    ck.close()
+    with pytest.raises(RestoreError) as info:
+        TieredCheckpointer(two_tiers(tmp_path)).restore({"model": {"w": torch.zeros(8, 4)}, "sched": {"x": torch.zeros(1)}})
+    err = info.value
+    assert isinstance(err, DcpTieredError) and isinstance(err, RuntimeError)
+    assert sorted((t, s) for t, s, _ in err.candidates) == [("local", 0), ("shared", 0)]
+    assert all("sched.x" in why for _, _, why in err.candidates)
+    assert "step 0 on tier 'local'" in str(err) and "step 0 on tier 'shared'" in str(err)
+
+
+def test_every_candidate_failing_raises_restore_error_with_each_failure(tmp_path: Path) -> None:
+    from dcp_tiered import RestoreError
+
+    ck = TieredCheckpointer(two_tiers(tmp_path, local_every=1, shared_every=1))
+    ck.maybe_save(0, small_state(0))
+    ck.maybe_save(1, small_state(1))
+    ck.close()
+    for f in tmp_path.rglob("*.distcp"):  # every data file of every step on every tier
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    ck2 = TieredCheckpointer(two_tiers(tmp_path))
+    with pytest.raises(RestoreError) as info:
+        ck2.restore(small_state(5))
+    got = [(t, s) for t, s, _ in info.value.candidates]
+    assert got == [("local", 1), ("shared", 1), ("local", 0)]  # newest first, fastest first (shared keeps 1)
+    assert all("Corrupt" in why or "checksum" in why.lower() for _, _, why in info.value.candidates), info.value
+    assert ck2.restore_failures == 3
+    ck2.close()
+
+
+def test_requested_step_that_does_not_exist_raises(tmp_path: Path) -> None:
+    from dcp_tiered import RestoreError
+
+    ck = TieredCheckpointer(two_tiers(tmp_path))
+    ck.maybe_save(0, small_state())
+    assert ck.restore(small_state(), step=0) == 0
+    with pytest.raises(RestoreError, match="of step 9"):
+        ck.restore(small_state(), step=9)
+    ck.close()
+
+
+# -- SaveError, wait/close timeouts ------------------------------------------------------------
+
+
+def test_save_error_is_short_and_carries_its_cause(tmp_path: Path) -> None:
+    from dcp_tiered import SaveError
+
+    blocker = tmp_path / "local"
+    blocker.write_text("a file where the tier directory should be")
+    ck = TieredCheckpointer([Tier("local", str(blocker), every_steps=1, keep=1)])
+    with pytest.raises(SaveError) as info:
+        ck.maybe_save(0, small_state())
+    err = info.value
+    assert len(str(err)) < 500, str(err)
+    assert "Traceback" not in str(err) and "step 0" in str(err)
+    assert err.__cause__ is not None and type(err.__cause__).__name__ in str(err)
+    assert type(err.__cause__).__name__ != "CheckpointException"
+
+
+def test_close_with_a_timeout_gives_up_on_a_stuck_promotion(tmp_path: Path) -> None:
+    import threading
+
+    from faults import FaultyFS, register
+
+    from dcp_tiered import PromotionError
+
+    register()
+    FaultyFS.faults.reset()
+    tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=2),
+             Tier("shared", f"faulty://{tmp_path}/shared", every_steps=1, keep=2)]
+    ck = TieredCheckpointer(tiers)
+    FaultyFS.faults.stall.clear()  # the shared filesystem hangs
+    try:
+        ck.maybe_save(0, small_state())
+        assert FaultyFS.faults.stalled.wait(30)
+        gave_up = threading.Event()
+
+        def release_later() -> None:  # the storage comes back only long after close() gave up
+            gave_up.wait(120)
+            FaultyFS.faults.stall.set()
+
+        threading.Thread(target=release_later, daemon=True).start()
+        with pytest.raises(PromotionError):
+            try:
+                ck.wait(timeout=0.5)
+            finally:
+                stuck = not FaultyFS.faults.stall.is_set()
+                gave_up.set()
+        assert stuck  # wait() returned while the promotion was still blocked
+        ck.close(timeout=60)
+    finally:
+        FaultyFS.faults.stall.set()
+        FaultyFS.faults.reset()
+
+
+# -- 4 gloo ranks ----------------------------------------------------------------------------------
+
+WS = 4
+SPAWN_TIMEOUT = 300.0
+
+
+def _app_worker(rank: int, world: int, data: str, out: str) -> None:
+    from gloo_ranks import record
+
+    outp = Path(out)
+    tiers = [Tier("local", f"{data}/local/{{node}}", every_steps=1, keep=2, codec="lz4"),
+             Tier("shared", f"{data}/shared", every_steps=1, keep=1, codec="zstd")]
+    saved = make_app(0)
+    want = app_tensors(saved)
+    counter = Counter(10 + rank)  # per-rank plain state under a per-rank key
+
+    def save() -> None:
+        ck = TieredCheckpointer(tiers)
+        assert ck.maybe_save(3, lambda: {"app": saved, "ranks": {f"r{rank}": counter}}) is not None
+        ck.close(timeout=120)
+
+    def restore(broadcast: bool) -> None:
+        fresh, mine = make_app(1 + rank), Counter(0)
+        ck = TieredCheckpointer(tiers)
+        # broadcast=True is for replicated state: every rank asks for the same keys
+        sd = {"app": fresh} if broadcast else {"app": fresh, "ranks": {f"r{rank}": mine}}
+        got = ck.restore(sd, broadcast=broadcast)
+        ck.close(timeout=120)
+        assert got == 3, f"rank {rank} restored {got}"
+        assert fresh.loaded == 1, fresh.loaded
+        assert broadcast or mine.n == 10 + rank, mine.n
+        assert_same(app_tensors(fresh), want)
+
+    record(outp, "app_save", rank, save)
+    record(outp, "app_restore", rank, lambda: restore(False))
+    record(outp, "app_restore_broadcast", rank, lambda: restore(True))
+
+
+@pytest.fixture(scope="module")
+def app_run(tmp_path_factory) -> tuple[Path, str | None]:
+    from gloo_ranks import run_ranks_recording
+
+    root = tmp_path_factory.mktemp("app4")
+    return run_ranks_recording(_app_worker, WS, root, str(root / "data"), root / "records", timeout=SPAWN_TIMEOUT)
+
+
+@pytest.mark.parametrize("check", ["app_save", "app_restore", "app_restore_broadcast"])
+def test_app_state_round_trips_on_four_ranks(app_run, check: str) -> None:
+    """The DCP tutorial's AppState (plus a per-rank Stateful) through restore and restore(broadcast=True)."""
+    from gloo_ranks import read_records
+
+    read_records(app_run[0], check, WS, app_run[1])
+
+
+# -- SIGKILL mid-promotion, restart, 10 times ------------------------------------------------------
+
+KILL_TRIALS = 10
+
+
+def kill_tiers(data: str) -> list[Tier]:
+    # local: node-local ({node}: all 4 ranks on one node share it), every step; shared: keep=1, every 2nd step
+    return [Tier("local", f"{data}/local/{{node}}", every_steps=1, keep=2, codec="lz4"),
+            Tier("shared", f"{data}/shared", every_steps=2, keep=1, codec="zstd")]
+
+
+def step_state(step: int, rank: int) -> dict:
+    """The state at ``step``: replicated model and optimizer, and one per-rank entry; every value depends on the step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    model = {f"l{i}": torch.randn(96, 96, generator=g) for i in range(6)}
+    optim = {f"l{i}.exp_avg": torch.randn(96, 96, generator=g) for i in range(6)}
+    own = torch.full((64,), float(step * 10 + rank))
+    return {"model": model, "optim": {**optim, "step": torch.tensor(step)}, "ranks": {f"r{rank}": own}}
+
+
+def blank_state(rank: int) -> dict:
+    return {k: {kk: torch.full_like(v, -1) for kk, v in d.items()} for k, d in step_state(0, rank).items()}
+
+
+def _kill_worker(rank: int, world: int, data: str, out: str, seed: int, steps: int) -> None:
+    import json
+    import os
+    import random
+    import time
+
+    rng = random.Random(seed)
+    victim, kill_after = rng.randrange(world), rng.randrange(1, 5)  # same on every rank
+    delay = rng.random() * 0.3
+    ck = TieredCheckpointer(kill_tiers(data), optimizer_every=1, leftover_grace=0)
+    sd = blank_state(rank)
+    got = ck.restore(sd)
+    exact = None
+    if got is not None:
+        want = step_state(got, rank)
+        exact = all(torch.equal(sd[k][kk], want[k][kk]) for k in want for kk in want[k])
+    Path(out, f"restore.rank{rank}.json").write_text(json.dumps({"step": got, "exact": exact}))
+    start = 0 if got is None else got + 1
+    saves_to_shared = 0
+    for step in range(start, start + steps):
+        report = ck.maybe_save(step, lambda step=step: step_state(step, rank))
+        if report is not None and "shared" in report.tiers:
+            saves_to_shared += 1
+            if rank == victim and saves_to_shared == kill_after:
+                time.sleep(delay)  # the promotion to shared runs in the background now
+                os.kill(os.getpid(), 9)
+    ck.close(timeout=120)
+
+
+KILL_RUN = """
+import sys
+sys.path.insert(0, {tests!r})
+from gloo_ranks import run_ranks
+from test_restore_contract import _kill_worker
+try:
+    run_ranks(_kill_worker, {ws}, __import__("pathlib").Path({tmp!r}), {data!r}, {out!r}, {seed}, 12, timeout=240)
+    emit("finished")
+except BaseException as exc:
+    emit(type(exc).__name__)
+"""
+
+
+def _committed(path: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in path.glob("step_*") if (p / ".metadata").exists()) if path.exists() else []
+
+
+def test_sigkill_mid_promotion_then_restart_restores_the_same_step_everywhere(tmp_path: Path) -> None:
+    """A rank SIGKILLs itself while the promotion to the keep=1 shared tier runs; all ranks restart.
+    Every restart restores one step on all 4 ranks, bit-exact, never None while a checkpoint exists."""
+    from isolated import run_isolated
+
+    data = tmp_path / "data"
+    tests = str(Path(__file__).parent)
+    history = []
+    for trial in range(KILL_TRIALS + 1):
+        before = {"local": _committed(data / "local" / "0"), "shared": _committed(data / "shared")}
+        out = tmp_path / f"run{trial}"
+        out.mkdir()
+        res = run_isolated(KILL_RUN.format(tests=tests, ws=WS, tmp=str(tmp_path), data=str(data), out=str(out),
+                                           seed=trial), timeout=420, memory_mb=16384)
+        assert not res.timed_out, res.describe()
+        restored = {}
+        for r in range(WS):
+            f = out / f"restore.rank{r}.json"
+            assert f.exists(), f"trial {trial}: rank {r} never finished its restore\n{res.describe()}"
+            restored[r] = __import__("json").loads(f.read_text())
+        history.append((before, restored, res.result))
+        steps = {v["step"] for v in restored.values()}
+        assert len(steps) == 1, f"trial {trial}: ranks restored different steps {restored}"
+        step = steps.pop()
+        if trial == 0:
+            assert step is None
+            continue
+        assert before["local"] or before["shared"], f"trial {trial}: nothing committed after the last run {history}"
+        assert step is not None, f"trial {trial}: restore returned None although {before} was committed"
+        assert all(v["exact"] for v in restored.values()), f"trial {trial}: restored step {step} not bit-exact"
+        assert step >= min(before["local"] + before["shared"]), (trial, step, before)

@@ -1,11 +1,18 @@
-"""State-dict traversal as DCP does it: which flattened keys a state dict asks a checkpoint for."""
+"""State-dict traversal as DCP does it: which flattened keys a state dict asks a checkpoint for,
+and ``Stateful`` objects (anything with ``state_dict()``/``load_state_dict()``) at any depth."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+def is_stateful(value: Any) -> bool:
+    """Whether DCP treats ``value`` as a ``Stateful`` (it calls ``state_dict()``/``load_state_dict()``)."""
+    return not isinstance(value, (Mapping, torch.Tensor)) and isinstance(value, Stateful)
 
 
 def _is_leaf(value: Any) -> bool:
@@ -18,11 +25,28 @@ def _is_leaf(value: Any) -> bool:
     return not any(isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and not _is_leaf(v)) for v in value)
 
 
+def has_stateful(value: Any) -> bool:
+    """Whether a ``Stateful`` object occurs anywhere in ``value`` (mappings and lists are searched)."""
+    if is_stateful(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(has_stateful(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_stateful(v) for v in value)
+    return False
+
+
 def flatten_keys(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Dot-joined leaf keys exactly as DCP flattens a state dict into metadata keys."""
+    """Dot-joined leaf keys exactly as DCP flattens a state dict into metadata keys.
+
+    A ``Stateful`` object, at any depth, stands for its ``state_dict()`` (as :func:`expand_stateful`
+    saves it), so ``{"app": AppState(model, optim)}`` asks for ``app.model.weight``, ...
+    """
     out: list[str] = []
 
     def walk(path: str, value: Any) -> None:
+        if is_stateful(value):
+            value = value.state_dict()
         if isinstance(value, Mapping):
             for k, v in value.items():
                 walk(f"{path}.{k}", v)
@@ -35,3 +59,52 @@ def flatten_keys(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
     for k, v in state_dict.items():
         walk(f"{prefix}{k}", v)
     return out
+
+
+def expand_stateful(state_dict: Mapping[str, Any]) -> tuple[Mapping[str, Any], Callable[[], None]]:
+    """``state_dict`` with every ``Stateful`` object (at any depth) replaced by its ``state_dict()``, and
+    a ``finish()`` to call after ``dcp.load`` into it.
+
+    DCP itself expands ``Stateful`` objects only at the top level (deeper ones would be pickled whole).
+    Only the containers on the way to a ``Stateful`` are copied; the rest, tensors included, is
+    shared, so DCP still loads tensors in place.  ``finish()`` writes the loaded non-tensor values
+    back into the caller's containers and calls each object's ``load_state_dict`` with its loaded
+    state, innermost first (an object whose state holds another ``Stateful`` gets that object back,
+    already loaded).  Without any ``Stateful``, ``state_dict`` itself is returned.
+    """
+    steps: list[Callable[[], None]] = []
+
+    def write_back(orig: Any, copy: Any) -> None:
+        items = orig.items() if isinstance(orig, Mapping) else enumerate(orig)
+        for k, v in list(items):
+            if is_stateful(v) or copy[k] is v:
+                continue
+            if isinstance(v, (Mapping, list)) and has_stateful(v):
+                continue  # written back by its own step
+            if isinstance(orig, (MutableMapping, list)):
+                orig[k] = copy[k]
+
+    def expand(value: Any) -> Any:
+        if is_stateful(value):
+            inner = value.state_dict()
+            plain = expand(inner)
+            steps.append(lambda obj=value, inner=inner: obj.load_state_dict(inner))
+            return plain
+        if isinstance(value, (Mapping, list)) and has_stateful(value):
+            if isinstance(value, Mapping):
+                copy: Any = {k: expand(v) for k, v in value.items()}
+            else:
+                copy = [expand(v) for v in value]
+            steps.append(lambda orig=value, copy=copy: write_back(orig, copy))
+            return copy
+        return value
+
+    if not has_stateful(state_dict):
+        return state_dict, lambda: None
+    expanded = expand(state_dict)
+
+    def finish() -> None:
+        for step in steps:  # post-order: children before the object or container holding them
+            step()
+
+    return expanded, finish

@@ -13,19 +13,21 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dcp_tiered.dcp.planners import DowncastSavePlanner
 from dcp_tiered.dcp.reader import CompressedReader
-from dcp_tiered.dcp.statedict import flatten_keys
-from dcp_tiered.errors import ConfigError, SaveError
+from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
+from dcp_tiered.errors import ConfigError, DcpTieredError, RestoreError, SaveError
 from dcp_tiered.storage.retry import RetryPolicy
-from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
+from dcp_tiered.tiers.catalog import CheckpointInfo, list_tier, list_tiers
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, includes_optimizer, record_save, restore_order
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
@@ -37,6 +39,27 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: CPU priority offset of background saves and promotions, so the training loop keeps the cores.
 BACKGROUND_NICE = 10
+
+
+def describe_error(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``exc`` on one line, at most ``limit`` characters; for DCP's
+    ``CheckpointException`` (whose text holds every rank's traceback) the first failure's."""
+    rank = None
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        rank, (exc, _) = min(failures.items(), key=lambda kv: kv[0])
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if rank is not None:
+        text += f" (rank {rank})"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first rank's failure inside DCP's ``CheckpointException``, else ``exc``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        return min(failures.items(), key=lambda kv: kv[0])[1][0]
+    return exc
 
 
 def _state_bytes(state_dict: Mapping[str, Any]) -> int:
@@ -156,7 +179,8 @@ class TieredCheckpointer:
         if self._failed is not None:
             exc, self._failed = self._failed, None
             self._sync_next = True
-            raise SaveError(f"a background checkpoint save failed: {exc}; the next save runs synchronously") from exc
+            raise SaveError(f"a background checkpoint save failed: {describe_error(exc)}; "
+                            "the next save runs synchronously") from root_cause(exc)
 
     def _decide(self, step: int) -> list[str]:
         now = self.clock()
@@ -234,6 +258,7 @@ class TieredCheckpointer:
         return self._save(step, state_dict, due)
 
     def _save(self, step: int, state_dict: Mapping[str, Any], due: list[str], waited: float = 0.0) -> SaveReport:
+        state_dict = expand_stateful(state_dict)[0]  # Stateful objects at any depth, as restore expects them
         with_optim = includes_optimizer(self._saves, self.optimizer_every)
         self._saves += 1
         sd = dict(state_dict) if with_optim else {k: v for k, v in state_dict.items() if k not in self.optimizer_keys}
@@ -274,12 +299,13 @@ class TieredCheckpointer:
             self.promoter.set_writing(due, step, False)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
+            report.ok, report.error = False, describe_error(exc, 2000)
             report.total_s = time.perf_counter() - t0
             report.blocked_s = waited + report.total_s
             self.reports.append(report)
             self.events.emit(report.as_dict())
-            raise SaveError(f"checkpoint save of step {step} to tier {due[0]!r} failed: {exc}") from exc
+            raise SaveError(f"checkpoint save of step {step} to tier {due[0]!r} failed: {describe_error(exc)}"
+                            ) from root_cause(exc)
         self.promoter.set_writing(due, step, False)
         report.total_s = time.perf_counter() - t0
         report.blocked_s = waited + report.total_s
@@ -315,7 +341,7 @@ class TieredCheckpointer:
             self.promoter.set_writing(report.tiers, report.step, False)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            report.ok, report.error = False, f"{type(exc).__name__}: {exc}"
+            report.ok, report.error = False, describe_error(exc, 2000)
             report.total_s = time.perf_counter() - t0
             self.events.emit(report.as_dict())
             self._failed = exc
@@ -327,22 +353,35 @@ class TieredCheckpointer:
     def _on_promotion(self, report: PromotionReport) -> None:
         self.events.emit({"event": "promotion", **report.as_dict()})
 
-    def wait(self) -> None:
-        """Block until the save in flight and every promotion are done; raise the first failure."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save in flight and every promotion are done; raise the first failure.
+
+        With ``timeout`` (seconds, for both together) raise :class:`SaveError` if the save is
+        still in flight, or :class:`PromotionError` naming the promotions still pending."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._inflight is not None and deadline is not None:
+            fut, report = self._inflight[0], self._inflight[1]
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise SaveError(f"the save of step {report.step} to tier {report.tiers[0]!r} is still in flight "
+                                f"after {timeout} s") from None
+            except BaseException:  # noqa: BLE001 - recorded and raised by _check_background below
+                pass
         self._finish_inflight(wait=True)
         self._check_background()
-        self.promoter.wait()
+        self.promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def close(self) -> None:
-        """:meth:`wait`, then stop background work. Safe to call twice."""
+    def close(self, timeout: float | None = None) -> None:
+        """:meth:`wait` (with ``timeout``), then stop background work. Safe to call twice."""
         if self._closed:
             return
         try:
-            self.wait()
+            self.wait(timeout)
         finally:
             self._closed = True
             self.promoter.close(wait=False)
-            if self._stager is not None:
+            if self._stager is not None and self._inflight is None:
                 self._stager.close()
 
     def __enter__(self) -> "TieredCheckpointer":
@@ -359,12 +398,22 @@ class TieredCheckpointer:
 
     def restore(self, state_dict: dict[str, Any], *, step: int | None = None, broadcast: Any = False,
                 bucket_bytes: int = 64 << 20) -> int | None:
-        """Load the newest good checkpoint holding every key of ``state_dict`` into it.
+        """Load the newest good checkpoint holding every key of ``state_dict`` into it; return its step.
 
-        Candidates are ordered newest step first, fastest tier first; a candidate whose
-        files are not all visible (node-local tiers), that lacks a key, or that fails to load
-        or verify is skipped with a warning and counted in ``restore_failures``.  Returns
-        the step restored, or None when there is nothing to restore.
+        ``state_dict`` is what ``dcp.load`` takes: tensors are loaded in place, other values
+        replaced, and ``Stateful`` objects (at any depth) get ``load_state_dict`` called with
+        their loaded state.  Collective: every rank of the group calls it.  The coordinator
+        lists the shared tiers, every rank lists its node-local ones, and all ranks agree on
+        one ordered candidate list (newest step first, fastest tier first; a node-local
+        candidate only if every rank sees it whole).  Candidates are pinned against retention
+        until the restore ends; after a failed attempt on any rank, every rank moves on to
+        the same next candidate (failures count in ``restore_failures``).  When every
+        candidate failed the tiers are listed again (a resumed promotion may have committed
+        a newer step meanwhile).
+
+        Returns None only when no tier holds a committed checkpoint (``step`` asks for that step).
+        Raises :class:`RestoreError` when committed checkpoints exist but none could be
+        restored, listing each candidate and why it was rejected.
 
         ``broadcast=True``: for replicated (DDP-style) state, one rank reads and decompresses
         and broadcasts the tensors to the others in ``bucket_bytes`` buckets
@@ -372,49 +421,148 @@ class TieredCheckpointer:
         checkpoint once instead of once per rank; ``broadcast=<group or list of groups>``
         picks one leader per group (e.g. one per node).
         """
-        self._finish_inflight(wait=True)
-        required = flatten_keys(state_dict)
-        infos = {(i.step, i.tier_index): i for i in self.list() if i.committed and i.complete and i.has_keys(required)}
         if step is not None:
-            infos = {k: v for k, v in infos.items() if k[0] == step}
-        candidates = set(infos)
-        if self.distributed:
-            gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, sorted(candidates), group=self._decide_pg)
-            candidates = set.intersection(*(set(map(tuple, g)) for g in gathered))
-        for cand in restore_order(candidates):
-            info = infos[cand]
-            tier = self.tiers[cand[1]]
-            t0 = time.perf_counter()
-            try:
-                url = tier.resolved_url(self.rank, self.node).rstrip("/") + "/" + info.name
+            self._check_step(step)
+        self._finish_inflight(wait=True)
+        required = flatten_keys(expand_stateful(state_dict)[0])
+        rejected: dict[tuple[int, int], str] = {}
+        tried: set[tuple[int, int]] = set()
+        committed = False
+        pinned: set[tuple[int, int]] = set()
+        try:
+            for _ in range(3):
+                candidates, reasons, found = self._agree_candidates(required, step, pinned)
+                committed = committed or found
+                for cand, why in reasons.items():
+                    rejected.setdefault(cand, why)
+                fresh = [c for c in candidates if c not in tried]
+                if not fresh:
+                    break
+                for cand in fresh:
+                    tried.add(cand)
+                    rejected.pop(cand, None)
+                    why = self._attempt_restore(cand, state_dict, broadcast, bucket_bytes)
+                    if why is None:
+                        now = self.clock()
+                        for i in {c[1] for c in candidates}:
+                            self.histories[self.tiers[i].name] = TierHistory(cand[0], now, ())
+                        return cand[0]
+                    rejected[cand] = why
+        finally:
+            for s, i in pinned:
+                self.promoter.set_writing([self.tiers[i].name], s, False)
+        if not committed:
+            return None
+        order = restore_order(rejected)
+        listed = [(self.tiers[i].name, s, rejected[(s, i)]) for s, i in order]
+        lines = "; ".join(f"step {s} on tier {t!r}: {why}" for t, s, why in listed[:8])
+        more = f"; and {len(listed) - 8} more" if len(listed) > 8 else ""
+        wanted = f" of step {step}" if step is not None else ""
+        raise RestoreError(f"no committed checkpoint{wanted} could be restored ({len(listed)} candidate(s)): "
+                           f"{lines}{more}", listed)
 
-                def make_reader(url: str = url, tier: Tier = tier) -> CompressedReader:
-                    return CompressedReader(url, storage_options=tier.storage_options, threads=self.threads)
-
-                if broadcast is not False and broadcast is not None and self.distributed:
-                    from dcp_tiered.dcp.broadcast import load_and_broadcast
-
-                    groups = self._save_pg if broadcast is True else broadcast
-                    load_and_broadcast(state_dict, make_reader, process_group=groups, bucket_bytes=bucket_bytes)
-                else:
-                    kwargs: dict[str, Any] = {"process_group": self._save_pg} if self.distributed else {"no_dist": True}
-                    dcp.load(state_dict, storage_reader=make_reader(), **kwargs)
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                self.restore_failures += 1
-                log.warning("restore: step %d on tier %s failed (%s); trying the next candidate", cand[0], tier.name, exc)
-                self.events.emit({"event": "restore_failure", "step": cand[0], "tier": tier.name, "error": str(exc)[:500]})
+    def _local_view(self, required: Sequence[str], pinned: set[tuple[int, int]]) -> list[tuple[int, int, str | None]]:
+        """``(step, tier index, why unusable or None)`` of each committed checkpoint this rank answers for:
+        the node-local tiers as this rank sees them, and the shared tiers on the coordinator.
+        Each one is pinned against retention at once."""
+        out: list[tuple[int, int, str | None]] = []
+        for i, tier in enumerate(self.tiers):
+            if not tier.node_local and self.rank != 0:
                 continue
-            now = self.clock()
-            for t in self.tiers:
-                steps = [c[0] for c in candidates if self.tiers[c[1]].name == t.name]
-                if steps:
-                    self.histories[t.name] = TierHistory(max(steps), now, ())
-            self.events.emit({"event": "restore", "step": cand[0], "tier": tier.name, "seconds": time.perf_counter() - t0})
-            return cand[0]
-        return None
+            try:
+                infos = list_tier(tier, i, self.rank, self.node)
+            except DcpTieredError as exc:
+                log.warning("restore: cannot list tier %s: %s", tier.name, exc)
+                continue
+            for info in infos:
+                if not info.committed:
+                    continue
+                if (info.step, i) not in pinned:
+                    self.promoter.set_writing([tier.name], info.step, True)
+                    pinned.add((info.step, i))
+                why = None
+                if not info.complete or info.keys is None:
+                    why = info.problem or "files missing or unreadable metadata"
+                else:
+                    missing = [k for k in required if k not in info.keys]
+                    if missing:
+                        extra = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                        why = f"lacks key(s) {missing[:3]}{extra} of the state dict"
+                out.append((info.step, i, why))
+        return out
+
+    def _agree_candidates(self, required: Sequence[str], step: int | None, pinned: set[tuple[int, int]]
+                          ) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str], bool]:
+        """The candidate list every rank agrees on (one all-gather), the rejected ones with why,
+        and whether any committed checkpoint (of ``step``) exists."""
+        view = self._local_view(required, pinned)
+        views: list[Any] = [view]
+        if self.distributed:
+            views = [None] * self.world
+            dist.all_gather_object(views, view, group=self._decide_pg)
+        seen: dict[tuple[int, int], dict[int, str | None]] = {}
+        for rank, v in enumerate(views):
+            for s, i, why in v:
+                seen.setdefault((s, i), {})[rank] = why
+        usable: list[tuple[int, int]] = []
+        reasons: dict[tuple[int, int], str] = {}
+        found = False
+        for (s, i), by_rank in seen.items():
+            found = True
+            if step is not None and s != step:
+                reasons[(s, i)] = f"not the requested step {step}"
+                continue
+            if self.tiers[i].node_local:
+                problems = [f"rank {r}: {by_rank[r]}" if r in by_rank else f"rank {r}: not committed there"
+                            for r in range(len(views)) if by_rank.get(r, "") is not None]
+            else:
+                problems = [by_rank[0]] if by_rank.get(0) is not None else []
+            if problems:
+                reasons[(s, i)] = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} ranks)" if len(problems) > 3 else "")
+            else:
+                usable.append((s, i))
+        return restore_order(usable), reasons, found
+
+    def _attempt_restore(self, cand: tuple[int, int], state_dict: dict[str, Any], broadcast: Any,
+                         bucket_bytes: int) -> str | None:
+        """Load one candidate on every rank; None if every rank succeeded, else why (the same on every rank)."""
+        s, i = cand
+        tier = self.tiers[i]
+        url = tier.resolved_url(self.rank, self.node).rstrip("/") + "/" + step_name(s)
+        t0 = time.perf_counter()
+        error = None
+        try:
+            plain, finish = expand_stateful(state_dict)
+
+            def make_reader() -> CompressedReader:
+                return CompressedReader(url, storage_options=tier.storage_options, threads=self.threads)
+
+            if broadcast is not False and broadcast is not None and self.distributed:
+                from dcp_tiered.dcp.broadcast import load_and_broadcast
+
+                groups = self._save_pg if broadcast is True else broadcast
+                load_and_broadcast(plain, make_reader, process_group=groups, bucket_bytes=bucket_bytes)
+            else:
+                kwargs: dict[str, Any] = {"process_group": self._save_pg} if self.distributed else {"no_dist": True}
+                dcp.load(plain, storage_reader=make_reader(), **kwargs)
+            finish()
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = describe_error(exc)
+        errors = [error]
+        if self.distributed:
+            errors = [None] * self.world
+            dist.all_gather_object(errors, error, group=self._decide_pg)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            self.events.emit({"event": "restore", "step": s, "tier": tier.name, "seconds": time.perf_counter() - t0})
+            return None
+        why = failed[0][1] if len(failed) == self.world else f"rank {failed[0][0]}: {failed[0][1]}"
+        self.restore_failures += 1
+        log.warning("restore: step %d on tier %s failed (%s); trying the next candidate", s, tier.name, why)
+        self.events.emit({"event": "restore_failure", "step": s, "tier": tier.name, "error": why})
+        return why
 
     def raise_if_failed(self) -> None:
         """Raise a recorded background save failure now (also done by ``maybe_save``/``wait``)."""
