@@ -40,7 +40,7 @@ pytest.importorskip("accelerate")
 
 
 def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: int = 4, ckpt_path: str | None = None,
-                   precision: bool = False, caught: list | None = None):
+                   precision: bool = False, caught: list | None = None, strategy=None):
     """Fit a tiny module (Adam, StepLR; ``batches`` batches per epoch); ``precision``: fp16
     AMP with a GradScaler whose scale changes every 2 steps; ``caught`` collects warnings."""
     from lightning.pytorch.plugins import MixedPrecision
@@ -67,7 +67,7 @@ def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: i
     model = Tiny()
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        plugins=plugins if precision else None)
+                        plugins=plugins if precision else None, **({"strategy": strategy} if strategy else {}))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -225,10 +225,22 @@ def test_lightning_save_on_train_end_can_be_turned_off(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000005"]
 
 
-def test_lightning_ckpt_path_wins_over_the_tiered_restore(tmp_path: Path) -> None:
+@pytest.mark.parametrize("after_setup", [False, True], ids=["restore-before-fit-start", "restore-after-setup"])
+def test_lightning_ckpt_path_wins_over_the_tiered_restore(tmp_path: Path, after_setup: bool) -> None:
     """``fit(ckpt_path=...)``: Lightning restores that checkpoint alone (weights, optimizer,
-    loops); the callback warns and does not restore its own newer checkpoint."""
+    loops); the callback warns and does not restore its own newer checkpoint.  Also with a
+    strategy that restores ``ckpt_path`` only after ``on_fit_start`` (as FSDP does)."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
     from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    class RestoresAfterSetup(SingleDeviceStrategy):
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+    def strategy():
+        return RestoresAfterSetup(device=torch.device("cpu")) if after_setup else None
 
     tiers = [Tier("local", str(tmp_path / "ck"), every_steps=1, keep=2)]
     _lightning_fit(8, [TieredCheckpointCallback(tiers)])  # the tiers hold step 8
@@ -237,11 +249,11 @@ def test_lightning_ckpt_path_wins_over_the_tiered_restore(tmp_path: Path) -> Non
 
     caught: list[str] = []
     cb = TieredCheckpointCallback(tiers)
-    probe = _Probe()
-    model, trainer = _lightning_fit(6, [cb, probe], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"), caught=caught)
-    assert any("ckpt_path" in w and "tiered restore is skipped" in w for w in caught), caught
+    model, trainer = _lightning_fit(6, [cb], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"), caught=caught,
+                                    strategy=strategy())
+    assert any("ckpt_path" in w and "tiered restore" in w for w in caught), caught
     assert cb.restored_step is None and trainer.global_step == 6
-    reference, _ = _lightning_fit(6, [], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"))
+    reference, _ = _lightning_fit(6, [], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"), strategy=strategy())
     assert _same_params(model, reference)  # not the weights of the tiered step 8
     assert (tmp_path / "ck" / "step_000000006").exists()  # and it keeps saving on its schedule
 

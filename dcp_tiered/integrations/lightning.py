@@ -189,7 +189,9 @@ class TieredCheckpointCallback(pl.Callback):
         self.restored_step = self._last_saved = None
         if not self.restore:
             return
-        if trainer.ckpt_path:
+        # Strategies that restore ckpt_path after on_fit_start (FSDP, ModelParallel, DeepSpeed) set
+        # trainer.ckpt_path only then: for them on_train_start checks it instead.
+        if not trainer.strategy.restore_checkpoint_after_setup and trainer.ckpt_path:
             rank_zero_warn(
                 f"TieredCheckpointCallback: trainer.fit(ckpt_path={str(trainer.ckpt_path)!r}) restores that checkpoint; "
                 "the tiered restore is skipped (pass ckpt_path=None to resume from the tiers)"
@@ -207,7 +209,6 @@ class TieredCheckpointCallback(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.restored_step is not None and trainer.ckpt_path:
-            # strategies that restore ckpt_path after on_fit_start (restore_checkpoint_after_setup)
             rank_zero_warn(
                 f"TieredCheckpointCallback: Lightning restored ckpt_path={str(trainer.ckpt_path)!r} over the "
                 f"tiered restore of step {self.restored_step}; training continues from ckpt_path"
