@@ -37,7 +37,6 @@ into a template.  Use this callback with ``enable_checkpointing=False`` (or alon
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 try:
@@ -47,6 +46,7 @@ except ImportError:  # pragma: no cover - the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
     from pytorch_lightning.utilities.rank_zero import rank_zero_warn  # type: ignore[no-redef]
 
+from dcp_tiered.errors import ConfigError
 from dcp_tiered.integrations._common import (
     CheckpointerSource,
     OptimizerSnapshot,
@@ -149,12 +149,12 @@ class TieredCheckpointCallback(pl.Callback):
     def _apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", sd: dict[str, Any]) -> None:
         """Load a restored state dict into the trainer, in the order Lightning restores a
         ``ckpt_path`` (datamodule, model, callbacks, precision, loops, optimizers, schedulers)."""
-        rest = sd["trainer"]
-        if isinstance(rest, str):  # written by dcp-tiered <= 0.x: fit loop and schedulers as JSON
-            legacy = json.loads(rest)
-            checkpoint: dict[str, Any] = {"loops": {"fit_loop": legacy["fit_loop"]}, "lr_schedulers": legacy["schedulers"]}
-        else:
-            checkpoint = dict(from_one_object(rest))
+        if isinstance(sd["trainer"], str):
+            raise ConfigError(
+                "this checkpoint was written by an earlier TieredCheckpointCallback (trainer state as JSON, no "
+                "callback or precision state); resume it with that version, or pass restore_step= to pick a newer one"
+            )
+        checkpoint: dict[str, Any] = dict(from_one_object(sd["trainer"]))
         checkpoint["state_dict"] = sd["model"]
         datamodule = trainer.datamodule
         if datamodule is not None and type(datamodule).__qualname__ in checkpoint:
