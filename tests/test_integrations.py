@@ -60,6 +60,12 @@ def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: i
             opt = torch.optim.Adam(self.parameters(), lr=1e-2)
             return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
 
+        def on_save_checkpoint(self, checkpoint) -> None:
+            checkpoint["tiny_extra"] = {"saved_at": self.trainer.global_step}
+
+        def on_load_checkpoint(self, checkpoint) -> None:
+            self.loaded_extra = checkpoint.get("tiny_extra")
+
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4 * batches, 6, generator=g)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=4)
@@ -201,8 +207,9 @@ def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Pa
     assert cb.restored_step == 9 and trainer.global_step == 12
     want, got = probe.dumps[9], probe2.at_fit_start
     for key in ("state_dict", "loops", "callbacks", "optimizer_states", "lr_schedulers", "MixedPrecision",
-                "epoch", "global_step"):
+                "epoch", "global_step", "tiny_extra"):
         _assert_same(want[key], got[key], key)
+    assert resumed.loaded_extra == {"saved_at": 9}  # the module's on_save/on_load_checkpoint hooks ran
     assert Counting.built == 1  # step 12, saved at the end of training (13 would be the next due step)
     assert (tmp_path / "ck" / "step_000000012" / ".metadata").exists()
 
@@ -215,6 +222,40 @@ def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Pa
     cb3 = TieredCheckpointCallback(tiers)
     _, t3 = _lightning_fit(12, [cb3], seed=3, batches=3, precision=True)
     assert cb3.restored_step == 12 and t3.global_step == 12
+
+
+def test_lightning_gradient_accumulation_saves_after_optimizer_steps_only(tmp_path: Path) -> None:
+    """With accumulate_grad_batches=2 the callback sees each global step on two batches: it
+    offers each step once, never step 0 (before any optimizer step)."""
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    class Counting(_CountingCallback, TieredCheckpointCallback):
+        pass
+
+    Counting.built = 0
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=1, keep=10)]
+    callbacks = [Counting(tiers)]
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Acc(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        accumulate_grad_batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Acc(), DataLoader(TensorDataset(torch.randn(32, 3)), batch_size=4))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000002", "step_000000003"]
+    assert Counting.built == 3
 
 
 def test_lightning_save_on_train_end_can_be_turned_off(tmp_path: Path) -> None:
