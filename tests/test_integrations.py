@@ -40,7 +40,7 @@ pytest.importorskip("accelerate")
 
 
 def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: int = 4, ckpt_path: str | None = None,
-                   precision: bool = False, caught: list | None = None, strategy=None):
+                   precision: bool = False, caught: list | None = None, strategy=None, **trainer_options):
     """Fit a tiny module (Adam, StepLR; ``batches`` batches per epoch); ``precision``: fp16
     AMP with a GradScaler whose scale changes every 2 steps; ``caught`` collects warnings."""
     from lightning.pytorch.plugins import MixedPrecision
@@ -73,7 +73,8 @@ def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: i
     model = Tiny()
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        plugins=plugins if precision else None, **({"strategy": strategy} if strategy else {}))
+                        plugins=plugins if precision else None, **({"strategy": strategy} if strategy else {}),
+                        **trainer_options)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -158,14 +159,18 @@ class _Probe(L.Callback):
             raise RuntimeError("simulated crash")
 
 
-class _CountingCallback:
-    """Mixin counting how often the state dict is built."""
+def _counting_callback():
+    """A TieredCheckpointCallback class counting how often it builds the state dict."""
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
 
-    built = 0
+    class Counting(TieredCheckpointCallback):
+        built = 0
 
-    def state(self, trainer, pl_module):
-        type(self).built += 1
-        return super().state(trainer, pl_module)
+        def state(self, trainer, pl_module):
+            type(self).built += 1
+            return super().state(trainer, pl_module)
+
+    return Counting
 
 
 def _assert_same(a, b, path: str = "") -> None:
@@ -190,9 +195,7 @@ def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Pa
     built only on the steps that saved, and the last step is saved when training ends."""
     from dcp_tiered.integrations.lightning import TieredCheckpointCallback
 
-    class Counting(_CountingCallback, TieredCheckpointCallback):
-        pass
-
+    Counting = _counting_callback()
     tiers = [Tier("local", str(tmp_path / "ck"), every_steps=4, keep=3)]  # due at steps 1, 5, 9, 13
     probe = _Probe(crash_at=10)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -227,33 +230,9 @@ def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Pa
 def test_lightning_gradient_accumulation_saves_after_optimizer_steps_only(tmp_path: Path) -> None:
     """With accumulate_grad_batches=2 the callback sees each global step on two batches: it
     offers each step once, never step 0 (before any optimizer step)."""
-    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
-
-    class Counting(_CountingCallback, TieredCheckpointCallback):
-        pass
-
-    Counting.built = 0
-    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=1, keep=10)]
-    callbacks = [Counting(tiers)]
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Acc(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(3, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        accumulate_grad_batches=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(Acc(), DataLoader(TensorDataset(torch.randn(32, 3)), batch_size=4))
+    Counting = _counting_callback()
+    _lightning_fit(3, [Counting([Tier("local", str(tmp_path / "ck"), every_steps=1, keep=10)])],
+                   accumulate_grad_batches=2)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000002", "step_000000003"]
     assert Counting.built == 3
 
