@@ -221,10 +221,12 @@ def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Pa
     assert trainer.precision_plugin.state_dict() == straight_trainer.precision_plugin.state_dict()
     assert counter.batches == 12
 
-    # the step saved at the end resumes like any other
+    # the step saved at the end resumes like any other, exactly
     cb3 = TieredCheckpointCallback(tiers)
-    _, t3 = _lightning_fit(12, [cb3], seed=3, batches=3, precision=True)
-    assert cb3.restored_step == 12 and t3.global_step == 12
+    resumed3, t3 = _lightning_fit(15, [cb3], seed=3, batches=3, precision=True)
+    assert cb3.restored_step == 12 and t3.global_step == 15
+    straight3, _ = _lightning_fit(15, [], batches=3, precision=True)
+    assert _same_params(resumed3, straight3)
 
 
 def test_lightning_gradient_accumulation_saves_after_optimizer_steps_only(tmp_path: Path) -> None:

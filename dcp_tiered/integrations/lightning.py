@@ -76,7 +76,8 @@ class TieredCheckpointCallback(pl.Callback):
         broadcast: pass to ``TieredCheckpointer.restore`` (one reader per group, for
             replicated DDP state); False by default.
         save_on_train_end: save the last step to every tier when training ends (default
-            True; skipped when that step is already saved or no step was trained).
+            True; skipped when that step is already saved or no step was trained).  At
+            ``max_steps`` it is saved after the last batch, a state that resumes exactly.
         close_on_end: close the checkpointer (wait for the save in flight and promotions)
             when fit ends.
         **options: ``TieredCheckpointer`` options when it is built here
@@ -221,11 +222,16 @@ class TieredCheckpointCallback(pl.Callback):
         if step == self._last_seen:
             return  # gradient accumulation: no optimizer step since the last batch
         self._last_seen = step
-        report = self.checkpointer.maybe_save(step, lambda: self.state(trainer, pl_module))
+        # The last step of max_steps is saved here rather than in on_train_end: after fit stops,
+        # Lightning's loops hold an epoch that a resume would close once more (an extra epoch-end
+        # scheduler step), while a batch-end state resumes exactly like an uninterrupted run.
+        last = self.save_on_train_end and trainer.max_steps not in (None, -1) and step >= trainer.max_steps
+        report = self.checkpointer.maybe_save(step, lambda: self.state(trainer, pl_module), force=last)
         if report is not None:
             self._last_saved = step
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # training ended otherwise (max_epochs, max_time, early stopping): save the state as it is now
         step = trainer.global_step
         if self.save_on_train_end and step != self._last_saved and step > self._train_start:
             self.checkpointer.maybe_save(step, lambda: self.state(trainer, pl_module), force=True)
