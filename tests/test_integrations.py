@@ -280,6 +280,75 @@ def test_lightning_ckpt_path_wins_over_the_tiered_restore(tmp_path: Path, after_
     assert (tmp_path / "ck" / "step_000000006").exists()  # and it keeps saving on its schedule
 
 
+_DDP_SCRIPT = """
+import hashlib, json, sys, warnings
+import torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+from dcp_tiered import Tier
+from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+warnings.filterwarnings("ignore")
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+
+
+if __name__ == "__main__":
+    root, max_steps, seed, tiered = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 6, generator=g)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=2)  # 4 batches per rank and epoch
+    cb = TieredCheckpointCallback([Tier("local", root, every_steps=2, keep=3)])
+    model = Tiny(seed)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb] if tiered else [])
+    trainer.fit(model, data)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    print("@@RESULT@@" + json.dumps({"rank": trainer.global_rank, "restored": cb.restored_step,
+                                     "step": trainer.global_step, "digest": digest}), flush=True)
+"""
+
+
+def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
+    """Lightning DDP on 2 gloo ranks: both ranks save together, restore the same step, and the
+    resumed run ends with the weights of an uninterrupted one."""
+    import json
+    import re
+
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(_DDP_SCRIPT)
+
+    def fit(max_steps: int, seed: int, tiered: bool) -> list[dict]:
+        r = _run([str(script), str(tmp_path / "ck"), str(max_steps), str(seed), "1" if tiered else "0"], timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        # the two ranks print concurrently: their lines may interleave
+        out = [json.loads(m) for m in re.findall(r"@@RESULT@@(\{[^{}]*\})", r.stdout)]
+        assert sorted(o["rank"] for o in out) == [0, 1], r.stdout[-2000:] + r.stderr[-2000:]
+        return out
+
+    first = fit(4, 0, True)
+    assert all(o["restored"] is None for o in first)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000003", "step_000000004"]
+    resumed = fit(8, 5, True)
+    assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
+    straight = fit(8, 0, False)
+    assert {o["digest"] for o in resumed} == {o["digest"] for o in straight} and len({o["digest"] for o in straight}) == 1
+
+
 def test_lightning_example_runs() -> None:
     r = _run(["examples/lightning_example.py", "--steps", "8", "--crash-at", "5"])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
