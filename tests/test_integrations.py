@@ -39,38 +39,46 @@ L = pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
 
+class _Tiny(L.LightningModule):
+    """A tiny regression module (Adam, StepLR) whose checkpoint hooks add and read one value."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        checkpoint["tiny_extra"] = {"saved_at": self.trainer.global_step}
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self.loaded_extra = checkpoint.get("tiny_extra")
+
+
+def _tiny_data(samples: int, batch_size: int):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, 6, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=batch_size)
+
+
 def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: int = 4, ckpt_path: str | None = None,
                    precision: bool = False, caught: list | None = None, strategy=None, **trainer_options):
     """Fit a tiny module (Adam, StepLR; ``batches`` batches per epoch); ``precision``: fp16
     AMP with a GradScaler whose scale changes every 2 steps; ``caught`` collects warnings."""
     from lightning.pytorch.plugins import MixedPrecision
-    from torch.utils.data import DataLoader, TensorDataset
 
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(seed)
-            self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            opt = torch.optim.Adam(self.parameters(), lr=1e-2)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
-
-        def on_save_checkpoint(self, checkpoint) -> None:
-            checkpoint["tiny_extra"] = {"saved_at": self.trainer.global_step}
-
-        def on_load_checkpoint(self, checkpoint) -> None:
-            self.loaded_extra = checkpoint.get("tiny_extra")
-
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4 * batches, 6, generator=g)
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=4)
+    data = _tiny_data(4 * batches, 4)
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2))]
-    model = Tiny()
+    model = _Tiny(seed)
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                         plugins=plugins if precision else None, **({"strategy": strategy} if strategy else {}),
@@ -282,44 +290,25 @@ def test_lightning_ckpt_path_wins_over_the_tiered_restore(tmp_path: Path, after_
 
 _DDP_SCRIPT = """
 import hashlib, json, sys, warnings
-import torch
+sys.path.insert(0, {tests!r})
 import lightning as L
-from torch.utils.data import DataLoader, TensorDataset
 from dcp_tiered import Tier
 from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+from test_integrations import _Tiny, _tiny_data
 
 warnings.filterwarnings("ignore")
 
-
-class Tiny(L.LightningModule):
-    def __init__(self, seed):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
-
-
 if __name__ == "__main__":
     root, max_steps, seed, tiered = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 6, generator=g)
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=2)  # 4 batches per rank and epoch
     cb = TieredCheckpointCallback([Tier("local", root, every_steps=2, keep=3)])
-    model = Tiny(seed)
+    model = _Tiny(seed)
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb] if tiered else [])
-    trainer.fit(model, data)
+    trainer.fit(model, _tiny_data(16, 2))  # 4 batches per rank and epoch
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    print("@@RESULT@@" + json.dumps({"rank": trainer.global_rank, "restored": cb.restored_step,
-                                     "step": trainer.global_step, "digest": digest}), flush=True)
+    print("@@RESULT@@" + json.dumps({{"rank": trainer.global_rank, "restored": cb.restored_step,
+                                     "step": trainer.global_step, "digest": digest}}), flush=True)
 """
 
 
@@ -330,7 +319,7 @@ def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
     import re
 
     script = tmp_path / "ddp_fit.py"
-    script.write_text(_DDP_SCRIPT)
+    script.write_text(_DDP_SCRIPT.format(tests=str(ROOT / "tests")))
 
     def fit(max_steps: int, seed: int, tiered: bool) -> list[dict]:
         r = _run([str(script), str(tmp_path / "ck"), str(max_steps), str(seed), "1" if tiered else "0"], timeout=600)
