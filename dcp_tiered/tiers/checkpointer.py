@@ -413,7 +413,7 @@ class TieredCheckpointer:
 
         Returns None only when no tier holds a committed checkpoint (``step`` asks for that step).
         Raises :class:`RestoreError` when committed checkpoints exist but none could be
-        restored, listing each candidate and why it was rejected.
+        restored, or a tier could not be listed, naming each candidate and why it was rejected.
 
         ``broadcast=True``: for replicated (DDP-style) state, one rank reads and decompresses
         and broadcasts the tensors to the others in ``bucket_bytes`` buckets
@@ -429,9 +429,10 @@ class TieredCheckpointer:
         tried: set[tuple[int, int]] = set()
         committed = False
         pinned: set[tuple[int, int]] = set()
+        unlisted: list[str] = []
         try:
             for _ in range(3):
-                candidates, reasons, found = self._agree_candidates(required, step, pinned)
+                candidates, reasons, found = self._agree_candidates(required, step, pinned, unlisted)
                 committed = committed or found
                 for cand, why in reasons.items():
                     rejected.setdefault(cand, why)
@@ -451,20 +452,21 @@ class TieredCheckpointer:
         finally:
             for s, i in pinned:
                 self.promoter.set_writing([self.tiers[i].name], s, False)
-        if not committed:
+        if not committed and not unlisted:
             return None
         order = restore_order(rejected)
         listed = [(self.tiers[i].name, s, rejected[(s, i)]) for s, i in order]
-        lines = "; ".join(f"step {s} on tier {t!r}: {why}" for t, s, why in listed[:8])
+        lines = "; ".join([f"step {s} on tier {t!r}: {why}" for t, s, why in listed[:8]] + unlisted[:4])
         more = f"; and {len(listed) - 8} more" if len(listed) > 8 else ""
         wanted = f" of step {step}" if step is not None else ""
         raise RestoreError(f"no committed checkpoint{wanted} could be restored ({len(listed)} candidate(s)): "
                            f"{lines}{more}", listed)
 
-    def _local_view(self, required: Sequence[str], pinned: set[tuple[int, int]]) -> list[tuple[int, int, str | None]]:
+    def _local_view(self, required: Sequence[str], pinned: set[tuple[int, int]], unlisted: list[str]
+                    ) -> list[tuple[int, int, str | None]]:
         """``(step, tier index, why unusable or None)`` of each committed checkpoint this rank answers for:
         the node-local tiers as this rank sees them, and the shared tiers on the coordinator.
-        Each one is pinned against retention at once."""
+        Each one is pinned against retention at once; tiers that cannot be listed go to ``unlisted``."""
         out: list[tuple[int, int, str | None]] = []
         for i, tier in enumerate(self.tiers):
             if not tier.node_local and self.rank != 0:
@@ -473,6 +475,7 @@ class TieredCheckpointer:
                 infos = list_tier(tier, i, self.rank, self.node)
             except DcpTieredError as exc:
                 log.warning("restore: cannot list tier %s: %s", tier.name, exc)
+                unlisted.append(f"tier {tier.name!r} cannot be listed: {describe_error(exc)}")
                 continue
             for info in infos:
                 if not info.committed:
@@ -491,17 +494,26 @@ class TieredCheckpointer:
                 out.append((info.step, i, why))
         return out
 
-    def _agree_candidates(self, required: Sequence[str], step: int | None, pinned: set[tuple[int, int]]
-                          ) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str], bool]:
+    def _agree_candidates(self, required: Sequence[str], step: int | None, pinned: set[tuple[int, int]],
+                          unlisted: list[str]) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str], bool]:
         """The candidate list every rank agrees on (one all-gather), the rejected ones with why,
-        and whether any committed checkpoint (of ``step``) exists."""
-        view = self._local_view(required, pinned)
-        views: list[Any] = [view]
+        and whether any committed checkpoint exists; listing problems of any rank go to ``unlisted``."""
+        problems: list[str] = []
+        try:
+            view = self._local_view(required, pinned, problems)
+        except Exception as exc:  # noqa: BLE001 - this rank must still take part in the collective below
+            problems.append(f"listing the tiers failed: {describe_error(exc)}")
+            view = []
+        views: list[Any] = [(view, problems)]
         if self.distributed:
             views = [None] * self.world
-            dist.all_gather_object(views, view, group=self._decide_pg)
+            dist.all_gather_object(views, (view, problems), group=self._decide_pg)
         seen: dict[tuple[int, int], dict[int, str | None]] = {}
-        for rank, v in enumerate(views):
+        for rank, (v, probs) in enumerate(views):
+            for p in probs:
+                line = f"rank {rank}: {p}" if self.distributed else p
+                if line not in unlisted:
+                    unlisted.append(line)
             for s, i, why in v:
                 seen.setdefault((s, i), {})[rank] = why
         usable: list[tuple[int, int]] = []
