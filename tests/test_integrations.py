@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -299,8 +300,8 @@ from test_integrations import _Tiny, _tiny_data
 warnings.filterwarnings("ignore")
 
 if __name__ == "__main__":
-    root, max_steps, seed, tiered = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-    cb = TieredCheckpointCallback([Tier("local", root, every_steps=2, keep=3)])
+    root, max_steps, seed, tiered = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] != "0"
+    cb = TieredCheckpointCallback([Tier("local", root, every_steps=2, keep=3)], broadcast=sys.argv[4] == "broadcast")
     model = _Tiny(seed)
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -313,29 +314,35 @@ if __name__ == "__main__":
 
 
 def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
-    """Lightning DDP on 2 gloo ranks: both ranks save together, restore the same step, and the
-    resumed run ends with the weights of an uninterrupted one."""
+    """Lightning DDP on 2 gloo ranks: both ranks save together, restore the same step (each
+    reading, or with broadcast=True one reading for both), and the resumed run ends with the
+    weights of an uninterrupted one."""
     import json
     import re
 
     script = tmp_path / "ddp_fit.py"
     script.write_text(_DDP_SCRIPT.format(tests=str(ROOT / "tests")))
 
-    def fit(max_steps: int, seed: int, tiered: bool) -> list[dict]:
-        r = _run([str(script), str(tmp_path / "ck"), str(max_steps), str(seed), "1" if tiered else "0"], timeout=600)
+    def fit(max_steps: int, seed: int, tiered: str, root: str = "ck") -> list[dict]:
+        r = _run([str(script), str(tmp_path / root), str(max_steps), str(seed), tiered], timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         # the two ranks print concurrently: their lines may interleave
         out = [json.loads(m) for m in re.findall(r"@@RESULT@@(\{[^{}]*\})", r.stdout)]
         assert sorted(o["rank"] for o in out) == [0, 1], r.stdout[-2000:] + r.stderr[-2000:]
         return out
 
-    first = fit(4, 0, True)
+    first = fit(4, 0, "1")
     assert all(o["restored"] is None for o in first)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000003", "step_000000004"]
-    resumed = fit(8, 5, True)
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
+    resumed = fit(8, 5, "1")
     assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
-    straight = fit(8, 0, False)
+    straight = fit(8, 0, "0")
     assert {o["digest"] for o in resumed} == {o["digest"] for o in straight} and len({o["digest"] for o in straight}) == 1
+    # the same with broadcast=True: one rank reads, the other receives
+    resumed = fit(8, 5, "broadcast", root="ck2")
+    assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
+    assert {o["digest"] for o in resumed} == {o["digest"] for o in straight}
 
 
 def test_lightning_example_runs() -> None:
