@@ -3,9 +3,9 @@
     python examples/accelerate_example.py [--dir DIR] [--steps 12] [--crash-at 7]
     accelerate launch --cpu --num_processes 2 examples/accelerate_example.py --dir /shared/ckpt
 
-Trains a tiny model with ``Accelerator``; ``save_state`` hands the prepared model,
-optimizer and scheduler to a ``TieredCheckpointer`` every step (a tier is due every 2
-steps).  The run stops at ``--crash-at``; a fresh process state (new model with other
+Trains a tiny model with ``Accelerator``; ``save_state`` is called every step and hands the
+prepared model, optimizer and scheduler to a ``TieredCheckpointer`` when a tier is due
+(every 2 steps; on the other steps nothing is built).  The run stops at ``--crash-at``; a fresh process state (new model with other
 initial weights, new optimizer) resumes with ``load_state`` and finishes; the final
 weights are compared with an uninterrupted run.  Needs ``pip install dcp-tiered[accelerate]``.
 """
@@ -49,7 +49,8 @@ def train(accelerator, model, opt, sched, start: int, stop: int, ckpt: TieredChe
         sched.step()
         opt.zero_grad()
         if ckpt is not None:
-            save_state(accelerator, ckpt, step, extra={"last_loss": float(loss)})
+            # called every step; the state dict (and extra) is built only when a tier is due
+            save_state(accelerator, ckpt, step, extra=lambda: {"last_loss": float(loss)})
 
 
 def main() -> None:

@@ -4,9 +4,10 @@
 
 A tiny regression model is trained with a ``TieredCheckpointCallback`` (a fast local tier
 every 2 steps, a compressed "durable" tier every 4 steps; the durable copies are promoted in
-the background).  The first fit stops at ``--crash-at``; the second fit, with a fresh
-model, resumes from the newest checkpoint and finishes.  Its final weights are compared
-with an uninterrupted run.  Needs ``pip install dcp-tiered[lightning]``.
+the background).  The first fit crashes (an exception) at ``--crash-at``; the second fit,
+with a fresh model, resumes from the newest checkpoint (weights, optimizer, scheduler, loops
+and callback states), finishes, and saves its last step when training ends.  Its final
+weights are compared with an uninterrupted run.  Needs ``pip install dcp-tiered[lightning]``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -39,6 +41,17 @@ class Regressor(L.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)}
+
+
+class CrashAt(L.Callback):
+    """Simulates a crash after the given step (after the checkpoint callback ran for it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"simulated crash at step {self.step}")
 
 
 def data() -> DataLoader:
@@ -69,14 +82,18 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     root = args.dir or tempfile.mkdtemp(prefix="dcp_tiered_lightning_")
 
-    fit(args.crash_at, [TieredCheckpointCallback(tiers(root))])
-    cb = TieredCheckpointCallback(tiers(root))
+    try:
+        fit(args.steps, [TieredCheckpointCallback(tiers(root)), CrashAt(args.crash_at)])
+    except RuntimeError as exc:
+        print(exc)
+    cb = TieredCheckpointCallback(tiers(root))  # save_on_train_end=True: the last step is saved too
     resumed, trainer = fit(args.steps, [cb])
     reference, _ = fit(args.steps, [])
     same = all(torch.equal(a, b) for a, b in zip(resumed.parameters(), reference.parameters()))
     print(f"restored step {cb.restored_step}; finished at step {trainer.global_step}; "
           f"weights equal to an uninterrupted run: {same}")
-    print(f"checkpoints under {root}")
+    local = sorted(p.name for p in Path(root, "local").iterdir() if p.name.startswith("step_"))
+    print(f"checkpoints under {root}; local tier: {local}")
 
 
 if __name__ == "__main__":

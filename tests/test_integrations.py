@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -39,32 +40,55 @@ L = pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
 
-def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0):
+class _Tiny(L.LightningModule):
+    """A tiny regression module (Adam, StepLR) whose checkpoint hooks add and read one value."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        checkpoint["tiny_extra"] = {"saved_at": self.trainer.global_step}
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self.loaded_extra = checkpoint.get("tiny_extra")
+
+
+def _tiny_data(samples: int, batch_size: int):
     from torch.utils.data import DataLoader, TensorDataset
 
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(seed)
-            self.net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            opt = torch.optim.Adam(self.parameters(), lr=1e-2)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
-
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 6, generator=g)
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=4)  # 4 batches per epoch
-    model = Tiny()
+    x = torch.randn(samples, 6, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=batch_size)
+
+
+def _lightning_fit(max_steps: int, callbacks: list, seed: int = 0, *, batches: int = 4, ckpt_path: str | None = None,
+                   precision: bool = False, caught: list | None = None, strategy=None, **trainer_options):
+    """Fit a tiny module (Adam, StepLR; ``batches`` batches per epoch); ``precision``: fp16
+    AMP with a GradScaler whose scale changes every 2 steps; ``caught`` collects warnings."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    data = _tiny_data(4 * batches, 4)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2))]
+    model = _Tiny(seed)
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, data)
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        plugins=plugins if precision else None, **({"strategy": strategy} if strategy else {}),
+                        **trainer_options)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+    if caught is not None:
+        caught.extend(str(w.message) for w in seen)
     return model, trainer
 
 
@@ -105,6 +129,220 @@ def test_lightning_callback_saves_and_restores(tmp_path: Path) -> None:
     straight, _ = _lightning_fit(7, [])
     assert cb3.restored_step == 4 and t3.global_step == 7
     assert _same_params(resumed, straight)
+
+
+class _Counter(L.Callback):
+    """A stateful callback (an int and a tensor), as EarlyStopping or EMA callbacks are."""
+
+    def __init__(self) -> None:
+        self.batches, self.loss_sum = 0, torch.zeros(())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+        self.loss_sum = self.loss_sum + outputs["loss"].detach().float()
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "loss_sum": self.loss_sum.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches, self.loss_sum = state["batches"], state["loss_sum"]
+
+
+class _Probe(L.Callback):
+    """Records what ``trainer.save_checkpoint`` would write: after each batch, and on fit start."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        self.crash_at, self.dumps, self.at_fit_start = crash_at, {}, None
+
+    def _dump(self, trainer) -> dict:
+        import copy
+
+        return copy.deepcopy(trainer._checkpoint_connector.dump_checkpoint())
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.at_fit_start = self._dump(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.dumps[trainer.global_step] = self._dump(trainer)
+        if trainer.global_step == self.crash_at:
+            raise RuntimeError("simulated crash")
+
+
+def _counting_callback():
+    """A TieredCheckpointCallback class counting how often it builds the state dict."""
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    class Counting(TieredCheckpointCallback):
+        built = 0
+
+        def state(self, trainer, pl_module):
+            type(self).built += 1
+            return super().state(trainer, pl_module)
+
+    return Counting
+
+
+def _assert_same(a, b, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}.{i}")
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Path) -> None:
+    """Interrupted at step 10, resumed from step 9 (an epoch boundary): the trainer holds exactly
+    what ``trainer.save_checkpoint`` held at step 9 (loops, optimizer, scheduler, callback and
+    GradScaler states), training on equals an uninterrupted run bit for bit, the state dict was
+    built only on the steps that saved, and the last step is saved when training ends."""
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    Counting = _counting_callback()
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=4, keep=3)]  # due at steps 1, 5, 9, 13
+    probe = _Probe(crash_at=10)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _lightning_fit(12, [_Counter(), Counting(tiers), probe], batches=3, precision=True)
+    assert Counting.built == 3  # steps 1, 5, 9: never on the 7 steps where nothing was due
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000005", "step_000000009"]
+    assert probe.dumps[9]["MixedPrecision"]["scale"] != 2.0**8  # the GradScaler state did change
+
+    Counting.built = 0
+    counter, cb, probe2 = _Counter(), Counting(tiers), _Probe()
+    resumed, trainer = _lightning_fit(12, [counter, cb, probe2], seed=7, batches=3, precision=True)
+    assert cb.restored_step == 9 and trainer.global_step == 12
+    want, got = probe.dumps[9], probe2.at_fit_start
+    for key in ("state_dict", "loops", "callbacks", "optimizer_states", "lr_schedulers", "MixedPrecision",
+                "epoch", "global_step", "tiny_extra"):
+        _assert_same(want[key], got[key], key)
+    assert resumed.loaded_extra == {"saved_at": 9}  # the module's on_save/on_load_checkpoint hooks ran
+    assert Counting.built == 1  # step 12, saved at the end of training (13 would be the next due step)
+    assert (tmp_path / "ck" / "step_000000012" / ".metadata").exists()
+
+    straight, straight_trainer = _lightning_fit(12, [_Counter()], batches=3, precision=True)
+    assert _same_params(resumed, straight)
+    assert trainer.precision_plugin.state_dict() == straight_trainer.precision_plugin.state_dict()
+    assert counter.batches == 12
+
+    # the step saved at the end resumes like any other, exactly
+    cb3 = TieredCheckpointCallback(tiers)
+    resumed3, t3 = _lightning_fit(15, [cb3], seed=3, batches=3, precision=True)
+    assert cb3.restored_step == 12 and t3.global_step == 15
+    straight3, _ = _lightning_fit(15, [], batches=3, precision=True)
+    assert _same_params(resumed3, straight3)
+
+
+def test_lightning_gradient_accumulation_saves_after_optimizer_steps_only(tmp_path: Path) -> None:
+    """With accumulate_grad_batches=2 the callback sees each global step on two batches: it
+    offers each step once, never step 0 (before any optimizer step)."""
+    Counting = _counting_callback()
+    _lightning_fit(3, [Counting([Tier("local", str(tmp_path / "ck"), every_steps=1, keep=10)])],
+                   accumulate_grad_batches=2)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000002", "step_000000003"]
+    assert Counting.built == 3
+
+
+def test_lightning_save_on_train_end_can_be_turned_off(tmp_path: Path) -> None:
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=4, keep=3)]
+    _lightning_fit(6, [TieredCheckpointCallback(tiers, save_on_train_end=False)])
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000005"]
+
+
+@pytest.mark.parametrize("after_setup", [False, True], ids=["restore-before-fit-start", "restore-after-setup"])
+def test_lightning_ckpt_path_wins_over_the_tiered_restore(tmp_path: Path, after_setup: bool) -> None:
+    """``fit(ckpt_path=...)``: Lightning restores that checkpoint alone (weights, optimizer,
+    loops); the callback warns and does not restore its own newer checkpoint.  Also with a
+    strategy that restores ``ckpt_path`` only after ``on_fit_start`` (as FSDP does)."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+
+    class RestoresAfterSetup(SingleDeviceStrategy):
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+    def strategy():
+        return RestoresAfterSetup(device=torch.device("cpu")) if after_setup else None
+
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=1, keep=2)]
+    _lightning_fit(8, [TieredCheckpointCallback(tiers)])  # the tiers hold step 8
+    _, t = _lightning_fit(3, [])
+    t.save_checkpoint(tmp_path / "step3.ckpt")
+
+    caught: list[str] = []
+    cb = TieredCheckpointCallback(tiers)
+    model, trainer = _lightning_fit(6, [cb], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"), caught=caught,
+                                    strategy=strategy())
+    assert any("ckpt_path" in w and "tiered restore" in w for w in caught), caught
+    assert cb.restored_step is None and trainer.global_step == 6
+    reference, _ = _lightning_fit(6, [], seed=9, ckpt_path=str(tmp_path / "step3.ckpt"), strategy=strategy())
+    assert _same_params(model, reference)  # not the weights of the tiered step 8
+    assert (tmp_path / "ck" / "step_000000006").exists()  # and it keeps saving on its schedule
+
+
+_DDP_SCRIPT = """
+import hashlib, json, sys, warnings
+sys.path.insert(0, {tests!r})
+import lightning as L
+from dcp_tiered import Tier
+from dcp_tiered.integrations.lightning import TieredCheckpointCallback
+from test_integrations import _Tiny, _tiny_data
+
+warnings.filterwarnings("ignore")
+
+if __name__ == "__main__":
+    root, max_steps, seed, tiered = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] != "0"
+    cb = TieredCheckpointCallback([Tier("local", root, every_steps=2, keep=3)], broadcast=sys.argv[4] == "broadcast")
+    model = _Tiny(seed)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb] if tiered else [])
+    trainer.fit(model, _tiny_data(16, 2))  # 4 batches per rank and epoch
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    print("@@RESULT@@" + json.dumps({{"rank": trainer.global_rank, "restored": cb.restored_step,
+                                     "step": trainer.global_step, "digest": digest}}), flush=True)
+"""
+
+
+def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
+    """Lightning DDP on 2 gloo ranks: both ranks save together, restore the same step (each
+    reading, or with broadcast=True one reading for both), and the resumed run ends with the
+    weights of an uninterrupted one."""
+    import json
+    import re
+
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(_DDP_SCRIPT.format(tests=str(ROOT / "tests")))
+
+    def fit(max_steps: int, seed: int, tiered: str, root: str = "ck") -> list[dict]:
+        r = _run([str(script), str(tmp_path / root), str(max_steps), str(seed), tiered], timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        # the two ranks print concurrently: their lines may interleave
+        out = [json.loads(m) for m in re.findall(r"@@RESULT@@(\{[^{}]*\})", r.stdout)]
+        assert sorted(o["rank"] for o in out) == [0, 1], r.stdout[-2000:] + r.stderr[-2000:]
+        return out
+
+    first = fit(4, 0, "1")
+    assert all(o["restored"] is None for o in first)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000003", "step_000000004"]
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
+    resumed = fit(8, 5, "1")
+    assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
+    straight = fit(8, 0, "0")
+    assert {o["digest"] for o in resumed} == {o["digest"] for o in straight} and len({o["digest"] for o in straight}) == 1
+    # the same with broadcast=True: one rank reads, the other receives
+    resumed = fit(8, 5, "broadcast", root="ck2")
+    assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
+    assert {o["digest"] for o in resumed} == {o["digest"] for o in straight}
 
 
 def test_lightning_example_runs() -> None:
@@ -172,6 +410,31 @@ def test_accelerate_save_and_load_state(tmp_path: Path) -> None:
     straight = _prepared(accelerator, 0)
     _train(accelerator, *straight, range(1, 9), None)
     assert _same_params(model, straight[0])
+
+
+def test_accelerate_builds_the_state_only_when_a_save_is_due(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import Accelerator
+
+    import dcp_tiered.integrations.accelerate as integration
+
+    built: list[int] = []
+    real = integration.state_dict
+    monkeypatch.setattr(integration, "state_dict", lambda acc, extra=None: built.append(1) or real(acc, extra))
+    extras: list[int] = []
+    accelerator = Accelerator(cpu=True)
+    model, opt, sched = _prepared(accelerator, 0)
+    with TieredCheckpointer([Tier("local", str(tmp_path / "ck"), every_steps=2, keep=5)]) as ckpt:
+        for step in range(1, 7):
+            integration.save_state(accelerator, ckpt, step, extra={"n": step})
+    assert len(built) == 3  # steps 1, 3, 5
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000003", "step_000000005"]
+    # extra as a callable: built only when due as well
+    with TieredCheckpointer([Tier("local", str(tmp_path / "ck2"), every_steps=2, keep=5)]) as ckpt:
+        for step in range(1, 7):
+            integration.save_state(accelerator, ckpt, step, extra=lambda: extras.append(1) or {"n": len(extras)})
+        extra = {"n": 0}
+        assert integration.load_state(accelerator, ckpt, extra=extra) == 5 and extra == {"n": 3}
+    assert len(extras) == 3
 
 
 def test_accelerate_example_runs() -> None:

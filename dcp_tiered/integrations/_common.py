@@ -92,6 +92,24 @@ def to_json(value: Any, what: str) -> str:
         raise ConfigError(f"{what} is not JSON-serializable ({exc}); it cannot be checkpointed by this integration") from exc
 
 
+def one_object(value: Any) -> tuple[Any]:
+    """Wrap ``value`` so DCP stores it as one object instead of flattening it.
+
+    DCP flattens mappings (and lists holding tensors or mappings) into one entry per leaf,
+    which a restore template must then match key for key; any other value, such as this
+    1-tuple, is one entry, written with ``torch.save`` and read back with
+    ``torch.load(weights_only=True)``: builtins, containers and tensors only.
+    """
+    return (value,)
+
+
+def from_one_object(stored: Any) -> Any:
+    """The value wrapped by :func:`one_object`, as loaded back."""
+    if not (isinstance(stored, (tuple, list)) and len(stored) == 1):
+        raise ConfigError(f"expected a 1-tuple written by one_object(), got {type(stored).__name__}")
+    return stored[0]
+
+
 def restore_kwargs(step: int | None, broadcast: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"step": step}
     if broadcast is not False and broadcast is not None:

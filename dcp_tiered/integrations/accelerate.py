@@ -12,7 +12,7 @@ ckpt = TieredCheckpointer([Tier("local", "/nvme/ckpt", every_steps=100, keep=2)]
 start = load_state(accelerator, ckpt) or 0          # newest good checkpoint, or None
 for step in range(start + 1, total):
     ...
-    save_state(accelerator, ckpt, step)             # saves when a tier is due
+    save_state(accelerator, ckpt, step)             # saves when a tier is due (builds nothing otherwise)
 ckpt.close()
 ```
 
@@ -20,7 +20,8 @@ What it saves, from what ``accelerator.prepare`` registered: every model (unwrap
 ``model``, ``model_1``, ...), every optimizer (keyed by parameter name, under ``optim``
 so that ``optimizer_every`` applies), the LR schedulers (``scheduler``, as JSON), objects
 registered with ``accelerator.register_for_checkpointing`` (``custom``) and an optional
-``extra`` dict of your own.  Not saved: RNG states and dataloader positions (Accelerate's
+``extra`` dict of your own (or a zero-argument callable returning it).  The state dict is
+built only on steps where a tier is due.  Not saved: RNG states and dataloader positions (Accelerate's
 own ``save_state`` writes those to a local folder; add them to ``extra`` if you need them).
 
 Importing this module imports ``accelerate``; ``import dcp_tiered`` never does.
@@ -29,6 +30,7 @@ Importing this module imports ``accelerate``; ``import dcp_tiered`` never does.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import accelerate  # noqa: F401 - fail at import when the extra is missing
@@ -87,11 +89,19 @@ def state_dict(accelerator: Any, extra: dict[str, Any] | None = None) -> dict[st
     return sd
 
 
-def save_state(accelerator: Any, checkpointer: Any, step: int, *, extra: dict[str, Any] | None = None,
+Extra = dict[str, Any] | Callable[[], dict[str, Any]] | None  # a dict, or a callable building it when a save is due
+
+
+def save_state(accelerator: Any, checkpointer: Any, step: int, *, extra: Extra = None,
                force: bool = False) -> Any:
     """``checkpointer.maybe_save(step, state)``: saves when a tier is due (every tier with
-    ``force=True``); returns the ``SaveReport`` or None.  Call it on every process."""
-    return checkpointer.maybe_save(step, state_dict(accelerator, extra), force=force)
+    ``force=True``); returns the ``SaveReport`` or None.  Call it on every process, every step.
+
+    The state dict (and ``extra``, when it is a zero-argument callable) is built only when a
+    save is due: on the other steps this costs a few microseconds.
+    """
+    return checkpointer.maybe_save(
+        step, lambda: state_dict(accelerator, extra() if callable(extra) else extra), force=force)
 
 
 def load_state(accelerator: Any, checkpointer: Any, *, step: int | None = None, extra: dict[str, Any] | None = None,
@@ -141,7 +151,7 @@ class TieredAccelerator:
         self.accelerator = accelerator
         self.checkpointer = build_checkpointer(checkpointer, options)
 
-    def save_state(self, step: int, *, extra: dict[str, Any] | None = None, force: bool = False) -> Any:
+    def save_state(self, step: int, *, extra: Extra = None, force: bool = False) -> Any:
         return save_state(self.accelerator, self.checkpointer, step, extra=extra, force=force)
 
     def load_state(self, *, step: int | None = None, extra: dict[str, Any] | None = None, broadcast: Any = False) -> int | None:
