@@ -24,13 +24,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.distributed.checkpoint as dcp
 from gloo_ranks import run_ranks
 from isolated import run_isolated
 
-from dcp_tiered import CompressedReader, PromotionError, Tier, TieredCheckpointer
+from dcp_tiered import CompressedReader, CorruptCheckpointError, PromotionError, Tier, TieredCheckpointer
 from dcp_tiered.storage.retry import RetryPolicy
-from dcp_tiered.tiers.layout import INTENT_MAX_BYTES
+from dcp_tiered.tiers.layout import INTENT_FIELDS, INTENT_MAX_BYTES, parse_intent
 from dcp_tiered.tiers.promotion import FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_FLOOR, Promoter, fragment_wait_bound
 
 from faults import FaultyFS, register
@@ -274,6 +276,24 @@ def test_hostile_intent_is_skipped_and_never_damages_a_committed_step(tmp_path: 
     assert intent.read_bytes() == hostile, "an invalid intent is left in place for gc"
     assert committed_steps(tmp_path / "shared") == []
     assert "promotion intent" in caplog.text
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
+                     max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(INTENT_FIELDS + ("x",)), _JSON) | _JSON)
+def test_parse_intent_accepts_only_valid_intents_and_raises_nothing_else(doc) -> None:
+    """Any JSON value: either a valid intent or CorruptCheckpointError, never another exception."""
+    try:
+        got = parse_intent(json.dumps(doc).encode(), "fuzz", file_name=".promote-0.json", dir_name="step_000000005",
+                           source="local", tiers={"local", "shared"})
+    except CorruptCheckpointError:
+        return
+    assert got["name"] == "step_000000005" and got["source"] == "local" and got["rank"] == 0
+    assert "local" not in got["targets"] + got["meta"]
 
 
 def test_oversized_intent_is_not_read(tmp_path: Path, caplog) -> None:

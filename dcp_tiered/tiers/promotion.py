@@ -385,11 +385,11 @@ class Promoter:
                 lane.ready.clear()
                 lane.later.clear()
                 return None
+            now = time.monotonic()
+            if lane.later and lane.later[0][0] <= now:  # a due poll is quick: before the next copy
+                return heapq.heappop(lane.later)[2]
             if lane.ready:
                 return lane.ready.popleft()
-            now = time.monotonic()
-            if lane.later and lane.later[0][0] <= now:
-                return heapq.heappop(lane.later)[2]
             lane.cond.wait(lane.later[0][0] - now if lane.later else None)
 
     def _loop(self, lane: _Lane) -> None:
@@ -626,6 +626,8 @@ class Promoter:
         present = dst.file_sizes()
         if save_id and self._committed_save_id(dst) == save_id:
             return 0  # another process committed this very save (and removed the fragments)
+        if save_id and (getattr(md.storage_meta, "save_id", None) or "") != save_id:
+            raise PromotionError(f"{src.url} was saved again while being promoted; not committing {dst.url}")
         fragments = {f: self._fragment(dst, f, present.get(fragment_name(f), 0)) for f in files}
         missing = [f for f, doc in fragments.items() if doc is None or doc.get("save_id") != save_id]
         if missing:
