@@ -258,9 +258,21 @@ class Promoter:
                     steps.discard(step)
 
     def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
-        """Queue retention for ``tier`` (runs after any promotion to ``tier`` already queued)."""
-        self._submit(_Job(tier.name, lambda job: self._run_retention(tier, tuple(protect), tuple(busy)),
-                          f"retention of {tier.name}"))
+        """Queue retention for ``tier``: it runs once every promotion from or to ``tier`` queued before it is done."""
+        with self._lock:
+            before = [j for j in self._jobs if j.busy is not None and tier.name in (j.busy[0], j.lane)]
+
+        def run(job: _Job) -> float | None:
+            with self._lock:
+                waiting = [j for j in before if j in self._jobs]
+            if waiting and not self._stop.is_set():  # poll without holding the lane
+                job.state = f"waiting for {len(waiting)} promotion(s) of {tier.name} to finish"
+                job.data["delay"] = min(_POLL_MAX, job.data.get("delay", _POLL_FIRST / 2) * 2)
+                return time.monotonic() + job.data["delay"]
+            self._run_retention(tier, tuple(protect), tuple(busy))
+            return None
+
+        self._submit(_Job(tier.name, run, f"retention of {tier.name}"))
 
     def resume(self) -> int:
         """Queue the unfinished promotions this rank recorded before a restart; return how many.
