@@ -141,12 +141,9 @@ def parse_intent(data: bytes, where: str, *, file_name: "str | None" = None, dir
     return doc
 
 
-def read_intent(storage: "Storage", file_name: str, **expect: Any) -> dict:
-    """Read and validate the intent ``file_name`` of the checkpoint directory ``storage``.
-
-    The size is checked before reading and, locally, only a regular file is read (never a link,
-    FIFO or device).  ``expect``: as :func:`parse_intent` (``dir_name`` defaults to the directory's name).
-    """
+def read_small_file(storage: "Storage", file_name: str, limit: int = INTENT_MAX_BYTES) -> bytes:
+    """Read a small bookkeeping file (intent, fragment) of untrusted origin: at most ``limit`` bytes,
+    checked before reading, and locally only a regular file (never a link, FIFO or device)."""
     where = storage.url_of(file_name)
     if storage.is_local:
         try:
@@ -158,7 +155,16 @@ def read_intent(storage: "Storage", file_name: str, **expect: Any) -> dict:
         if not stat.S_ISREG(st.st_mode):
             raise _bad(where, "not a regular file")
     size = storage.size(file_name)
-    if size > INTENT_MAX_BYTES:
-        raise _bad(where, f"{size} bytes, above the {INTENT_MAX_BYTES}-byte limit")
+    if size > limit:
+        raise _bad(where, f"{size} bytes, above the {limit}-byte limit")
+    data = storage.read_bytes(file_name)
+    if len(data) > limit:  # grew since the size check
+        raise _bad(where, f"more than the {limit}-byte limit")
+    return data
+
+
+def read_intent(storage: "Storage", file_name: str, **expect: Any) -> dict:
+    """Read (:func:`read_small_file`) and validate (:func:`parse_intent`) the intent ``file_name``
+    of the checkpoint directory ``storage``; ``dir_name`` defaults to the directory's name."""
     expect.setdefault("dir_name", storage.url.rstrip("/").rsplit("/", 1)[-1])
-    return parse_intent(storage.read_bytes(file_name), where, file_name=file_name, **expect)
+    return parse_intent(read_small_file(storage, file_name), storage.url_of(file_name), file_name=file_name, **expect)

@@ -44,7 +44,7 @@ from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
 from dcp_tiered.tiers.catalog import list_tier, tier_storage
 from dcp_tiered.tiers.layout import (
-    FRAGMENT_SUFFIX, INTENT_FIELDS, INTENT_MAX_BYTES, fragment_name, intent_name, parse_intent, parse_step, read_intent,
+    FRAGMENT_SUFFIX, INTENT_FIELDS, fragment_name, intent_name, parse_intent, parse_step, read_intent, read_small_file,
 )
 from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
 from dcp_tiered.tiers.reencode import copy_file, reencode_file
@@ -610,12 +610,10 @@ class Promoter:
         return n
 
     @staticmethod
-    def _fragment(dst: Storage, data_file: str, size: int) -> dict | None:
+    def _fragment(dst: Storage, data_file: str) -> dict | None:
         """A rank's fragment (its promoted records), or None if absent or unreadable (written by another process)."""
-        if size > INTENT_MAX_BYTES:
-            return None
         try:
-            doc = json.loads(dst.read_bytes(fragment_name(data_file)))
+            doc = json.loads(read_small_file(dst, fragment_name(data_file)))
         except (MissingFileError, ValueError, RecursionError):
             return None
         if not (isinstance(doc, dict) and isinstance(doc.get("records"), list)):
@@ -626,7 +624,7 @@ class Promoter:
         """Data files whose fragment of this save is not in ``dst`` yet (an older attempt's does not count)."""
         missing = []
         for f in files:
-            frag = self._fragment(dst, f, present[fragment_name(f)]) if fragment_name(f) in present else None
+            frag = self._fragment(dst, f) if fragment_name(f) in present else None
             if frag is None or frag.get("save_id") != save_id:
                 missing.append(f)
         return missing
@@ -640,7 +638,7 @@ class Promoter:
             return 0  # another process committed this very save (and removed the fragments)
         if save_id and (getattr(md.storage_meta, "save_id", None) or "") != save_id:
             raise PromotionError(f"{src.url} was saved again while being promoted; not committing {dst.url}")
-        fragments = {f: self._fragment(dst, f, present.get(fragment_name(f), 0)) for f in files}
+        fragments = {f: self._fragment(dst, f) for f in files}
         missing = [f for f, doc in fragments.items() if doc is None or doc.get("save_id") != save_id]
         if missing:
             raise PromotionError(f"{dst.url}: promoted files {missing[:3]} vanished before the commit")
