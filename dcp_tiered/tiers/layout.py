@@ -7,13 +7,10 @@ import os
 import re
 import stat
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dcp_tiered.errors import CorruptCheckpointError, StorageError
-from dcp_tiered.storage import MissingFileError
-
-if TYPE_CHECKING:
-    from dcp_tiered.storage import Storage
+from dcp_tiered.storage import MissingFileError, Storage
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 INTENT_PREFIX = ".promote-"
@@ -141,7 +138,7 @@ def parse_intent(data: bytes, where: str, *, file_name: "str | None" = None, dir
     return doc
 
 
-def read_small_file(storage: "Storage", file_name: str, limit: int = INTENT_MAX_BYTES) -> bytes:
+def read_small_file(storage: Storage, file_name: str, limit: int = INTENT_MAX_BYTES) -> bytes:
     """Read a small bookkeeping file (intent, fragment) of untrusted origin: at most ``limit`` bytes,
     checked before reading, and locally only a regular file (never a link, FIFO or device)."""
     where = storage.url_of(file_name)
@@ -163,7 +160,7 @@ def read_small_file(storage: "Storage", file_name: str, limit: int = INTENT_MAX_
     return data
 
 
-def read_intent(storage: "Storage", file_name: str, **expect: Any) -> dict:
+def read_intent(storage: Storage, file_name: str, **expect: Any) -> dict:
     """Read (:func:`read_small_file`) and validate (:func:`parse_intent`) the intent ``file_name``
     of the checkpoint directory ``storage``; ``dir_name`` defaults to the directory's name."""
     expect.setdefault("dir_name", storage.url.rstrip("/").rsplit("/", 1)[-1])
