@@ -71,11 +71,11 @@ class Clock:
         self.t += seconds * self.rate
 
 
-def tiers(root: Path, shared_url: str | None = None) -> list[Tier]:
+def tiers(root: Path, shared_url: str | None = None, third_url: str | None = None) -> list[Tier]:
     return [
         Tier("local", f"{root}/local/{{rank}}", keep=LOCAL_KEEP, codec="lz4"),
         Tier("shared", shared_url or f"{root}/shared", every="15m", keep=SHARED_KEEP, codec="zstd"),
-        Tier("third", f"{root}/third", every="30m", keep=THIRD_KEEP, codec="zstd:3"),
+        Tier("third", third_url or f"{root}/third", every="30m", keep=THIRD_KEEP, codec="zstd:3"),
     ]
 
 
@@ -337,14 +337,14 @@ def _main_worker(rank: int, world_size: int, root: str, out: str) -> None:
 
 
 def _crash_tiers(root: Path) -> list[Tier]:
-    return tiers(root, shared_url=f"faulty://{root}/shared")
+    return tiers(root, shared_url=f"faulty://{root}/shared", third_url=f"faulty://{root}/third")
 
 
 def _crash_worker(rank: int, world_size: int, root: str, out: str, tests_dir: str) -> None:
     """Save once to every tier, then die with promotions unfinished (no close, no wait).
 
-    Rank 1's writes to the shared tier stall, so its data file never reaches ``shared`` (nor
-    ``third``, promoted after it).  Rank 0 copies its own data file to both tiers, then waits for
+    Rank 1's writes to the shared and third tiers stall (each target tier has its own promotion
+    thread), so its data file never reaches them.  Rank 0 copies its own data file to both tiers, then waits for
     rank 1's in vain before it may commit; it dies while waiting.
     """
     import sys

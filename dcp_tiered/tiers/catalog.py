@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +10,7 @@ from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
 from dcp_tiered.dcp.metadata_io import decode_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.layout import INTENT_PREFIX, parse_step
+from dcp_tiered.tiers.layout import INTENT_PREFIX, parse_step, read_intent
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)
@@ -63,8 +62,8 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
     pending: list[str] = []
     for fname in files:
         if fname.startswith(INTENT_PREFIX):
-            try:
-                pending += json.loads(child.read_bytes(fname)).get("targets", [])
+            try:  # untrusted input: validated, an invalid one is ignored (and left for gc)
+                pending += read_intent(child, fname, dir_name=name, source=tier.name)["targets"]
             except (DcpTieredError, ValueError) as exc:
                 log.warning("unreadable promotion intent %s/%s: %s", child.url, fname, exc)
     info.pending_promotions = tuple(sorted(set(pending)))

@@ -5,15 +5,30 @@ fragment file next to each copy; the coordinator commits the target's ``.metadat
 the fragments of every data file are there.  No collective is used: ranks coordinate
 through the target directory only.  Each rank records what it still has to do in an
 intent file inside the source checkpoint, so unfinished promotions resume after a restart.
+
+Work runs on one background thread per target tier (a "lane": promotions to that tier and
+its retention), so a tier that stalls never delays promotions to the others.  A commit
+waiting for other ranks' files never holds its lane: it polls, and between polls the lane
+runs the next job.  The wait is bounded (:func:`fragment_wait_bound`); past the bound the
+promotion gives up with a :class:`~dcp_tiered.errors.PromotionError` naming the tier, the
+step and the missing files of each rank.
+
+Intent files are untrusted input (another process, an older version or an attacker may
+have written them): they are validated by :func:`~dcp_tiered.tiers.layout.parse_intent`,
+and an invalid one is skipped with a warning and left for ``dcp-tiered gc``.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
-import queue
+import os
+import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,16 +39,51 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from dcp_tiered.dcp.common import lower_thread_priority
 from dcp_tiered.dcp.format import DATA_SUFFIX, METADATA_FILE, is_native_record
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
-from dcp_tiered.errors import CheckpointNotFoundError, DcpTieredError, PromotionError
+from dcp_tiered.errors import DcpTieredError, PromotionError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
 from dcp_tiered.tiers.catalog import list_tier, tier_storage
-from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX, fragment_name, intent_name, parse_step
+from dcp_tiered.tiers.layout import (
+    FRAGMENT_SUFFIX, INTENT_FIELDS, fragment_name, intent_name, parse_intent, parse_step, read_intent, read_small_file,
+)
 from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
 from dcp_tiered.tiers.reencode import copy_file, reencode_file
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)
+
+#: Bounds (seconds) of the wait of a promotion's commit for the files of the other ranks.
+FRAGMENT_WAIT_FLOOR = 60.0
+FRAGMENT_WAIT_CAP = 1800.0
+#: Used when neither the source nor the target tier has a time interval (``every``).
+FRAGMENT_WAIT_DEFAULT = 600.0
+_POLL_FIRST, _POLL_MAX = 0.05, 2.0
+_DATA_RANK = re.compile(r"^__(\d+)_")
+
+
+def fragment_wait_bound(source: Tier, target: Tier, own_copy_s: float = 0.0) -> float:
+    """How long a promotion's commit waits, without progress, for the other ranks' promoted files.
+
+    Of the order of the save interval: the target tier's ``every`` (else the source's, else
+    :data:`FRAGMENT_WAIT_DEFAULT`), and at least three times as long as this rank's own copy of
+    its data file took (ranks copy files of similar sizes at the same time); clamped to
+    [:data:`FRAGMENT_WAIT_FLOOR`, :data:`FRAGMENT_WAIT_CAP`] (1 to 30 minutes).  Any new or
+    growing file in the target directory counts as progress and restarts the wait.
+    """
+    interval = target.every or source.every or FRAGMENT_WAIT_DEFAULT
+    return min(FRAGMENT_WAIT_CAP, max(FRAGMENT_WAIT_FLOOR, interval, 3.0 * own_copy_s))
+
+
+def _rank_of(data_file: str) -> str:
+    m = _DATA_RANK.match(data_file)
+    return m.group(1) if m else "?"
+
+
+def _same_place(a: Storage, b: Storage) -> bool:
+    """Whether two storages are one directory (symlinks and trailing slashes resolved where local)."""
+    if a.is_local and b.is_local:
+        return os.path.realpath(a.root) == os.path.realpath(b.root)
+    return type(a.fs) is type(b.fs) and a.root.rstrip("/") == b.root.rstrip("/")
 
 
 def index_to_json(index: MetadataIndex) -> list:
@@ -69,7 +119,7 @@ class PromotionReport:
 
 @dataclass
 class _Intent:
-    """What one rank still has to do for one source checkpoint."""
+    """What one rank still has to do for one source checkpoint (``.promote-{rank}.json``)."""
 
     name: str
     source: str
@@ -78,21 +128,57 @@ class _Intent:
     targets: list[str]  # tiers still to receive this rank's data file
     meta: list[str] = field(default_factory=list)  # tiers whose .metadata this rank (coordinator) commits
     save_id: str | None = None  # the save this intent belongs to (all ranks share it)
+    rank: int = 0  # the rank that wrote it (also in its file name)
     resumed: bool = False  # picked up from storage after a restart (or from another process)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def to_json(self) -> bytes:
-        return json.dumps({k: v for k, v in self.__dict__.items() if k != "resumed"}).encode()
+        return json.dumps({k: getattr(self, k) for k in INTENT_FIELDS}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "_Intent":
-        return cls(**json.loads(data))
+    def from_json(cls, data: bytes, where: str = "(bytes)", **expect: Any) -> "_Intent":
+        """Parse and validate (see :func:`~dcp_tiered.tiers.layout.parse_intent`); ``ValueError`` if invalid."""
+        return cls(**parse_intent(data, where, **expect))
+
+
+@dataclass(eq=False)
+class _Job:
+    """One unit of background work on a lane; ``fn(job)`` returns when to run it again, or None when done."""
+
+    lane: str
+    fn: Callable[["_Job"], float | None]
+    what: str
+    args: tuple = ()
+    busy: tuple[str, str] | None = None  # (source tier, checkpoint name) read by this job
+    state: str = "queued"
+    data: dict = field(default_factory=dict)  # progress kept between runs (the fragment wait)
+
+
+class _Lane:
+    def __init__(self, cond: threading.Condition) -> None:
+        self.cond = cond
+        self.ready: deque[_Job] = deque()
+        self.later: list[tuple[float, int, _Job]] = []  # heap: (monotonic time, seq, job)
+        self.thread: threading.Thread | None = None
 
 
 class Promoter:
-    """A background thread that promotes checkpoints and applies retention, one job at a time.
+    """Background promotion of checkpoints to slower tiers, and retention.
 
-    Failures are retried with backoff; one that still fails is recorded and raised by
+    One background thread per target tier runs that tier's promotions and retention in order;
+    failures are retried with backoff, and one that still fails is recorded and raised by
     :meth:`wait` (and :meth:`close`), never in the training loop's hot path.
+
+    The coordinator commits a promoted checkpoint once every rank's data file is in the
+    target.  It waits for the other ranks' files at most ``metadata_timeout`` seconds without
+    progress (None, the default: :func:`fragment_wait_bound`, of the order of the tier's save
+    interval, 1 to 30 minutes); then that promotion fails with :class:`PromotionError` naming
+    the tier, the step and the missing files per rank, the step stays uncommitted on the target
+    (its partial copy is left for ``dcp-tiered gc``), and later promotions go on.  Waiting never
+    delays other promotions.
+
+    Retention never deletes a step that a queued or running promotion reads, nor one marked
+    with :meth:`set_writing` (a save in progress, or a restore candidate pinned by the caller).
     """
 
     def __init__(
@@ -103,7 +189,7 @@ class Promoter:
         node: int = 0,
         is_coordinator: bool = True,
         retry: RetryPolicy = RetryPolicy(),
-        metadata_timeout: float = 3600.0,
+        metadata_timeout: float | None = None,
         on_report: Callable[[PromotionReport], None] | None = None,
         nice: int | None = 10,
         optimizer_keys: Sequence[str] = (),
@@ -122,13 +208,13 @@ class Promoter:
         self.on_report = on_report
         self.reports: list[PromotionReport] = []
         self._failures: list[PromotionReport] = []
-        self._queue: queue.Queue = queue.Queue()
         self._busy: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._pending = 0
+        self._jobs: dict[_Job, None] = {}  # pending jobs, in submission order
+        self._lanes: dict[str, _Lane] = {}
+        self._seq = itertools.count()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # -- public -----------------------------------------------------------------------
 
@@ -139,15 +225,18 @@ class Promoter:
                       records: list[tuple[MetadataIndex, dict]], coordinator: bool, save_id: str | None = None) -> _Intent | None:
         """Record durably, in the source checkpoint, what this rank must promote; queue it with :meth:`submit`."""
         intent = _Intent(name, source.name, data_file, [[index_to_json(i), r] for i, r in records],
-                         list(targets) if data_file else [], list(targets) if coordinator else [], save_id)
+                         list(targets) if data_file else [], list(targets) if coordinator else [], save_id, self.rank)
         if not intent.targets and not intent.meta:
             return None
         self.storage(source).child(name).commit_bytes(intent_name(self.rank), intent.to_json())
         return intent
 
     def submit(self, intent: _Intent) -> None:
-        """Queue a recorded intent (the coordinator does so only after the source committed)."""
-        self._submit(self._run_intent, intent)
+        """Queue a recorded intent (the coordinator does so only after the source committed): one job per target."""
+        step = parse_step(intent.name)
+        for target in dict.fromkeys(intent.targets + intent.meta):
+            self._submit(_Job(target, self._promote, f"promote step {step} {intent.source}->{target}", (intent, target),
+                              busy=(intent.source, intent.name)))
 
     def mark_own(self, tier_name: str, step: int) -> None:
         """Note that this process writes ``step`` to ``tier_name``: its leftovers need no grace period."""
@@ -155,10 +244,11 @@ class Promoter:
             self._own.setdefault(tier_name, set()).add(step)
 
     def set_writing(self, tier_names: Sequence[str], step: int, writing: bool) -> None:
-        """Mark ``step`` of ``tier_names`` as being written by a save of this process, or done.
+        """Mark ``step`` of ``tier_names`` busy (a save of this process writes it, or a restore reads it), or done.
 
-        Retention never deletes such a step: after a restore from an older step (or beside another
-        job) a save in progress can be older than the newest committed checkpoint."""
+        Retention, including the one a resumed promotion runs after its commit, never deletes
+        such a step: after a restore from an older step (or beside another job) a save in
+        progress can be older than the newest committed checkpoint."""
         with self._lock:
             for name in tier_names:
                 steps = self._writing.setdefault(name, set())
@@ -168,11 +258,26 @@ class Promoter:
                     steps.discard(step)
 
     def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
-        """Queue retention for ``tier`` (runs after any promotion already queued)."""
-        self._submit(self._run_retention, tier, tuple(protect), tuple(busy))
+        """Queue retention for ``tier``: it runs once every promotion from or to ``tier`` queued before it is done."""
+        with self._lock:
+            before = [j for j in self._jobs if j.busy is not None and tier.name in (j.busy[0], j.lane)]
+
+        def run(job: _Job) -> float | None:
+            with self._lock:
+                waiting = [j for j in before if j in self._jobs]
+            if waiting and not self._stop.is_set():  # poll without holding the lane
+                job.state = f"waiting for {len(waiting)} promotion(s) of {tier.name} to finish"
+                job.data["delay"] = min(_POLL_MAX, job.data.get("delay", _POLL_FIRST / 2) * 2)
+                return time.monotonic() + job.data["delay"]
+            self._run_retention(tier, tuple(protect), tuple(busy))
+            return None
+
+        self._submit(_Job(tier.name, run, f"retention of {tier.name}"))
 
     def resume(self) -> int:
-        """Queue the unfinished promotions this rank recorded before a restart; return how many."""
+        """Queue the unfinished promotions this rank recorded before a restart; return how many.
+
+        Each intent is validated first; an invalid one is skipped with a warning and left for gc."""
         count = 0
         for tier in self.tiers:
             storage = self.storage(tier)
@@ -184,36 +289,47 @@ class Promoter:
             for name in names:
                 child = storage.child(name)
                 try:
-                    data = child.read_bytes(intent_name(self.rank))
+                    doc = read_intent(child, intent_name(self.rank), dir_name=name, source=tier.name, tiers=self.by_name)
                 except MissingFileError:
+                    continue
+                except ValueError as exc:  # CorruptCheckpointError: invalid intent
+                    log.warning("%s", exc)
                     continue
                 except DcpTieredError as exc:
                     log.warning("cannot read promotion intent in %s: %s", child.url, exc)
                     continue
-                try:
-                    intent = _Intent.from_json(data)
-                except (ValueError, TypeError) as exc:
-                    log.warning("ignoring unreadable promotion intent in %s: %s", child.url, exc)
+                intent = _Intent(**doc, resumed=True)
+                if not intent.targets and not intent.meta:
                     continue
-                intent.resumed = True
-                self._submit(self._run_intent, intent)
+                self.submit(intent)
                 count += 1
         return count
 
     def busy_steps(self, tier_name: str) -> set[int]:
-        """Steps of ``tier_name`` that a queued or running promotion still reads, or a save is writing."""
+        """Steps of ``tier_name`` that a queued or running promotion still reads, or that are marked busy."""
         with self._lock:
             reading = {parse_step(n) for (t, n), c in self._busy.items() if t == tier_name and c > 0} - {None}
             return reading | self._writing.get(tier_name, set())  # type: ignore[return-value]
 
+    def pending(self) -> list[str]:
+        """What is still queued or running, one line per job (e.g. a commit waiting for a rank's files)."""
+        with self._lock:
+            return [f"{j.what}: {j.state}" for j in self._jobs]
+
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued job ran; raise :class:`PromotionError` for failures since the last call."""
+        """Block until every queued job ran; raise :class:`PromotionError` for failures since the last call.
+
+        ``timeout`` (seconds): give up waiting then, with a :class:`PromotionError` listing what is
+        still pending (the jobs go on).  Without it the wait is still bounded: each commit waits
+        for other ranks' files at most ``metadata_timeout`` (see the class docstring)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending:
+            while self._jobs:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise PromotionError(f"promotions still running after {timeout}s")
+                    pending = [f"{j.what}: {j.state}" for j in self._jobs]
+                    raise PromotionError(f"{len(pending)} promotion job(s) still pending after {timeout}s: "
+                                         + "; ".join(pending[:10]))
                 self._idle.wait(left)
         self.raise_failures()
 
@@ -224,52 +340,90 @@ class Promoter:
             lines = "; ".join(f"step {f.step} {f.source}->{f.target} ({f.kind}): {f.error}" for f in failed)
             raise PromotionError(f"{len(failed)} promotion(s) failed: {lines}")
 
-    def close(self, wait: bool = True) -> None:
-        """Finish queued work (``wait``) or drop it, then stop the thread; raise recorded failures."""
+    def close(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Finish queued work (``wait``, at most ``timeout`` seconds) or drop it, then stop the threads.
+
+        Raises recorded failures, or a :class:`PromotionError` listing what was still pending
+        when ``timeout`` ran out (that work is dropped; unfinished intents resume after a restart)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if wait:
-                self.wait()
+                self.wait(timeout)
         finally:
             self._stop.set()
-            self._queue.put(None)
-            if self._thread is not None:
-                self._thread.join(timeout=60)
+            with self._lock:
+                lanes = list(self._lanes.values())
+                for lane in lanes:
+                    lane.cond.notify_all()
+            if deadline is None:
+                deadline = time.monotonic() + 60.0
+            for lane in lanes:  # a job stuck in storage I/O cannot be interrupted: its daemon thread is left
+                if lane.thread is not None and lane.thread is not threading.current_thread():
+                    lane.thread.join(timeout=max(0.1, deadline - time.monotonic()))
 
     # -- machinery --------------------------------------------------------------------
 
-    def _submit(self, fn: Callable, *args: Any) -> None:
+    def _submit(self, job: _Job) -> None:
         if self._stop.is_set():
             raise PromotionError("the promoter is closed")
         with self._lock:
-            self._pending += 1
-            if len(args) and isinstance(args[0], _Intent):
-                key = (args[0].source, args[0].name)
-                self._busy[key] = self._busy.get(key, 0) + 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="dcp_tiered-promoter", daemon=True)
-                self._thread.start()
-        self._queue.put((fn, args))
+            self._jobs[job] = None
+            if job.busy is not None:
+                self._busy[job.busy] = self._busy.get(job.busy, 0) + 1
+            lane = self._lanes.get(job.lane)
+            if lane is None:
+                lane = self._lanes[job.lane] = _Lane(threading.Condition(self._lock))
+                lane.thread = threading.Thread(target=self._loop, args=(lane,), name=f"dcp_tiered-promoter-{job.lane}",
+                                               daemon=True)
+                lane.thread.start()
+            lane.ready.append(job)
+            lane.cond.notify()
 
-    def _loop(self) -> None:
+    def _done(self, job: _Job) -> None:
+        """Forget a finished or dropped job (the lock is held)."""
+        self._jobs.pop(job, None)
+        if job.busy is not None:
+            self._busy[job.busy] -= 1
+            if not self._busy[job.busy]:
+                del self._busy[job.busy]
+        self._idle.notify_all()
+
+    def _next(self, lane: _Lane) -> _Job | None:
+        """The lane's next job to run (None: stop); jobs waiting to poll again wait in a heap (the lock is held)."""
+        while True:
+            if self._stop.is_set():
+                for job in list(lane.ready) + [j for _, _, j in lane.later]:
+                    self._done(job)
+                lane.ready.clear()
+                lane.later.clear()
+                return None
+            now = time.monotonic()
+            if lane.later and lane.later[0][0] <= now:  # a due poll is quick: before the next copy
+                return heapq.heappop(lane.later)[2]
+            if lane.ready:
+                return lane.ready.popleft()
+            lane.cond.wait(lane.later[0][0] - now if lane.later else None)
+
+    def _loop(self, lane: _Lane) -> None:
         lower_thread_priority(self.nice)
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            fn, args = job
+            with self._lock:
+                job = self._next(lane)
+                if job is None:
+                    return
+                if job.state == "queued":
+                    job.state = "running"
+            again = None
             try:
-                if not self._stop.is_set():
-                    fn(*args)
+                again = job.fn(job)
             except Exception as exc:  # recorded and raised at wait(); the thread must live on
-                log.exception("background job failed")
-                self._record(PromotionReport(-1, "?", "?", "job", ok=False, error=f"{type(exc).__name__}: {exc}"))
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    if args and isinstance(args[0], _Intent):
-                        key = (args[0].source, args[0].name)
-                        self._busy[key] -= 1
-                    self._idle.notify_all()
+                log.exception("background job failed: %s", job.what)
+                self._record(PromotionReport(-1, "?", "?", "job", ok=False, error=f"{job.what}: {type(exc).__name__}: {exc}"))
+            with self._lock:
+                if again is not None and not self._stop.is_set():
+                    heapq.heappush(lane.later, (again, next(self._seq), job))
+                else:
+                    self._done(job)
 
     def _record(self, report: PromotionReport, raise_later: bool = True) -> None:
         with self._lock:
@@ -283,14 +437,24 @@ class Promoter:
                 log.exception("promotion report hook failed")
 
     def _save_intent(self, intent: _Intent) -> None:
+        """Write the intent's remaining work (the intent's lock is held), or remove it once all is done."""
         src = self.storage(self.by_name[intent.source]).child(intent.name)
         if intent.targets or intent.meta:
-            src.commit_bytes(intent_name(self.rank), intent.to_json())
+            src.commit_bytes(intent_name(intent.rank), intent.to_json())
             return
         try:
-            src.remove(intent_name(self.rank))
+            src.remove(intent_name(intent.rank))
         except DcpTieredError as exc:  # cleanup only: the promotion itself succeeded
             log.warning("could not remove finished promotion intent in %s: %s", src.url, exc)
+
+    def _drop(self, intent: _Intent, target: str, data: bool = True, meta: bool = True) -> None:
+        """Take ``target`` off the intent's remaining work and record that durably."""
+        with intent.lock:
+            if data and target in intent.targets:
+                intent.targets.remove(target)
+            if meta and target in intent.meta:
+                intent.meta.remove(target)
+            self._save_intent(intent)
 
     def _attempt(self, what: str, fn: Callable[[], int], report: PromotionReport, raise_later: bool = True) -> None:
         attempts = 0
@@ -308,50 +472,115 @@ class Promoter:
         report.seconds, report.attempts = time.monotonic() - t0, attempts
         self._record(report, raise_later)
 
-    def _run_intent(self, intent: _Intent) -> None:
-        source = self.by_name.get(intent.source)
-        if source is None:
-            log.warning("promotion intent names unknown tier %r; dropping it", intent.source)
-            return
-        step = parse_step(intent.name) or -1
+    def _promote(self, job: _Job) -> float | None:
+        """Promote one intent to one target: this rank's data file, then (coordinator) the commit."""
+        intent, target_name = job.args
+        st = job.data
+        source, target = self.by_name.get(intent.source), self.by_name.get(target_name)
+        if source is None or target is None:
+            log.warning("promotion intent of %s names unknown tier %r; dropping it", intent.name,
+                        intent.source if source is None else target_name)
+            return None
+        step = parse_step(intent.name)
+        step = -1 if step is None else step
         src = self.storage(source).child(intent.name)
-        records = [(index_from_json(i), record_from_json(r)) for i, r in intent.records]
-        for target_name in list(intent.targets):
-            target = self.by_name.get(target_name)
-            if target is None:
-                intent.targets.remove(target_name)
-                continue
-            dst = self.storage(target).child(intent.name)
+        dst = self.storage(target).child(intent.name)
+        if not st.get("checked"):
+            st["checked"] = True
+            if _same_place(src, dst):
+                log.warning("promotion of %s: target tier %s is the source directory itself; skipping it",
+                            src.url, target.name)
+                self._drop(intent, target.name)
+                return None
+            if intent.resumed:
+                try:
+                    committed = self._committed_save_id(dst)
+                except DcpTieredError as exc:  # cannot tell whether another save is there: leave it for later
+                    log.warning("resumed promotion of %s: cannot read %s (%s); leaving it for a later run",
+                                src.url, dst.url, exc)
+                    return None
+                if committed is not None and committed != intent.save_id:
+                    log.warning("resumed promotion of %s: %s holds a committed checkpoint of another save; "
+                                "leaving it untouched", src.url, dst.url)
+                    self._drop(intent, target.name)
+                    return None
+        if target.name in intent.targets:
+            job.state = f"copying {intent.data_file}"
+            records = [(index_from_json(i), record_from_json(r)) for i, r in intent.records]
             report = PromotionReport(step, source.name, target.name, "data")
             self._attempt(f"promote {intent.data_file} of {intent.name} to {target.name}",
                           lambda: self._copy_data(src, dst, intent.data_file, records, target, intent.save_id), report,
                           raise_later=not intent.resumed)
-            if report.ok:
-                intent.targets.remove(target_name)
-                self._save_intent(intent)
-        for target_name in list(intent.meta):
-            target = self.by_name.get(target_name)
-            if target_name in intent.targets:
-                continue  # this rank's own data did not get there: committing would only wait; a restart resumes it
-            if target is None:
-                intent.meta.remove(target_name)
-                continue
-            dst = self.storage(target).child(intent.name)
+            st["copy_s"] = report.seconds
+            if not report.ok:
+                return None  # this rank's own data did not get there: committing would only wait; a restart resumes it
+            self._drop(intent, target.name, meta=False)
+        if target.name not in intent.meta:
+            return None
+        return self._commit_when_ready(job, intent, source, target, src, dst, step)
+
+    def _commit_when_ready(self, job: _Job, intent: _Intent, source: Tier, target: Tier, src: Storage, dst: Storage,
+                           step: int) -> float | None:
+        """Commit the target once every rank's fragment is there; else poll again later, up to the bound."""
+        st = job.data
+        now = time.monotonic()
+        if "files" not in st:
             committed_id = self._committed_save_id(src)
             if committed_id is None or (intent.save_id is not None and committed_id != intent.save_id):
                 log.warning("%s: the save this promotion belongs to never committed; not promoting it to %s",
                             src.url, target.name)
-                intent.meta.remove(target_name)
-                self._save_intent(intent)
-                continue
+                self._drop(intent, target.name)
+                return None
+            md = decode_metadata(src.read_bytes(METADATA_FILE), src.url_of(METADATA_FILE))
+            st["files"] = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
+            st["start"] = st["progress"] = now
+        try:
+            present = dst.file_sizes()
+            missing = self._missing_fragments(dst, st["files"], present, intent.save_id)
+        except DcpTieredError as exc:  # storage trouble: keep polling within the bound
+            log.warning("promotion of %s to %s: cannot list the target (%s); trying again", intent.name, target.name, exc)
+            present, missing = st.get("seen", {}), st.get("missing", st["files"])
+        if not missing:
+            job.state = "committing"
             report = PromotionReport(step, source.name, target.name, "metadata")
             self._attempt(f"commit {intent.name} on {target.name}",
                           lambda: self._commit_metadata(src, dst, intent.save_id), report,
                           raise_later=not intent.resumed)  # resumed work is recovery: reported, not raised
             if report.ok:
-                intent.meta.remove(target_name)
-                self._save_intent(intent)
+                self._drop(intent, target.name)
                 self._run_retention(target, (), ())
+            return None
+        if intent.save_id and self._committed_save_id(dst) == intent.save_id:
+            self._record(PromotionReport(step, source.name, target.name, "metadata"))  # another process committed it
+            self._drop(intent, target.name)
+            return None
+        if present != st.get("seen"):  # a file appeared or grew: the other ranks are getting there
+            st["seen"], st["progress"] = present, now
+        st["missing"] = missing
+        bound = self.metadata_timeout if self.metadata_timeout is not None else fragment_wait_bound(
+            source, target, st.get("copy_s", 0.0))
+        ranks = sorted({_rank_of(f) for f in missing})
+        if now - st["progress"] < bound and not self._stop.is_set():
+            job.state = (f"waiting {now - st['start']:.0f}s (bound {bound:.0f}s without progress) for "
+                         f"{len(missing)} file(s) of rank(s) {', '.join(ranks)}: {missing[:4]}")
+            st["delay"] = min(_POLL_MAX, st.get("delay", _POLL_FIRST / 2) * 2)
+            return now + st["delay"]
+        if self._stop.is_set():
+            return None  # closing: the intent stays recorded, a restart resumes it
+        # give up; the intent stops asking for this commit (the missing files will not come)
+        self._drop(intent, target.name)
+        if self._committed_save_id(src) != intent.save_id:
+            log.warning("promotion of %s to %s: the source changed while waiting; dropping it", src.url, target.name)
+            return None
+        error = (f"tier {target.name!r}, step {step}: gave up after {now - st['start']:.0f}s (bound {bound:.0f}s "
+                 f"without progress) waiting for the promoted files of rank(s) {', '.join(ranks)}: {missing[:8]} "
+                 f"never arrived in {dst.url} (a lost or restarted node?). The step is not committed on "
+                 f"{target.name!r}; its partial copy is left for `dcp-tiered gc`; it stays on {source.name!r}, "
+                 "and newer saves promote as usual")
+        log.error("promotion failed: %s", error)
+        self._record(PromotionReport(step, source.name, target.name, "metadata", seconds=now - st["start"],
+                                     ok=False, error=error))
+        return None
 
     @staticmethod
     def _committed_save_id(src: Storage) -> str | None:
@@ -380,37 +609,46 @@ class Promoter:
         dst.commit_bytes(fragment_name(data_file), fragment)
         return n
 
-    def _fragment(self, dst: Storage, data_file: str) -> dict | None:
+    @staticmethod
+    def _fragment(dst: Storage, data_file: str) -> dict | None:
+        """A rank's fragment (its promoted records), or None if absent or unreadable (written by another process)."""
         try:
-            doc = json.loads(dst.read_bytes(fragment_name(data_file)))
-        except (MissingFileError, ValueError):
+            doc = json.loads(read_small_file(dst, fragment_name(data_file)))
+        except (MissingFileError, ValueError, RecursionError):
             return None
-        return doc if isinstance(doc, dict) and "records" in doc else None
+        if not (isinstance(doc, dict) and isinstance(doc.get("records"), list)):
+            return None
+        return doc
+
+    def _missing_fragments(self, dst: Storage, files: list[str], present: dict[str, int], save_id: str | None) -> list[str]:
+        """Data files whose fragment of this save is not in ``dst`` yet (an older attempt's does not count)."""
+        missing = []
+        for f in files:
+            frag = self._fragment(dst, f) if fragment_name(f) in present else None
+            if frag is None or frag.get("save_id") != save_id:
+                missing.append(f)
+        return missing
 
     def _commit_metadata(self, src: Storage, dst: Storage, save_id: str | None = None) -> int:
         raw = src.read_bytes(METADATA_FILE)
         md = decode_metadata(raw, src.url_of(METADATA_FILE))
         files = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
-        deadline = time.monotonic() + self.metadata_timeout
-        delay = 0.05
-        while True:
-            present = dst.file_sizes()
-            fragments = {f: self._fragment(dst, f) for f in files if fragment_name(f) in present}
-            # a fragment left by an older attempt at the same step (another save id) does not count
-            missing = [f for f in files if fragments.get(f) is None or fragments[f].get("save_id") != save_id]
-            if not missing:
-                break
-            if save_id and self._committed_save_id(dst) == save_id:
-                return 0  # another process committed this very save (and removed the fragments)
-            if time.monotonic() > deadline or self._stop.is_set():
-                # not a StorageError: retrying would only wait again
-                raise CheckpointNotFoundError(f"{dst.url}: data of {missing[:3]} never arrived; not committing")
-            self._stop.wait(delay)
-            delay = min(2.0, delay * 2)
+        present = dst.file_sizes()
+        if save_id and self._committed_save_id(dst) == save_id:
+            return 0  # another process committed this very save (and removed the fragments)
+        if save_id and (getattr(md.storage_meta, "save_id", None) or "") != save_id:
+            raise PromotionError(f"{src.url} was saved again while being promoted; not committing {dst.url}")
+        fragments = {f: self._fragment(dst, f) for f in files}
+        missing = [f for f, doc in fragments.items() if doc is None or doc.get("save_id") != save_id]
+        if missing:
+            raise PromotionError(f"{dst.url}: promoted files {missing[:3]} vanished before the commit")
         new_data = {}
-        for f in files:
-            for i, r in fragments[f]["records"]:
-                new_data[index_from_json(i)] = record_from_json(r)
+        try:
+            for f in files:
+                for i, r in fragments[f]["records"]:  # type: ignore[index]
+                    new_data[index_from_json(i)] = record_from_json(r)
+        except (TypeError, ValueError) as exc:
+            raise PromotionError(f"{dst.url}: a promotion fragment is malformed ({exc}); not committing") from None
         if set(new_data) != set(md.storage_data):
             raise PromotionError(f"{dst.url}: promoted records do not match the source checkpoint's items")
         for f in files:
@@ -442,8 +680,8 @@ class Promoter:
         facts = []
         for info in infos:
             committed = info.committed or (not self.is_coordinator and any(f.endswith(DATA_SUFFIX) for f in info.files))
-            pending = bool(info.pending_promotions) or any(f.endswith(FRAGMENT_SUFFIX) for f in info.files)
-            if info.pending_promotions:
+            pending = bool(set(info.pending_promotions) & set(self.by_name)) or any(f.endswith(FRAGMENT_SUFFIX) for f in info.files)
+            if set(info.pending_promotions) & set(self.by_name):  # an intent naming no known tier pins nothing
                 busy_now.add(info.step)
             file_ages = [a for n, a in ages.items() if n.startswith(info.name + "/")]
             with self._lock:
