@@ -232,11 +232,20 @@ def test_every_candidate_failing_raises_restore_error_with_each_failure(tmp_path
     ck2.close()
 
 
-def test_a_tier_that_cannot_be_listed_is_no_empty_tier(tmp_path: Path) -> None:
-    from dcp_tiered import RestoreError
+def test_a_tier_that_cannot_be_listed_is_no_empty_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcp_tiered import RestoreError, StorageError
+    from dcp_tiered.tiers import checkpointer as mod
 
-    ck = TieredCheckpointer([Tier("local", str(tmp_path / "l")), Tier("shared", "nosuchproto://bucket/run")],
+    ck = TieredCheckpointer([Tier("local", str(tmp_path / "l")), Tier("shared", str(tmp_path / "s"))],
                             resume_promotions=False)
+    real = mod.list_tier
+
+    def outage(tier, *args, **kwargs):  # the shared tier became unreachable after construction
+        if tier.name == "shared":
+            raise StorageError(f"cannot list {tier.url}: connection refused")
+        return real(tier, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "list_tier", outage)
     with pytest.raises(RestoreError, match="tier 'shared' cannot be listed"):
         ck.restore(small_state())  # None would restart training at step 0 while checkpoints may exist
     ck.close()

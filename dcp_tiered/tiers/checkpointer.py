@@ -158,7 +158,14 @@ class TieredCheckpointer:
         self._sync_next = False
         self._stager: DefaultStager | None = None
         self._closed = False
-        if opts["resume_promotions"]:
+        # Unfinished promotions of an earlier run resume once the restore that usually follows
+        # construction has finished (or at the first save, wait or close): a resumed commit and
+        # its retention never run while ranks are choosing and loading a checkpoint.
+        self._resume_pending = opts["resume_promotions"]
+
+    def _resume_promotions(self) -> None:
+        if self._resume_pending:
+            self._resume_pending = False
             n = self.promoter.resume()
             if n:
                 log.info("resuming %d unfinished promotion(s)", n)
@@ -209,6 +216,7 @@ class TieredCheckpointer:
         if self._closed:
             raise ConfigError("this TieredCheckpointer is closed")
         check_step(step)
+        self._resume_promotions()
         if self._due_step != step:
             self._due_names = self._decide(step)
             self._due_step = step
@@ -226,6 +234,7 @@ class TieredCheckpointer:
         if self._closed:
             raise ConfigError("this TieredCheckpointer is closed")
         check_step(step)
+        self._resume_promotions()
         if self._inflight is not None or self._failed is not None:
             self._check_background()
         if force:
@@ -357,6 +366,8 @@ class TieredCheckpointer:
         With ``timeout`` (seconds, for both together) raise :class:`SaveError` if the save is
         still in flight, or :class:`PromotionError` naming the promotions still pending."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._closed:
+            self._resume_promotions()
         if self._inflight is not None and deadline is not None:
             fut, report = self._inflight[0], self._inflight[1]
             try:
@@ -378,7 +389,7 @@ class TieredCheckpointer:
             self.wait(timeout)
         finally:
             self._closed = True
-            self.promoter.close(wait=False)
+            self.promoter.close(wait=False, timeout=timeout)
             if self._stager is not None and self._inflight is None:
                 self._stager.close()
 
@@ -450,6 +461,7 @@ class TieredCheckpointer:
         finally:
             for s, i in pinned:
                 self.promoter.set_writing([self.tiers[i].name], s, False)
+            self._resume_promotions()
         if not committed and not unlisted:
             return None
         order = restore_order(rejected)
