@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcp_tiered.codecs import FILTERS
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MAX_FRAMES_PER_RECORD, MIN_FRAME_SIZE, stored_frame_bounds
@@ -149,7 +150,9 @@ def chunk_sizes(state_dict_metadata: dict) -> dict[tuple[str, tuple[int, ...]], 
     """``(fqn, chunk offsets) -> chunk sizes`` for every tensor chunk DCP's metadata lists."""
     out: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
     for fqn, md in state_dict_metadata.items():
-        for chunk in getattr(md, "chunks", ()) or ():
+        if type(md) is not TensorStorageMetadata:
+            continue
+        for chunk in md.chunks:
             out[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
     return out
 
