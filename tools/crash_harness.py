@@ -4,7 +4,8 @@ Run from the repository root::
 
     .venv/bin/python -m tools.crash_harness --kills 200            # crash consistency
     .venv/bin/python -m tools.crash_harness --corruptions 300       # corruption + restore fallback
-    .venv/bin/python -m tools.crash_harness --fuzz 5000             # hostile/malformed files
+    .venv/bin/python -m tools.crash_harness --fuzz 5000             # malformed files (byte mutations)
+    .venv/bin/python -m tools.crash_harness --hostile 10000         # crafted .metadata / intents, isolated
 
 **Kills.**  A child process runs a deterministic training loop (a small MLP trained with
 SGD+momentum on batches seeded by the step number) under ``TieredCheckpointer`` with 2 or
@@ -46,6 +47,7 @@ import os
 import random
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -670,6 +672,494 @@ def run_fuzz(n: int, root: "str | Path", *, seed: int = 0, log=print) -> dict[st
     return {"totals": dict(totals)}
 
 
+# --------------------------------------------------------------------------- hostile-input fuzzing
+#
+# ``--hostile N``: N crafted inputs, each loaded in a child process under a timeout and an
+# address-space limit.  A case is one of
+#
+# * ``opcode``: a real ``.metadata`` (native zstd/lz4/none, stock, stock+zstd) split into
+#   pickle opcodes (``pickletools.genops``) and mutated as opcodes: delete, duplicate, swap,
+#   move or repeat opcodes, change their arguments (ints, strings, memo indices), inject
+#   BUILD/REDUCE/NEWOBJ/GLOBAL of allowed and disallowed names, deep nesting, huge counts,
+#   colliding keys, huge lengths;
+# * ``bytes``: the same pickles mutated as bytes;
+# * ``record``: one field of one table or record set to a hostile value (wrong type,
+#   negative, huge, nested, None), re-pickled;
+# * ``intent``: a valid promotion intent (``.promote-0.json``) mutated as JSON (wrong types,
+#   ``[]``, nesting, target == source, missing or extra fields), then a ``TieredCheckpointer``
+#   is built (resuming promotions), waited for, restored and listed.
+#
+# The mutated pickle is written with a correct integrity trailer or none (stock style), so
+# the checksum does not hide the loader.  Every exception must be a ``DcpTieredError``.
+# After every case the same child saves and loads a small checkpoint (poisoning check) and,
+# for intents, checks that the committed steps still load.  A child that crashes or hangs
+# is replaced; its case is pinned from the per-case journal and rerun alone.
+
+_HOSTILE_BASES = ("zstd", "lz4", "none", "stock", "stock-zstd")
+_STRINGS = ("", "..", "../../etc/passwd", "/etc/passwd", "a" * 70000, "\x00", "float32", "__class__", "__getstate__",
+            "torch.float32", "fmt", "frames", "file", "bytes", "tensor", "zstd:99", "bytegroup", "model.w")
+_INTS = (0, 1, -1, 2, 255, 4096, 65535, 2**31 - 1, 2**32, 2**62, 2**63 - 1, 2**64, -2**63, 10**18)
+_ALLOWED_GLOBALS = (("torch.distributed.checkpoint.metadata", "Metadata"), ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+                    ("torch.distributed.checkpoint.metadata", "TensorProperties"), ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+                    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"), ("torch", "Size"), ("torch", "float32"),
+                    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"),
+                    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "dict"), ("builtins", "list"), ("builtins", "tuple"),
+                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"))
+_BAD_GLOBALS = (("os", "system"), ("builtins", "eval"), ("posix", "system"), ("builtins", "getattr"), ("torch", "load"),
+                ("pathlib", "Path.write_text"), ("collections", "Counter"))
+
+
+def _p_str(text: str) -> bytes:
+    raw = text.encode("utf-8", "surrogatepass")
+    return (b"\x8c" + bytes([len(raw)]) + raw) if len(raw) < 256 else b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def _p_int(v: int) -> bytes:
+    if 0 <= v < 256:
+        return b"K" + bytes([v])
+    if 0 <= v < 65536:
+        return b"M" + v.to_bytes(2, "little")
+    if -2**31 <= v < 2**31:
+        return b"J" + v.to_bytes(4, "little", signed=True)
+    raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _p_global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _snippet(rng: random.Random) -> bytes:
+    """One hostile opcode sequence that leaves one object on the stack (or breaks the pickle)."""
+    g = _p_global(*rng.choice(_ALLOWED_GLOBALS))
+    k = rng.choice((10, 100, 1000, 100_000, 1_000_000))
+    kind = rng.randrange(16)
+    if kind == 0:  # BUILD with slot state on an allowed class / function
+        return g + b"N}" + _p_str(rng.choice(("__getstate__", "__init__", "__reduce_ex__", "__hash__"))) + _p_global("builtins", "dict") + b"s\x86b"
+    if kind == 1:  # BUILD with a dict on a class
+        return g + b"}" + _p_str(rng.choice(("__getstate__", "x", "__dict__"))) + b"Nsb"
+    if kind == 2:  # REDUCE of an allowed name with random arguments
+        args = rng.choice((b")", b"N\x85", _p_int(rng.choice(_INTS)) + b"\x85", _p_str(rng.choice(_STRINGS)) + b"\x85",
+                           b"(" + _p_int(1) * rng.choice((2, 70, 5000)) + b"t\x85", b"}\x85", b"]\x85"))
+        return g + args + b"R"
+    if kind == 3:
+        return _p_global(*rng.choice(_BAD_GLOBALS)) + _p_str("true") + b"\x85R"
+    if kind == 4:  # deep nesting
+        return b"N" + rng.choice((b"\x85", b"\x85\x85", b"]")) * k if rng.random() < 0.5 else b"N" + b"\x85" * k + b"N" + b"\x86"
+    if kind == 5:  # deep key
+        return b"}" + b"N" + b"\x85" * k + b"Ns"
+    if kind == 6:  # huge count
+        return b"(" + _p_int(rng.choice((1, 300))) * k + rng.choice((b"t", b"l", b"\x91", b"d", b"0"))
+    if kind == 7:  # colliding keys
+        mod = (1 << 61) - 1
+        return b"}(" + b"".join(_p_int(i * mod) + b"N" for i in range(1, rng.choice((100, 20000)))) + b"u"
+    if kind == 8:
+        return b"\x8b" + struct.pack("<i", rng.choice((2**30, 2**31 - 1, 100, -5))) + b"\x00" * 16
+    if kind == 9:
+        return rng.choice((b"\x8e", b"\x8d", b"\x96")) + struct.pack("<Q", rng.choice((2**40, 2**63, 100)))
+    if kind == 10:
+        return b"\x95" + struct.pack("<Q", rng.choice((2**50, 0, 7)))
+    if kind == 11:
+        return b"N" + rng.choice((b"r" + struct.pack("<I", rng.choice((2**31, 2**32 - 1, 10**6))), b"j" + struct.pack("<I", 2**32 - 1)))
+    if kind == 12:  # NEWOBJ / NEWOBJ_EX with arguments, or on a non-dataclass
+        return g + rng.choice((b"(K\x01t\x81", b")\x81", b")}\x92", b"(N\x85t\x81"))
+    if kind == 13:
+        return rng.choice((b"(itorch\nSize\n", b"(" + g + b"o", b"P1\n", b"\x82\x01", b"Q"))
+    if kind == 14:  # BUILD on a fresh instance with odd state
+        state = rng.choice((b"N}\x86", b"}" + _p_str("__class__") + b"Ns", b"(NNNNNt", b"]", b"}" + _p_int(5) + b"Ns"))
+        return _p_global("torch.distributed.checkpoint.metadata", rng.choice(("StorageMeta", "TensorProperties", "MetadataIndex"))) + b")\x81" + state + b"b"
+    return b"\x8f(" + _p_str("a") + _p_int(1) + b"\x90"  # ADDITEMS with a non-str member
+
+
+def _split_ops(body: bytes) -> list[bytes]:
+    import pickletools
+
+    pos = [p for _, _, p in pickletools.genops(body)]
+    return [body[a:b] for a, b in zip(pos, pos[1:] + [len(body)])]
+
+
+def _mutate_arg(seg: bytes, rng: random.Random) -> bytes:
+    op = seg[:1]
+    if op in (b"K", b"M", b"J", b"\x8a", b"\x8b"):
+        return _p_int(rng.choice(_INTS) if rng.random() < 0.7 else rng.randrange(-5, 70000))
+    if op in (b"\x8c", b"X", b"\x8d"):
+        return _p_str(rng.choice(_STRINGS) if rng.random() < 0.7 else "".join(rng.choice("ab./_\x00") for _ in range(5)))
+    if op in (b"h", b"q"):
+        return op + bytes([rng.randrange(256)])
+    if op in (b"j", b"r"):
+        return op + struct.pack("<I", rng.choice((0, 1, rng.randrange(400), 2**31, 2**32 - 1)))
+    if op in (b"\x88", b"\x89", b"N"):
+        return rng.choice((b"\x88", b"\x89", b"N", b")", b"}", b"]"))
+    if op in (b"c",) or op == b"\x93":
+        return _p_global(*rng.choice(_ALLOWED_GLOBALS + _BAD_GLOBALS))
+    return seg
+
+
+def mutate_pickle_ops(body: bytes, rng: random.Random) -> bytes:
+    """Mutate a pickle at the opcode level (see the section comment)."""
+    segs = _split_ops(body)
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        inner = max(1, len(segs) - 1)  # keep STOP last most of the time
+        i, j = rng.randrange(1, inner) if inner > 1 else 0, rng.randrange(1, inner) if inner > 1 else 0
+        how = rng.randrange(8)
+        if how == 0:
+            del segs[i]
+        elif how == 1:
+            segs.insert(i, segs[j])
+        elif how == 2:
+            segs[i], segs[j] = segs[j], segs[i]
+        elif how == 3:
+            segs.insert(j, segs.pop(i))
+        elif how == 4:
+            segs[i:i + 1] = [segs[i]] * rng.choice((2, 10, 1000, 100_000))
+        elif how in (5, 6):
+            segs[i] = _mutate_arg(segs[i], rng)
+        else:
+            segs.insert(i, _snippet(rng) + (b"0" if rng.random() < 0.5 else b""))
+    return b"".join(segs)
+
+
+_HOSTILE_VALUES = (None, -1, 0, 2**64, 2**62, "x", "", [], {}, (), (1,), [1, 2], {"a": 1}, 1.5, True, b"x", ((((1,),),),),
+                   tuple(range(70)), "../x", "/etc/passwd", float("nan"))
+
+
+def mutate_record(md: Any, rng: random.Random) -> None:
+    """Set one field of one table or record of a plain-unpickled Metadata to a hostile value."""
+    value = rng.choice(_HOSTILE_VALUES)
+    where = rng.randrange(6)
+    if where <= 2 and md.storage_data:
+        index = rng.choice(list(md.storage_data))
+        rec = md.storage_data[index]
+        if isinstance(rec, dict):
+            field = rng.choice(sorted(rec) + ["extra"])
+            rec[field] = value if rng.random() < 0.8 else (tuple(rec.get(field) or ()) * 3 if field in ("frames", "sums", "shape") else value)
+        else:
+            setattr(rec, rng.choice(("relative_path", "offset", "length", "transform_descriptors")), value)
+        if rng.random() < 0.1:
+            md.storage_data[value if isinstance(value, (str, int, tuple)) and not isinstance(value, bool) else str(value)] = rec
+    elif where == 3 and md.state_dict_metadata:
+        fqn = rng.choice(sorted(md.state_dict_metadata))
+        item = md.state_dict_metadata[fqn]
+        target = rng.choice([item] + list(getattr(item, "chunks", []) or []) + ([item.properties] if hasattr(item, "properties") else []))
+        setattr(target, rng.choice(("chunks", "size", "offsets", "sizes", "dtype", "properties")), value)
+    elif where == 4:
+        setattr(md, rng.choice(("planner_data", "storage_meta", "version", "state_dict_metadata", "storage_data")), value)
+    else:
+        md.state_dict_metadata[rng.choice(("x", "w"))] = value
+
+
+def mutate_intent(doc: dict, rng: random.Random) -> Any:
+    """A JSON-level mutation of a valid promotion intent."""
+    how = rng.randrange(10)
+    if how == 0:
+        return rng.choice(([], None, 5, "x", [doc], {"a": doc}))
+    if how == 1:
+        deep: Any = doc
+        for _ in range(rng.choice((50, 5000, 100_000))):
+            deep = [deep]
+        return deep
+    doc = json.loads(json.dumps(doc))
+    field = rng.choice(sorted(doc) + ["extra"])
+    if how == 2:
+        doc.pop(field, None)
+    elif how == 3:
+        doc["targets"] = doc["meta"] = [doc.get("source", "local")]  # target == source
+    elif how == 4:
+        doc["source"], doc["name"] = rng.choice((("durable", doc["name"]), ("local", "step_000000001"), ("nope", doc["name"]),
+                                                  ("local", "../step_000000001"), ("local", "step_000000002/..")))
+    elif how == 5:
+        doc["data_file"] = rng.choice(("../../x", "/etc/passwd", None, 5, ".metadata", "__0_0.distcp"))
+    elif how == 6 and doc.get("records"):
+        rec = rng.choice(doc["records"])
+        rec[rng.randrange(2)] = rng.choice((None, 5, "x", [], [[]], {"fmt": 1}))
+    else:
+        doc[field] = rng.choice((None, 5, -1, "x", [], {}, [[["deep"]]], [5], ["local", "local"], True, 1.5, "local"))
+    return doc
+
+
+def _hostile_fixtures(work: Path) -> dict[str, Any]:
+    """Build the base checkpoints and tiers one child works on."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from dcp_tiered.dcp.metadata_io import encode_metadata  # noqa: F401 - imported for the child
+
+    g = torch.Generator().manual_seed(7)
+    sd = {"w": torch.randn(3000, generator=g), "h": torch.randn(2000, generator=g).to(torch.bfloat16),
+          "ids": torch.arange(700), "meta": {"epoch": 3, "name": "x"}}
+    bases = {}
+    for name in _HOSTILE_BASES:
+        path = work / "bases" / name
+        if name.startswith("stock"):
+            ext = [ZStandard()] if name == "stock-zstd" else []
+            dcp.save(sd, storage_writer=FileSystemWriter(path, sync_files=False, _extensions=ext), no_dist=True)
+        else:
+            dcp.save(sd, storage_writer=CompressedWriter(path, codec=name, frame_size=4096, threads=1, sync_files=False), no_dist=True)
+        raw = (path / ".metadata").read_bytes()
+        body = raw[: -len(b"\x00dcp_tiered.md1") - 8] if raw[-23:-8] == b"\x00dcp_tiered.md1" else raw
+        bases[name] = (path, raw, body)
+    tiers_root = work / "tiers"
+    tiers = [Tier("local", str(tiers_root / "local"), keep=5, codec="lz4"), Tier("durable", str(tiers_root / "durable"), keep=5, codec="zstd")]
+    ck = TieredCheckpointer(tiers, retry=FAST_RETRY, threads=1, frame_size=4096)
+    ck.maybe_save(1, sd, force=True)
+    ck.close()
+    # step 2 committed on the fast tier only, with the intent its promotion would have written
+    dcp.save(sd, storage_writer=CompressedWriter(tiers_root / "local" / "step_000000002", codec="lz4", frame_size=4096, threads=1,
+                                                 sync_files=False), no_dist=True)
+    from dcp_tiered.dcp.metadata_io import decode_metadata
+    from dcp_tiered.tiers.promotion import index_to_json
+
+    step2 = tiers_root / "local" / "step_000000002"
+    md = decode_metadata((step2 / ".metadata").read_bytes(), "x")
+    intent = {"name": "step_000000002", "source": "local", "data_file": "__0_0.distcp",
+              "records": [[index_to_json(i), r] for i, r in md.storage_data.items()], "targets": ["durable"], "meta": ["durable"],
+              "save_id": getattr(md.storage_meta, "save_id", None)}
+    snapshot = work / "tiers-pristine"
+    shutil.copytree(tiers_root, snapshot)
+    return {"sd": sd, "bases": bases, "tiers": tiers, "tiers_root": tiers_root, "snapshot": snapshot, "intent": intent}
+
+
+def _zeros(sd: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"epoch": 0, "name": ""} for k, v in sd.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) if isinstance(b[k], torch.Tensor) else a[k] == b[k] for k in b)
+
+
+def _error_of(exc: BaseException) -> BaseException:
+    inner = getattr(exc, "failures", None)
+    if inner:
+        e = next(iter(inner.values()))
+        return e[0] if isinstance(e, tuple) else e
+    return exc
+
+
+def _from_dcp_planner(err: BaseException) -> bool:
+    """Raised by DCP's default load planner (state dict vs checkpoint mismatch), not by this package."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and frames[-1].filename.endswith(os.path.join("torch", "distributed", "checkpoint", "default_planner.py"))
+
+
+def _hostile_case(fx: dict, seed: int, i: int) -> str:
+    """Run case ``i``; return its outcome: ``kind:detected``, ``kind:loaded``, or ``kind:FAIL ...``."""
+    import pickle as _pickle
+
+    from dcp_tiered.codecs import checksum as _checksum
+
+    rng = random.Random(f"{seed}:{i}")
+    roll = rng.random()
+    kind = "intent" if roll < 0.1 else "record" if roll < 0.3 else "bytes" if roll < 0.4 else "opcode"
+    if kind == "intent":
+        return "intent:" + _intent_case(fx, rng)
+    base = rng.choice(_HOSTILE_BASES)
+    path, raw, body = fx["bases"][base]
+    if kind == "record":
+        md = _pickle.loads(body)
+        mutate_record(md, rng)
+        try:
+            new = _pickle.dumps(md, protocol=rng.choice((2, 4, 5)))
+        except Exception:  # noqa: BLE001 - an unpicklable value: nothing to test
+            return "record:skipped"
+    elif kind == "bytes":
+        new = bytes(_mutate(bytearray(body), rng))
+    else:
+        new = mutate_pickle_ops(body, rng)
+    if rng.random() < 0.5:  # a correct trailer: the checksum must not be what stops it
+        new = new + b"\x00dcp_tiered.md1" + _checksum((new,)).to_bytes(8, "little")
+    (path / ".metadata").write_bytes(new)
+    out = _zeros(fx["sd"])
+    try:
+        try:
+            dcp.load(out, storage_reader=CompressedReader(path, threads=1, max_object_bytes=64 << 20), no_dist=True)
+        except BaseException as exc:  # noqa: BLE001
+            err = _error_of(exc)
+            if isinstance(err, DcpTieredError):
+                return f"{kind}:detected"
+            if _from_dcp_planner(err):
+                # a well-formed checkpoint of another state dict: DCP's planner compares it with
+                # the caller's state dict before any reader code runs
+                return f"{kind}:KNOWN_dcp_planner_mismatch"
+            return f"{kind}:FAIL foreign {type(err).__name__}: {str(err)[:160]}"
+        if _same(out, fx["sd"]):
+            return f"{kind}:loaded"
+        # stock checkpoints carry no checksums: a changed offset can select other valid bytes
+        return f"{kind}:KNOWN_stock_loaded_other_values" if base.startswith("stock") else f"{kind}:FAIL loaded other values ({base})"
+    finally:
+        (path / ".metadata").write_bytes(raw)
+
+
+def _intent_case(fx: dict, rng: random.Random) -> str:
+    root, snap = fx["tiers_root"], fx["snapshot"]
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(snap, root)
+    doc = mutate_intent(fx["intent"], rng)
+    text = json.dumps(doc) if not (isinstance(doc, list) and doc and isinstance(doc[0], list)) else "[" * 100_000 + "]" * 100_000
+    tier, name = rng.choice((("local", "step_000000002"), ("local", "step_000000002"), ("local", "step_000000001"),
+                             ("durable", "step_000000001")))
+    (root / tier / name / ".promote-0.json").write_text(text)
+    outcome = "ok"
+    try:
+        ck = TieredCheckpointer(fx["tiers"], retry=FAST_RETRY, threads=1, frame_size=4096)
+        t_wait = time.monotonic()
+        try:
+            ck.wait()
+        except DcpTieredError:
+            outcome = "promotion-error"
+        if time.monotonic() - t_wait > 2.5:  # waited for fragments until metadata_timeout (1 h by default)
+            outcome = "KNOWN_metadata_wait_timeout"
+        out = _zeros(fx["sd"])
+        step = ck.restore(out)
+        ck.list()
+        ck.close()
+    except BaseException as exc:  # noqa: BLE001
+        if not isinstance(exc, DcpTieredError):
+            return f"FAIL foreign {type(exc).__name__}: {str(exc)[:160]}"
+        outcome = "detected"
+    else:
+        if step is None or not _same(out, fx["sd"]):
+            return f"FAIL restore gave {step}"
+    for tier in ("local", "durable"):  # the committed step 1 must survive on both tiers
+        back = _zeros(fx["sd"])
+        try:
+            dcp.load(back, storage_reader=CompressedReader(root / tier / "step_000000001", threads=1), no_dist=True)
+        except BaseException as exc:  # noqa: BLE001
+            return f"FAIL committed step 1 on {tier} damaged: {type(_error_of(exc)).__name__}"
+        if not _same(back, fx["sd"]):
+            return f"FAIL committed step 1 on {tier} has other values"
+    return outcome
+
+
+def _poisoned(work: Path, n: int) -> str | None:
+    """Save and load a small checkpoint in this process: None if it round-trips."""
+    path = work / "poison" / str(n)
+    sd = {"x": torch.arange(3000, dtype=torch.float32), "m": {"k": n}}
+    try:
+        dcp.save(sd, storage_writer=CompressedWriter(path, threads=1, sync_files=False), no_dist=True)
+        back = {"x": torch.zeros(3000), "m": {"k": -1}}
+        dcp.load(back, storage_reader=CompressedReader(path, threads=1), no_dist=True)
+    except BaseException as exc:  # noqa: BLE001
+        return f"{type(_error_of(exc)).__name__}: {str(_error_of(exc))[:160]}"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return None if torch.equal(back["x"], sd["x"]) and back["m"] == sd["m"] else "other values"
+
+
+def hostile_child(work: str, seed: int, cases: list[int], journal: str) -> None:
+    """Child entry point: run ``cases``, journal one JSON line per case (before and after)."""
+    logging.disable(logging.CRITICAL)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    w = Path(work)
+    shutil.rmtree(w, ignore_errors=True)
+    fx = _hostile_fixtures(w)
+    # A resumed intent whose metadata commit waits for other ranks' fragments would wait an
+    # hour (metadata_timeout); 3 s here, so such a case is counted, not a stalled child.
+    from dcp_tiered.tiers.promotion import Promoter
+
+    Promoter.__init__.__kwdefaults__["metadata_timeout"] = 3.0
+    with open(journal, "a") as j:
+        for i in cases:
+            j.write(json.dumps({"start": i}) + "\n")
+            j.flush()
+            outcome = _hostile_case(fx, seed, i)
+            poison = _poisoned(w, i)
+            j.write(json.dumps({"case": i, "outcome": outcome, "poisoned": poison}) + "\n")
+            j.flush()
+
+
+def _run_hostile_batch(work: Path, seed: int, cases: list[int], timeout: float, memory_mb: int,
+                       stall_s: float = 90.0) -> tuple[dict[int, dict], int | None, str]:
+    """Run ``cases`` in one child; return per-case results, the case it died in (or None) and how."""
+    import subprocess
+
+    journal = work / f"journal-{cases[0]}.jsonl"
+    journal.unlink(missing_ok=True)
+    code = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({memory_mb << 20}, {memory_mb << 20}))\n"
+            f"from tools.crash_harness import hostile_child\n"
+            f"hostile_child({str(work / 'child')!r}, {seed}, {cases!r}, {str(journal)!r})\n")
+    errfile = work / f"stderr-{cases[0]}.txt"
+    with open(errfile, "wb") as errf:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parent.parent),
+                                stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)
+    how = ""
+    # a hang is a case that makes no progress for ``stall_s`` (the journal does not grow), or a
+    # batch past ``timeout`` overall
+    start = last_change = time.monotonic()
+    last_size = -1
+    while proc.poll() is None:
+        time.sleep(0.5)
+        size = journal.stat().st_size if journal.exists() else 0
+        now = time.monotonic()
+        if size != last_size:
+            last_size, last_change = size, now
+        if now - last_change > stall_s or now - start > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            how = "hang"
+            break
+    proc.wait()
+    if not how and proc.returncode:
+        how = f"crash (exit {proc.returncode}): {errfile.read_text(errors='replace')[-300:]}"
+    done: dict[int, dict] = {}
+    started = None
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            rec = json.loads(line)
+            if "start" in rec:
+                started = rec["start"]
+            else:
+                done[rec["case"]] = rec
+    died_in = started if how and started is not None and started not in done else None
+    return done, died_in, how
+
+
+def run_hostile(n: int, root: "str | Path", *, seed: int = 0, batch: int = 250, per_case_s: float = 6.0,
+                memory_mb: int = 6144, log=print) -> dict[str, Any]:
+    """``n`` hostile-input cases in isolated children (see the section comment); return the counters."""
+    root = Path(root)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    totals: Counter = Counter()
+    failures: list[dict] = []
+    pending = list(range(n))
+    t0 = time.monotonic()
+    while pending:
+        cases, pending = pending[:batch], pending[batch:]
+        done, died_in, how = _run_hostile_batch(root, seed, cases, 60 + per_case_s * len(cases), memory_mb)
+        if how and died_in is None and len(done) < len(cases):
+            failures.append({"case": None, "how": how})
+            totals["FAIL_child_setup"] += 1
+            log(f"  child failed before its first case: {how}")
+            break
+        for i, rec in done.items():
+            kind, _, outcome = rec["outcome"].partition(":")
+            totals["cases"] += 1
+            totals[f"{kind}:{outcome.split(' ')[0] if outcome.startswith('FAIL') else outcome}"] += 1
+            if outcome.startswith("FAIL"):
+                totals[f"FAIL_{'intent' if kind == 'intent' else 'metadata'}_error"] += 1
+                failures.append({"case": i, "outcome": rec["outcome"]})
+                log(f"  case {i}: {rec['outcome']}")
+            if rec["poisoned"]:
+                totals["FAIL_poisoned"] += 1
+                failures.append({"case": i, "poisoned": rec["poisoned"]})
+                log(f"  case {i} poisoned the process: {rec['poisoned']}")
+        if died_in is not None:
+            # pin it: rerun that case alone in a fresh child
+            alone, died_alone, how_alone = _run_hostile_batch(root, seed, [died_in], 60 + 10 * per_case_s, memory_mb)
+            label = "hang" if how == "hang" else "crash"
+            totals["cases"] += 1
+            totals[f"FAIL_{label}"] += 1
+            failures.append({"case": died_in, "how": how, "alone": how_alone or alone.get(died_in)})
+            log(f"  case {died_in}: {how[:200]} (alone: {how_alone[:100] or alone.get(died_in)})")
+            rest = [c for c in cases if c not in done and c != died_in]
+            pending = rest + pending
+        log(f"[{totals['cases']}/{n}] {time.monotonic() - t0:.0f}s "
+            + " ".join(f"{k}={v}" for k, v in sorted(totals.items()) if k != "cases"))
+    totals["seconds"] = round(time.monotonic() - t0)
+    shutil.rmtree(root, ignore_errors=True)
+    return {"totals": dict(totals), "failures": failures[:200]}
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -678,6 +1168,9 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--kills", type=int, default=0, help="SIGKILL trials (crash consistency)")
     ap.add_argument("--corruptions", type=int, default=0, help="corruption + restore-fallback trials")
     ap.add_argument("--fuzz", type=int, default=0, help="mutated-checkpoint load cases")
+    ap.add_argument("--hostile", type=int, default=0,
+                    help="hostile-input cases (opcode-level .metadata, records, bytes, intents), each in an isolated child")
+    ap.add_argument("--batch", type=int, default=250, help="hostile cases per child process")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chain", type=int, default=8, help="kills per configuration before starting on fresh directories")
     ap.add_argument("--max-delay", type=float, default=1.2, help="longest run of a child before the kill (s)")
@@ -686,8 +1179,8 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--root", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--json", default=None, help="write the summary here")
     args = ap.parse_args(argv)
-    if not (args.kills or args.corruptions or args.fuzz):
-        ap.error("nothing to do: pass --kills, --corruptions and/or --fuzz")
+    if not (args.kills or args.corruptions or args.fuzz or args.hostile):
+        ap.error("nothing to do: pass --kills, --corruptions, --fuzz and/or --hostile")
     root = Path(args.root or tempfile.mkdtemp(prefix="crash_harness-"))
     root.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"command": "python -m tools.crash_harness " + " ".join(argv if argv is not None else sys.argv[1:])}
@@ -701,9 +1194,12 @@ def main(argv: "list[str] | None" = None) -> int:
     if args.fuzz:
         summary["fuzz"] = run_fuzz(args.fuzz, root / "fuzz", seed=args.seed)
         print(json.dumps(summary["fuzz"]["totals"], indent=1, sort_keys=True))
+    if args.hostile:
+        summary["hostile"] = run_hostile(args.hostile, root / "hostile", seed=args.seed, batch=args.batch)
+        print(json.dumps(summary["hostile"]["totals"], indent=1, sort_keys=True))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, sort_keys=True))
-    failed = any(k.startswith("FAIL") for part in ("kills", "corruptions", "fuzz") if part in summary
+    failed = any(k.startswith("FAIL") for part in ("kills", "corruptions", "fuzz", "hostile") if part in summary
                  for k in summary[part]["totals"])
     print("RESULT:", "FAIL" if failed else "OK", f"(work dir {root})")
     if not args.root and not failed:

@@ -12,6 +12,7 @@ Stored frame layout (little endian)::
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass, field
 
@@ -24,6 +25,11 @@ from dcp_tiered.codecs.spec import CodecSpec, parse_codec
 from dcp_tiered.errors import ConfigError, CorruptCheckpointError, UnsupportedFormatError
 
 DEFAULT_FRAME_SIZE = 4 << 20
+#: Smallest and largest frame sizes a checkpoint may declare (the writer refuses smaller ones).
+MIN_FRAME_SIZE = 4096
+MAX_FRAME_SIZE = 1 << 30
+#: Most frames one record may have: 4 TiB at the default frame size, 4 GiB at the smallest.
+MAX_FRAMES_PER_RECORD = 1 << 20
 MODE_RAW = 0
 MODE_COMPRESSED = 1
 _HEAD = struct.Struct("<B")
@@ -31,6 +37,29 @@ _PLANE = struct.Struct("<BI")
 # A compressed plane must save at least this fraction, else it is stored raw: decoding a
 # raw plane is a copy, decoding a compressed one costs far more for a 1% gain.
 _MIN_SAVING = 0.01
+
+
+# Largest expansion of one compressed block: lz4 encodes at most 255 bytes per byte of match
+# length; zstd blocks hold at most 128 KiB and take at least 4 bytes (3 header, 1 RLE byte).
+_MAX_RATIO = {"none": 1, "lz4": 256, "zstd": 32768}
+
+
+def stored_frame_bounds(codec: str, filter_name: str, itemsize: int, raw_len: int) -> tuple[int, int]:
+    """Smallest and largest stored size a frame of ``raw_len`` raw bytes can have.
+
+    A declared frame size outside these bounds is a lie: checking them before reading lets
+    a reader refuse a record that claims a huge tensor stored in a few bytes (no codec
+    expands that much) or millions of one-byte frames.  Raises ``CodecError`` for an unknown codec.
+    """
+    header, planes, ratio = _frame_layout(codec, filter_name, itemsize)
+    plane_len = raw_len // planes
+    return header + planes * (plane_len if ratio == 1 else plane_len // ratio), header + raw_len
+
+
+@functools.lru_cache(maxsize=256)
+def _frame_layout(codec: str, filter_name: str, itemsize: int) -> tuple[int, int, int]:
+    planes = plane_count(filter_name, itemsize)
+    return _HEAD.size + planes * _PLANE.size, planes, _MAX_RATIO[parse_codec(codec).name]
 
 
 def frame_bounds(raw_len: int, frame_size: int, itemsize: int) -> list[tuple[int, int]]:

@@ -4,20 +4,46 @@ The trailer (a magic string and the xxh3-64 of the pickle) lets this package det
 damaged ``.metadata`` before trusting any size in it.  ``pickle.load`` stops at the
 pickle's STOP opcode, so stock DCP readers still read the file; files without the
 trailer (written by stock DCP) are read without the integrity check.
+
+A ``.metadata`` is untrusted input: its size is checked before it is read, it is unpickled
+through the allow-list, and every table and record is then checked for types and ranges
+(:func:`check_metadata`), so later code never meets a ``str`` where it expects an ``int``.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from dcp_tiered.codecs import checksum
+from dcp_tiered.dcp.format import (
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    check_against_chunks,
+    check_record,
+    chunk_sizes,
+    is_native_record,
+)
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.storage import Storage, safe_relative_name
 
 _MAGIC = b"\x00dcp_tiered.md1"
 _TRAILER = len(_MAGIC) + 8
+_MAX_TRANSFORMS = 8
 
 
 def encode_metadata(metadata: Metadata) -> bytes:
@@ -26,16 +52,155 @@ def encode_metadata(metadata: Metadata) -> bytes:
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
 
 
-def decode_metadata(data: bytes, source: str) -> Metadata:
-    """Verify the trailer (when present), unpickle through the allow-list, check the shape."""
+def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" = None) -> Metadata:
+    """Verify the trailer (when present), unpickle through the allow-list, check every table and record.
+
+    ``max_object_bytes`` additionally caps the declared size of non-tensor items.
+    """
     body = data
     if len(data) >= _TRAILER and data[-_TRAILER:-8] == _MAGIC:
         body = data[:-_TRAILER]
         if checksum((body,)) != int.from_bytes(data[-8:], "little"):
             raise CorruptCheckpointError(f"{source} is damaged: its checksum does not match; restore from another tier or step")
     md = safe_loads(body, source)
-    if not isinstance(md, Metadata):
+    if type(md) is not Metadata:
         raise UnsafeCheckpointError(f"{source} holds a {type(md).__name__}, not DCP Metadata")
-    if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(getattr(md, "storage_data", None), dict):
-        raise CorruptCheckpointError(f"{source} lacks DCP's state_dict_metadata or storage_data tables")
+    check_metadata(md, source, max_object_bytes)
     return md
+
+
+def read_metadata_bytes(storage: Storage, name: str = METADATA_FILE, limit: int = MAX_METADATA_BYTES) -> bytes:
+    """The bytes of ``name``, refused by its size before it is read when above ``limit``.
+
+    A local file is read to at most one byte past the size it reported, so a file that is
+    not what its size says (growing, or a device) is refused instead of read without end.
+    Raises ``MissingFileError`` when the file does not exist.
+    """
+    size = storage.size(name)
+    where = storage.url_of(name)
+    if size > limit:
+        raise CorruptCheckpointError(
+            f"{where} is {size} bytes, above the {limit}-byte limit for checkpoint metadata: it is damaged or crafted"
+        )
+    if storage.is_local:
+        data = storage.read_range(name, 0, size + 1)
+        too_long = len(data) > size
+    else:  # object stores report sizes they serve; no devices or growing files there
+        data = storage.read_bytes(name)
+        too_long = len(data) > limit
+    if too_long:
+        raise CorruptCheckpointError(f"{where} grew while being read, or is not a regular file")
+    return data
+
+
+def load_metadata(storage: Storage, *, max_object_bytes: "int | None" = None, limit: int = MAX_METADATA_BYTES) -> Metadata:
+    """Read (size checked first) and decode the ``.metadata`` of the checkpoint in ``storage``."""
+    return decode_metadata(read_metadata_bytes(storage, METADATA_FILE, limit), storage.url_of(METADATA_FILE),
+                           max_object_bytes=max_object_bytes)
+
+
+def _bad(source: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{source}: {what}; the metadata is damaged or crafted")
+
+
+def _size_ok(value: Any) -> bool:
+    return type(value) is torch.Size and len(value) <= 64 and all(d >= 0 for d in value)
+
+
+def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
+    props, size, chunks = (getattr(md, f, None) for f in ("properties", "size", "chunks"))
+    if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
+        raise _bad(source, f"tensor {fqn!r} has invalid properties")
+    if not _size_ok(size):
+        raise _bad(source, f"tensor {fqn!r} has an invalid size {size!r}"[:200])
+    if type(chunks) is not list:
+        raise _bad(source, f"tensor {fqn!r} has chunks of type {type(chunks).__name__}, not a list")
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if type(chunk) is not ChunkStorageMetadata or not _size_ok(offsets) or not _size_ok(sizes):
+            raise _bad(source, f"tensor {fqn!r} has an invalid chunk")
+        if not len(offsets) == len(sizes) == len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise _bad(source, f"tensor {fqn!r} has chunk {tuple(offsets)}+{tuple(sizes)} outside its size {tuple(size)}")
+
+
+def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_object_bytes: "int | None") -> None:
+    path, offset, length, transforms = (getattr(rec, f, None) for f in ("relative_path", "offset", "length", "transform_descriptors"))
+    safe_relative_name(path, f"record of {fqn!r} in {source}")
+    if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
+        raise _bad(source, f"record of {fqn!r} has invalid offset/length")
+    if transforms is not None and (
+        type(transforms) not in (list, tuple) or len(transforms) > _MAX_TRANSFORMS or any(type(t) is not str for t in transforms)
+    ):
+        raise _bad(source, f"record of {fqn!r} has invalid transform descriptors")
+    if is_bytes and max_object_bytes is not None and length > max_object_bytes:
+        raise CorruptCheckpointError(
+            f"record of {fqn!r} in {source}: non-tensor item is {length} bytes, above the {max_object_bytes}-byte limit "
+            "(raise max_object_bytes if this checkpoint is trusted)"
+        )
+
+
+def _check_planner_data(pd: Any, source: str) -> None:
+    if pd is None:
+        return
+    if type(pd) is not dict:
+        raise _bad(source, f"planner_data is a {type(pd).__name__}, not a dict")
+    for key, path in pd.items():
+        if type(path) not in (tuple, list) or not set(map(type, path)) <= {str, int}:
+            raise _bad(source, f"planner_data of {key!r} is not a path of names and indices")
+
+
+def _check_storage_meta(meta: Any, source: str) -> None:
+    if meta is None:
+        return
+    if type(meta) is not StorageMeta:
+        raise _bad(source, f"storage_meta is a {type(meta).__name__}")
+    cid = getattr(meta, "checkpoint_id", None)
+    if not (cid is None or isinstance(cid, (str, os.PathLike))):
+        raise _bad(source, "storage_meta.checkpoint_id is not a path")
+    if any(not (getattr(meta, f, None) is None or type(getattr(meta, f)) is str) for f in ("save_id", "load_id")):
+        raise _bad(source, "storage_meta has a non-string id")
+    modules = getattr(meta, "modules", [])
+    if type(modules) is not list or any(type(m) is not str for m in modules):
+        raise _bad(source, "storage_meta.modules is not a list of names")
+
+
+def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = None) -> None:
+    """Check every table and record of ``md`` for types and ranges; raise :class:`CorruptCheckpointError`.
+
+    ``source`` names the file in messages; ``max_object_bytes`` caps non-tensor items.
+    """
+    sdm, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if type(sdm) is not dict or type(storage) is not dict:
+        raise CorruptCheckpointError(f"{source} lacks DCP's state_dict_metadata or storage_data tables")
+    for fqn, item in sdm.items():
+        if type(item) is TensorStorageMetadata:
+            _check_tensor_md(fqn, item, source)
+        elif type(item) is not BytesStorageMetadata:
+            raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
+    _check_planner_data(getattr(md, "planner_data", None), source)
+    _check_storage_meta(getattr(md, "storage_meta", None), source)
+    version = getattr(md, "version", None)
+    if not (version is None or type(version) is str):
+        raise _bad(source, "version is not a string")
+    checkpoint = source.rsplit("/", 1)[0] if source.endswith(METADATA_FILE) else source
+    sizes = chunk_sizes(sdm)
+    files: set[str] = set()  # data file names already checked
+    for index, record in storage.items():
+        if type(index) is not MetadataIndex:
+            raise _bad(source, f"storage_data has a key of type {type(index).__name__}, not MetadataIndex")
+        fqn = getattr(index, "fqn", None)
+        entry = sdm.get(fqn) if type(fqn) is str else None
+        if entry is None:
+            raise _bad(source, f"storage_data has a record for {fqn!r}, which state_dict_metadata does not list")
+        if is_native_record(record):
+            check_record(record, fqn, checkpoint, max_object_bytes)
+            if record["file"] not in files:
+                safe_relative_name(record["file"], f"record of {fqn!r} in {checkpoint}")
+                files.add(record["file"])
+            if (record["kind"] == "bytes") != (type(entry) is BytesStorageMetadata):
+                raise _bad(source, f"record of {fqn!r} is a {record['kind']} item, but state_dict_metadata says otherwise")
+            check_against_chunks(record, index, sizes, checkpoint)
+        elif type(record) is _StorageInfo:
+            _check_stock(fqn, record, source, type(entry) is BytesStorageMetadata, max_object_bytes)
+        else:
+            raise _bad(source, f"record of {fqn!r} is a {type(record).__name__}")

@@ -29,13 +29,11 @@ from dcp_tiered.dcp.format import (
     KIND_BYTES,
     MAX_OBJECT_BYTES,
     METADATA_FILE,
-    check_against_chunks,
-    check_record,
     chunk_sizes,
     dtype_from_name,
     is_native_record,
 )
-from dcp_tiered.dcp.metadata_io import decode_metadata
+from dcp_tiered.dcp.metadata_io import check_metadata, load_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
@@ -144,31 +142,19 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         # into an AssertionError, while errors from the constructor and reset() reach the caller.
         storage = Storage(path, self.storage_options)
         try:
-            data = storage.read_bytes(METADATA_FILE)
+            metadata = load_metadata(storage, max_object_bytes=self.max_object_bytes)
         except MissingFileError:
             storage.check_reachable()
             raise CheckpointNotFoundError(
                 f"{storage.url} is not a committed checkpoint: {METADATA_FILE} is missing "
                 "(wrong path, or the save was interrupted before it committed)"
             ) from None
-        metadata = decode_metadata(data, storage.url_of(METADATA_FILE))
-        self._validate(metadata, storage.url)
         self._metadata = metadata
         return storage
 
     def _validate(self, metadata: Metadata, url: str) -> None:
-        sizes = chunk_sizes(metadata.state_dict_metadata)
-        for index, record in metadata.storage_data.items():
-            key = getattr(index, "fqn", "?")
-            where = f"record of {key!r} in {url}"
-            if is_native_record(record):
-                check_record(record, key, url, self.max_object_bytes)
-                safe_relative_name(record["file"], where)
-                check_against_chunks(record, index, sizes, url)
-            else:
-                safe_relative_name(getattr(record, "relative_path", None), where)
-                if not all(isinstance(getattr(record, f, None), int) and getattr(record, f) >= 0 for f in ("offset", "length")):
-                    raise CorruptCheckpointError(f"{where} has invalid offset/length")
+        """Type and range checks of every table and record (metadata DCP handed us, not ours)."""
+        check_metadata(metadata, url.rstrip("/") + "/" + METADATA_FILE, self.max_object_bytes)
 
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
         if checkpoint_id and os.fspath(checkpoint_id) != self.storage.url:
@@ -414,7 +400,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
             raise CorruptCheckpointError(
                 f"data file {self.storage.url_of(name)} is truncated at item {key!r}: {len(data)} of {info.length} bytes"
             )
-        bound = stock_raw_bound(req, self._chunk_sizes, self._tensor_dtypes, info.length)
+        bound = stock_raw_bound(req, self._chunk_sizes, self._tensor_dtypes, info.length, self.max_object_bytes)
         raw = decode_stock_item(data, info.transform_descriptors or (), bound, f"{key!r} in {self.storage.url_of(name)}")
         if req.type == LoadItemType.BYTE_IO:
             self._load_bytes(req, raw, planner, info)

@@ -12,12 +12,11 @@ import torch
 import zstandard
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from dcp_tiered.dcp.format import MAX_OBJECT_BYTES
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 
 # torch.save wraps tensor bytes in a zip with a small pickle; this covers that overhead.
 _TORCH_SAVE_SLACK = 1 << 20
-# Bytes items carry no size in metadata; this bounds their decompressed size.
-_BYTES_ITEM_LIMIT = 1 << 30
 _READ_STEP = 4 << 20
 
 
@@ -26,15 +25,17 @@ def stock_raw_bound(
     chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]],
     dtypes: dict[str, torch.dtype],
     stored_len: int,
+    max_object_bytes: int = MAX_OBJECT_BYTES,
 ) -> int:
-    """Largest decoded size a stock item may legitimately have."""
+    """Largest decoded size a stock item may legitimately have.
+
+    A tensor chunk: its size in DCP's metadata (plus ``torch.save`` overhead).  A non-tensor
+    item, whose size DCP's metadata does not record: ``max_object_bytes``.
+    """
     fqn = req.storage_index.fqn
-    if req.type == LoadItemType.BYTE_IO or fqn not in dtypes:
-        return max(_BYTES_ITEM_LIMIT, stored_len)
-    offsets = tuple(req.storage_index.offset or ())
-    sizes = chunk_sizes.get((fqn, offsets))
-    if sizes is None:
-        return max(_BYTES_ITEM_LIMIT, stored_len)
+    sizes = chunk_sizes.get((fqn, tuple(req.storage_index.offset or ())))
+    if req.type == LoadItemType.BYTE_IO or fqn not in dtypes or sizes is None:
+        return max_object_bytes
     numel = 1
     for s in sizes:
         numel *= s
@@ -42,7 +43,7 @@ def stock_raw_bound(
 
 
 def decode_stock_item(data: bytes, descriptors: Sequence[str], bound: int, where: str) -> bytes:
-    """Undo the stream transforms named by ``descriptors`` (outermost last)."""
+    """Undo the stream transforms named by ``descriptors`` (outermost last), never producing more than ``bound`` bytes."""
     out = data
     for descriptor in reversed(list(descriptors)):
         name, _, version = str(descriptor).partition("/")
@@ -58,8 +59,13 @@ def decode_stock_item(data: bytes, descriptors: Sequence[str], bound: int, where
                 parts.append(part)
                 total += len(part)
                 if total > bound:
-                    raise CorruptCheckpointError(f"item {where} decompresses past its size bound of {bound} bytes")
+                    break
         except zstandard.ZstdError as exc:
             raise CorruptCheckpointError(f"item {where} does not decompress: {exc}") from exc
         out = b"".join(parts)
+    if len(out) > bound:
+        raise CorruptCheckpointError(
+            f"item {where} decodes past its size bound of {bound} bytes (for a non-tensor item: raise "
+            "max_object_bytes if this checkpoint is trusted)"
+        )
     return out

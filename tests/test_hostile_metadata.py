@@ -1,0 +1,350 @@
+"""Hostile ``.metadata``: no crash, no hang, no process poisoning, no unbounded memory.
+
+Every hostile load runs in a child process (``tests/isolated.py``) with a timeout and a
+memory limit, so a segfault, a quadratic stall or a runaway allocation fails one test.
+The children load each crafted checkpoint with ``CompressedReader`` and ``dcp.load`` and
+report what was raised; most then save and load a fresh checkpoint to prove that the
+process was not poisoned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zstandard
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._extension import ZStandard
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from isolated import run_isolated
+from dcp_tiered import CompressedWriter
+
+FRAME = 4096
+DCP_MD = "torch.distributed.checkpoint.metadata"
+
+# Child: load every checkpoint in CASES (name -> path), report the error of each, then prove
+# that a normal save and load still round-trips in this very process.
+_CHILD = """
+import io, json, resource, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed.checkpoint as dcp
+from dcp_tiered import CompressedReader, CompressedWriter, DcpTieredError
+from torch.distributed.checkpoint.api import CheckpointException
+
+def attempt(path, **kw):
+    out = {"w": torch.zeros(4096), "ids": torch.zeros(1000, dtype=torch.int64), "note": ""}
+    try:
+        dcp.load(out, storage_reader=CompressedReader(path, threads=1, **kw), no_dist=True)
+    except CheckpointException as exc:
+        err = next(iter(exc.failures.values()))
+        err = err[0] if isinstance(err, tuple) else err
+    except Exception as exc:
+        err = exc
+    else:
+        return {"ok": True}
+    return {"ok": False, "cls": type(err).__name__, "dcp": isinstance(err, DcpTieredError),
+            "value": isinstance(err, ValueError), "msg": str(err)[:400]}
+
+results = {}
+for name, path in CASES.items():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    results[name] = attempt(path, **KW)
+    results[name]["grew_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+sd = {"w": torch.arange(5000, dtype=torch.float32), "meta": {"k": 1}}
+dcp.save(sd, storage_writer=CompressedWriter(FRESH, sync_files=False), no_dist=True)
+back = {"w": torch.zeros(5000), "meta": {"k": 0}}
+try:
+    dcp.load(back, storage_reader=CompressedReader(FRESH), no_dist=True)
+    results["@poisoned"] = not (torch.equal(back["w"], sd["w"]) and back["meta"] == sd["meta"])
+except Exception as exc:
+    results["@poisoned"] = f"{type(exc).__name__}: {exc}"[:400]
+emit(results)
+"""
+
+
+def run_cases(tmp_path: Path, cases: dict[str, Path], *, timeout: float = 240, memory_mb: int = 6144, **reader_kw) -> dict:
+    """Load each case in one child; return its per-case outcomes (fails on crash, hang or poisoning)."""
+    code = f"CASES = {json.dumps({k: str(v) for k, v in cases.items()})}\nKW = {reader_kw!r}\nFRESH = {str(tmp_path / 'fresh')!r}\n" + _CHILD
+    res = run_isolated(code, timeout=timeout, memory_mb=memory_mb)
+    assert res.result is not None, res.describe()
+    assert res.result.pop("@poisoned") is False, f"the process was poisoned: {res.result}"
+    return res.result
+
+
+def assert_refused(outcomes: dict, *needles: str, cls: tuple[str, ...] = ()) -> None:
+    bad = {}
+    for name, out in outcomes.items():
+        if out["ok"] or not out["dcp"] or not out["value"] or (cls and out["cls"] not in cls):
+            bad[name] = out
+        elif not all(n in out["msg"] for n in needles):
+            bad[name] = out
+    assert not bad, json.dumps(bad, indent=1)
+
+
+def state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(4096, generator=g), "ids": torch.arange(1000), "note": "a string item"}
+
+
+def save(path: Path, codec: str = "zstd") -> Path:
+    dcp.save(state(), storage_writer=CompressedWriter(path, codec=codec, frame_size=FRAME, sync_files=False), no_dist=True)
+    return path
+
+
+def plain_metadata(path: Path):
+    return pickle.loads((path / ".metadata").read_bytes())
+
+
+def write_metadata(path: Path, md, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
+    (path / ".metadata").write_bytes(pickle.dumps(md, protocol=protocol))  # no trailer: read as a stock file
+
+
+def index_of(md, fqn: str) -> MetadataIndex:
+    return next(i for i in md.storage_data if i.fqn == fqn)
+
+
+# --------------------------------------------------------------------------- pickle-level attacks
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _str(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def with_prefix(path: Path, prefix: bytes) -> None:
+    """Rewrite ``.metadata`` as a protocol-2 pickle with ``prefix`` run first (its result popped)."""
+    body = pickle.dumps(plain_metadata(path), protocol=2)
+    assert body[:2] == b"\x80\x02"
+    (path / ".metadata").write_bytes(body[:2] + prefix + b"0" + body[2:])
+
+
+def test_build_on_an_allowed_class_cannot_poison_the_process(tmp_path):
+    """BUILD with slot state on the Metadata *class* monkeypatches it process-wide on plain pickle.
+
+    Here ``Metadata.__getstate__ = dict``: every later save pickles an empty Metadata, which
+    no reader can load.  The load must be refused and the next save and load must work.
+    """
+    cases = {}
+    for name, target in [("class", _global(DCP_MD, "Metadata")), ("function", _global("torch.serialization", "_get_layout")),
+                         ("torch.Size", _global("torch", "Size"))]:
+        path = save(tmp_path / name)
+        slot = b"}" + _str("__getstate__") + _global("builtins", "dict") + b"s"
+        with_prefix(path, target + b"N" + slot + b"\x86b")
+        cases[name] = path
+    # slot state on a fresh instance, and a second BUILD on one, are refused too
+    for name, prefix in [
+        ("slotstate-on-instance", _global(DCP_MD, "StorageMeta") + b")\x81" + b"N}" + _str("save_id") + _str("x") + b"s\x86b"),
+        ("build-twice", _global(DCP_MD, "StorageMeta") + b")\x81" + b"}b" + b"}" + _str("save_id") + _str("x") + b"sb"),
+        ("newobj-with-args", _global("builtins", "frozenset") + b"(" + b"K\x01" + b"t\x81"),
+        ("reduce-dataclass", _global(DCP_MD, "Metadata") + b"}\x85R"),
+    ]:
+        path = save(tmp_path / name)
+        with_prefix(path, prefix)
+        cases[name] = path
+    assert_refused(run_cases(tmp_path, cases), ".metadata", cls=("UnsafeCheckpointError",))
+
+
+def test_a_million_nested_tuples_as_a_key_do_not_crash(tmp_path):
+    """1e6 nested tuples used as a dict key or frozenset member overflowed the C stack in hash()."""
+    n = 1_000_000
+    deep = b"N" + b"\x85" * n  # None, then TUPLE1 a million times
+    cases = {
+        "dict-key": b"\x80\x04}" + deep + b"Ns.",
+        "frozenset-member": b"\x80\x04(" + deep + b"\x91.",
+        "nested-lists": b"\x80\x04" + b"]" * n + b"a" * (n - 1) + b".",
+        "marks": b"\x80\x04" + b"(" * n + b"N" + b"t" * n + b".",
+    }
+    paths = {}
+    for name, data in cases.items():
+        path = save(tmp_path / name)
+        (path / ".metadata").write_bytes(data)
+        paths[name] = path
+    assert_refused(run_cases(tmp_path, paths), ".metadata")
+
+
+def _colliding_offsets(fqn_count: int) -> list[tuple[int, int]]:
+    """``fqn_count`` 2-tuples of ints whose tuple hashes are all equal (CPython's xxHash-based tuple hash)."""
+    m64 = (1 << 64) - 1
+    p1, p2, p5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+    inv_p2 = pow(p2, -1, 1 << 64)
+    rotl = lambda x: ((x << 31) | (x >> 33)) & m64  # noqa: E731
+    target = 0x1234_5678_9ABC_DEF0
+    out, a = [], 0
+    while len(out) < fqn_count:
+        a += 1
+        acc = rotl((p5 + a * p2) & m64) * p1 & m64
+        lane = (target - acc) * inv_p2 & m64  # the hash b must have
+        if lane < (1 << 61) - 1:
+            out.append((a, lane))
+        elif lane > (1 << 64) - (1 << 61) + 1:
+            out.append((a, -((1 << 64) - lane)))
+    assert len({hash(o) for o in out}) == 1
+    return out
+
+
+class _PairsPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Pickles the dict ``target`` with the key/value ``pairs`` instead: keys that collide never meet a dict here."""
+
+    def __init__(self, file, target: dict, pairs: list) -> None:
+        super().__init__(file, protocol=4)
+        self.target, self.pairs = target, pairs
+        self.dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+        self.dispatch[dict] = _PairsPickler._save_dict
+
+    def _save_dict(self, obj: dict) -> None:
+        if obj is not self.target:
+            return pickle._Pickler.save_dict(self, obj)  # type: ignore[attr-defined]
+        self.write(pickle.EMPTY_DICT)
+        self.memoize(obj)
+        self._batch_setitems(iter(self.pairs))
+
+
+def test_hash_colliding_keys_are_cut_off_quickly(tmp_path):
+    """Keys that all hash alike made dict insertion quadratic: 760 KiB took 28 s.
+
+    Crafted here: 200,000 int keys all hashing to 0 (multiples of 2**61-1), and 20,000
+    MetadataIndex keys whose offsets collide.  Both must be refused well inside the timeout.
+    """
+    mod = (1 << 61) - 1
+    ints = b"".join(b"\x8a\x0b" + (k * mod).to_bytes(11, "little", signed=True) + b"N" for k in range(1, 200_001))
+    int_path = save(tmp_path / "ints")
+    (int_path / ".metadata").write_bytes(b"\x80\x04}(" + ints + b"u.")
+    md_path = save(tmp_path / "index")
+    md = plain_metadata(md_path)
+    rec = md.storage_data[index_of(md, "note")]
+    pairs = [*md.storage_data.items(), *((MetadataIndex("note", (a, b)), rec) for a, b in _colliding_offsets(20_000))]
+    with open(md_path / ".metadata", "wb") as f:
+        _PairsPickler(f, md.storage_data, pairs).dump(md)
+    assert_refused(run_cases(tmp_path, {"int-keys": int_path, "index-keys": md_path}, timeout=90), ".metadata")
+
+
+def test_oversized_metadata_is_refused_before_it_is_read(tmp_path):
+    path = save(tmp_path / "sparse")
+    with open(path / ".metadata", "r+b") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB of zeros costs no disk
+    out = run_cases(tmp_path, {"sparse-1GiB": path})
+    assert_refused(out, "limit", ".metadata")
+    assert out["sparse-1GiB"]["grew_mb"] < 200, out
+
+
+# --------------------------------------------------------------------------- schema of tables and records
+
+
+def _edit(path: Path, fn) -> Path:
+    md = plain_metadata(path)
+    fn(md)
+    write_metadata(path, md)
+    return path
+
+
+def _rec(md, fqn: str) -> dict:
+    return md.storage_data[index_of(md, fqn)]
+
+
+SCHEMA_CASES = {
+    "str-key-in-storage_data": lambda md: md.storage_data.__setitem__("w", _rec(md, "w")),
+    "chunks=5": lambda md: setattr(md.state_dict_metadata["w"], "chunks", 5),
+    "offsets=None": lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", None),
+    "str-dtype": lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"),
+    "negative-length": lambda md: _rec(md, "w").update(length=-5),
+    "negative-offset": lambda md: _rec(md, "w").update(offset=-1),
+    "str-raw": lambda md: _rec(md, "w").update(raw="16384"),
+    "shape-mismatch": lambda md: _rec(md, "w").update(shape=(4095,)),
+    "frames-list": lambda md: _rec(md, "w").update(frames=list(_rec(md, "w")["frames"])),
+    "frame-count-mismatch": lambda md: _rec(md, "w").update(frames=_rec(md, "w")["frames"][:-1], sums=_rec(md, "w")["sums"][:-1]),
+    "frame-size-1": lambda md: _rec(md, "w").update(frame=1),
+    "frame-size-huge": lambda md: _rec(md, "w").update(frame=1 << 40),
+    "itemsize-3": lambda md: _rec(md, "ids").update(itemsize=3),
+    "bool-fmt": lambda md: _rec(md, "w").update(fmt=True, kind=["tensor"]),
+    "kind-list": lambda md: _rec(md, "w").update(kind=["tensor"]),
+    "dtype-lazy-module": lambda md: _rec(md, "w").update(dtype="_dynamo"),
+    "bytes-record-for-tensor": lambda md: _rec(md, "w").update(kind="bytes"),
+    "record-of-unknown-key": lambda md: md.storage_data.__setitem__(MetadataIndex("ghost"), _rec(md, "note")),
+    "planner_data-not-paths": lambda md: setattr(md, "planner_data", {"w": 5}),
+    "storage_meta-str": lambda md: setattr(md, "storage_meta", "x"),
+    "size-negative": lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-1])),
+    "chunk-outside-tensor": lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", torch.Size([9])),
+}
+
+
+def test_schema_violations_raise_corrupt_checkpoint_errors_naming_file_and_key(tmp_path):
+    """Type confusion escaped as builtin AttributeError/TypeError (the CLI then exited 1)."""
+    cases = {name: _edit(save(tmp_path / name), fn) for name, fn in SCHEMA_CASES.items()}
+    assert_refused(run_cases(tmp_path, cases), str(tmp_path))
+
+
+def _huge_frame_table(md) -> None:
+    """2M one-byte frames (took 67 s and 4.5 GB): a 2M-frame record of a float32 tensor."""
+    n = 2_000_000
+    rec = _rec(md, "w")
+    raw = n * FRAME
+    rec.update(raw=raw, shape=(raw // 4,), frames=(1,) * n, sums=(0,) * n, length=n)
+    md.state_dict_metadata["w"].size = torch.Size([raw // 4])
+    md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([raw // 4])
+
+
+def _four_tib_in_four_kib(md) -> None:
+    """A record claiming a 4 TiB tensor stored in 4 KiB (verify used to pass it)."""
+    rec = _rec(md, "w")
+    numel = (4 << 40) // 4
+    rec.update(raw=4 << 40, shape=(numel,), frame=1 << 30, frames=(1,) * 4096, sums=(0,) * 4096, length=4096)
+    md.state_dict_metadata["w"].size = torch.Size([numel])
+    md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([numel])
+
+
+def _bytes_bomb_record(md) -> None:
+    rec = _rec(md, "note")
+    rec.update(raw=200 << 20, frame=1 << 30, frames=(64,), sums=(0,), length=64)
+
+
+def test_impossible_frame_tables_are_refused_before_reading(tmp_path):
+    cases = {
+        "2M-one-byte-frames": _edit(save(tmp_path / "frames"), _huge_frame_table),
+        "4TiB-in-4KiB": _edit(save(tmp_path / "4tib"), _four_tib_in_four_kib),
+        "200MiB-bytes-item-in-64-bytes": _edit(save(tmp_path / "bytes"), _bytes_bomb_record),
+    }
+    out = run_cases(tmp_path, cases, timeout=180)
+    assert_refused(out, str(tmp_path), cls=("CorruptCheckpointError",))
+    assert all(o["grew_mb"] < 1500 for o in out.values()), out
+
+
+# --------------------------------------------------------------------------- stock items
+
+
+def test_stock_zstd_bytes_item_is_bounded_by_max_object_bytes(tmp_path):
+    """A 32 KiB stock zstd bytes item inflating to 1 GiB was decoded despite max_object_bytes=1 MiB."""
+    path = tmp_path / "stock"
+    dcp.save(state(), storage_writer=FileSystemWriter(path, sync_files=False, _extensions=[ZStandard()]), no_dist=True)
+    bomb = zstandard.ZstdCompressor(level=1).compressobj()
+    zeros = bytes(16 << 20)
+    payload = b"".join(bomb.compress(zeros) for _ in range(64)) + bomb.flush()
+    assert len(payload) < 64 << 10
+    md = plain_metadata(path)
+    info = md.storage_data[index_of(md, "note")]
+    data_file = path / info.relative_path
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(payload)
+    md.storage_data[index_of(md, "note")] = dataclasses.replace(info, offset=offset, length=len(payload))
+    write_metadata(path, md)
+    out = run_cases(tmp_path, {"stock-bomb": path}, max_object_bytes=1 << 20)
+    assert_refused(out, "note", "1048576", cls=("CorruptCheckpointError",))
+    assert out["stock-bomb"]["grew_mb"] < 256, out
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "none"])
+def test_real_checkpoints_still_load(tmp_path, codec):
+    """The checks refuse nothing a writer produces (every codec, frames of the smallest size)."""
+    out = run_cases(tmp_path, {codec: save(tmp_path / codec, codec)})
+    assert out[codec]["ok"], out
