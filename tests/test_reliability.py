@@ -686,8 +686,9 @@ def test_resumed_promotion_of_a_save_that_never_committed_never_publishes_stale_
             dcp.load(out, storage_reader=CompressedReader(tmp_path / "shared" / "step_000000017"), no_dist=True)
             seen.append(float(out["w"][0]))
 
-    ck2 = TieredCheckpointer(tiers, retry=FAST_RETRY)  # resumes the dead save's intent
+    ck2 = TieredCheckpointer(tiers, retry=FAST_RETRY)
     ck2.events.hooks.append(on_event)
+    assert ck2.restore({"w": torch.zeros(5000)}) is None  # nothing committed; then resumes the dead save's intent
     assert FaultyFS.faults.stalled.wait(30)  # ... which read the old data and is writing it
     ck2.maybe_save(17, new)  # the restarted run saves step 17 again
     FaultyFS.faults.stall.set()

@@ -4,9 +4,11 @@ restore that survives SIGKILLs mid-promotion with ``keep=1``."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+
 import torch
 
 from dcp_tiered import ConfigError, Tier, TieredCheckpointer
@@ -303,16 +305,21 @@ def test_restore_pins_its_candidate_against_a_resumed_promotions_retention(tmp_p
     ck = TieredCheckpointer(tiers)
     real_load = dcp.load
 
-    def load_while_the_promotion_commits(*args, **kwargs):
+    pending_during_load: list = []
+
+    def load_while_the_promotion_could_commit(*args, **kwargs):
         FaultyFS.faults.stall.set()
-        ck.promoter.wait(timeout=60)  # step 10 committed on shared, retention ran there
+        pending_during_load.append(ck.promoter.pending())
+        time.sleep(0.5)  # a resumed promotion running now would commit step 10 and delete step 8 (keep=1)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(dcp, "load", load_while_the_promotion_commits)
+    monkeypatch.setattr(dcp, "load", load_while_the_promotion_could_commit)
     try:
         sd = {"model": {"w": torch.zeros(1 << 16)}}
         assert ck.restore(sd, step=8) == 8
         assert torch.equal(sd["model"]["w"], torch.arange(1 << 16, dtype=torch.float32) + 8)
+        assert pending_during_load == [[]]  # resumed promotions wait for the restore to finish
+        ck.wait(timeout=60)  # then the resumed promotion commits step 10 (and retention runs)
         assert (tmp_path / "shared" / "step_000000010" / ".metadata").exists()
     finally:
         FaultyFS.faults.stall.set()

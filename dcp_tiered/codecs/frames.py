@@ -62,6 +62,12 @@ def _frame_layout(codec: str, filter_name: str, itemsize: int) -> tuple[int, int
     return _HEAD.size + planes * _PLANE.size, planes, _MAX_RATIO[parse_codec(codec).name]
 
 
+def record_frame_size(raw_len: int, frame_size: int) -> int:
+    """The frame size to use for one item: ``frame_size``, enlarged for an item so large that it
+    would need more than ``MAX_FRAMES_PER_RECORD`` frames (readers refuse such records)."""
+    return max(frame_size, -(-raw_len // MAX_FRAMES_PER_RECORD))
+
+
 def frame_bounds(raw_len: int, frame_size: int, itemsize: int) -> list[tuple[int, int]]:
     """Return the ``(start, end)`` raw byte ranges of the frames of a ``raw_len`` buffer."""
     if frame_size <= 0:

@@ -24,6 +24,7 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.common import UrlCheckpointId, completed, lower_thread_priority
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
+from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size
 from dcp_tiered.dcp.format import DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, dtype_name
 from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
@@ -33,9 +34,6 @@ from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
 from dcp_tiered.storage import Storage
 from dcp_tiered.storage.fs import FileLock
 
-#: Smallest and largest ``frame_size`` a writer accepts (a frame is one unit of compression and of reading).
-MIN_FRAME_SIZE = 4 << 10
-MAX_FRAME_SIZE = 256 << 20
 #: Lock file a local checkpoint directory holds while a save writes it (removed at commit).
 LOCK_FILE = ".lock"
 
@@ -321,7 +319,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 (arr, keep), fields = self._item_source(item, planner)
                 key = (fields["filter"], fields["itemsize"])
                 fc = codecs.get(key) or codecs.setdefault(key, FrameCodec(self.codec, *key))
-                bounds = frame_bounds(arr.nbytes, self.frame_size, fields["itemsize"])
+                fields["frame"] = record_frame_size(arr.nbytes, self.frame_size)
+                bounds = frame_bounds(arr.nbytes, fields["frame"], fields["itemsize"])
                 yield ("start", item, fields, arr.nbytes, len(bounds))
                 for s, e in bounds:
                     yield ("frame", pool.submit(fc.encode, arr[s:e]), keep)
@@ -379,7 +378,6 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             "length": sum(cur["frames"]),
             "raw": cur["raw"],
             "codec": self.codec,
-            "frame": self.frame_size,
             "frames": tuple(cur["frames"]),
             "sums": tuple(cur["sums"]),
             "checksum": CHECKSUM_ALGORITHM,

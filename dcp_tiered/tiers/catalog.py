@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
-from dcp_tiered.dcp.metadata_io import decode_metadata
+from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.layout import INTENT_PREFIX, parse_step, read_intent
@@ -70,7 +70,7 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
     if not (info.committed and with_metadata):
         return info
     try:
-        md = decode_metadata(child.read_bytes(METADATA_FILE), child.url_of(METADATA_FILE))
+        md = load_metadata(child)
         info.keys = frozenset(md.state_dict_metadata)
         needed: dict[str, int] = {}
         codecs = set()

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_tiered.dcp.common import lower_thread_priority
 from dcp_tiered.dcp.format import DATA_SUFFIX, METADATA_FILE, is_native_record
-from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
+from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata, load_metadata, read_metadata_bytes
 from dcp_tiered.errors import DcpTieredError, PromotionError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
@@ -531,7 +531,7 @@ class Promoter:
                             src.url, target.name)
                 self._drop(intent, target.name)
                 return None
-            md = decode_metadata(src.read_bytes(METADATA_FILE), src.url_of(METADATA_FILE))
+            md = load_metadata(src)
             st["files"] = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
             st["start"] = st["progress"] = now
         try:
@@ -586,7 +586,7 @@ class Promoter:
     def _committed_save_id(src: Storage) -> str | None:
         """The save id of the checkpoint committed in ``src`` ("" if it has none), None if uncommitted."""
         try:
-            md = decode_metadata(src.read_bytes(METADATA_FILE), src.url_of(METADATA_FILE))
+            md = load_metadata(src)
         except MissingFileError:
             return None
         return getattr(md.storage_meta, "save_id", None) or ""
@@ -630,7 +630,7 @@ class Promoter:
         return missing
 
     def _commit_metadata(self, src: Storage, dst: Storage, save_id: str | None = None) -> int:
-        raw = src.read_bytes(METADATA_FILE)
+        raw = read_metadata_bytes(src)
         md = decode_metadata(raw, src.url_of(METADATA_FILE))
         files = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
         present = dst.file_sizes()
