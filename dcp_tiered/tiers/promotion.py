@@ -355,8 +355,8 @@ class Promoter:
                 lanes = list(self._lanes.values())
                 for lane in lanes:
                     lane.cond.notify_all()
-            if deadline is None:
-                deadline = time.monotonic() + 60.0
+            if deadline is None:  # dropping work (wait=False) does not wait long for a stuck job
+                deadline = time.monotonic() + (60.0 if wait else 2.0)
             for lane in lanes:  # a job stuck in storage I/O cannot be interrupted: its daemon thread is left
                 if lane.thread is not None and lane.thread is not threading.current_thread():
                     lane.thread.join(timeout=max(0.1, deadline - time.monotonic()))
