@@ -786,3 +786,36 @@ def test_fuzz_mutated_data_file_is_detected(fuzz_ckpt, data):
     elif verify or not changed:
         assert not changed, "a mutated data file loaded without error with verify on"
         assert_same(loaded["v"], sd)
+
+
+# --------------------------------------------------------------------------- chunk tables
+
+
+def _chunks_gone(md) -> None:  # "w" keeps its size but loses its chunks and its record
+    md.state_dict_metadata["w"].chunks = []
+    for idx in [i for i in md.storage_data if i.fqn == "w"]:
+        del md.storage_data[idx]
+
+
+def _chunk_halved(md) -> None:  # one chunk covering half the tensor
+    c = md.state_dict_metadata["w"].chunks[0]
+    md.state_dict_metadata["w"].chunks = [dataclasses.replace(c, sizes=torch.Size([c.sizes[0] // 2]))]
+
+
+def _chunk_twice(md) -> None:  # the same chunk twice, and the size doubled: volume matches, half overlaps
+    item = md.state_dict_metadata["w"]
+    item.size = torch.Size([item.size[0] * 2])
+    item.chunks = [item.chunks[0], item.chunks[0]]
+
+
+def _record_gone(md) -> None:
+    for idx in [i for i in md.storage_data if i.fqn == "w"]:
+        del md.storage_data[idx]
+
+
+@pytest.mark.parametrize("edit", [_chunks_gone, _chunk_halved, _chunk_twice, _record_gone])
+def test_a_chunk_table_that_does_not_tile_the_tensor_is_refused(tmp_path, edit):
+    path = save(tmp_path / "c", {"w": torch.arange(64.0), "v": torch.ones(4)})
+    rewrite_metadata(path, edit)
+    err = failure_of(lambda: CompressedReader(path))  # never loads a step with elements nobody wrote
+    assert_error(err, CorruptCheckpointError, "'w'")

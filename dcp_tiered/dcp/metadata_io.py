@@ -12,6 +12,7 @@ through the allow-list, and every table and record is then checked for types and
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from typing import Any
@@ -121,6 +122,26 @@ def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
             raise _bad(source, f"tensor {fqn!r} has an invalid chunk")
         if not len(offsets) == len(sizes) == len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
             raise _bad(source, f"tensor {fqn!r} has chunk {tuple(offsets)}+{tuple(sizes)} outside its size {tuple(size)}")
+    _check_coverage(fqn, size, chunks, source)
+
+
+#: Up to this many chunks per tensor are also checked pairwise for overlaps (DCP writes a
+#: partition; more chunks than this are checked by their total volume only).
+_PAIRWISE_CHUNKS = 512
+
+
+def _check_coverage(fqn: str, size: Any, chunks: list, source: str) -> None:
+    """The chunks of a tensor must tile it exactly, or part of it would never be loaded."""
+    volume = sum(math.prod(c.sizes) for c in chunks)
+    if volume != math.prod(size):
+        raise _bad(source, f"the chunks of tensor {fqn!r} cover {volume} of its {math.prod(size)} elements")
+    if len(chunks) > _PAIRWISE_CHUNKS:
+        return
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes)]
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
+                raise _bad(source, f"tensor {fqn!r} has overlapping chunks at {oa} and {ob}")
 
 
 def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_object_bytes: "int | None") -> None:
@@ -204,3 +225,18 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
             _check_stock(fqn, record, source, type(entry) is BytesStorageMetadata, max_object_bytes)
         else:
             raise _bad(source, f"record of {fqn!r} is a {type(record).__name__}")
+    _check_every_item_stored(sdm, storage, source)
+
+
+def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
+    """Every chunk of every tensor, and every non-tensor item, has a record saying where it is."""
+    stored = {(i.fqn, tuple(i.offset) if i.offset is not None else None) for i in storage}
+    fqns = {i.fqn for i in storage}
+    for fqn, item in sdm.items():
+        if type(item) is BytesStorageMetadata:
+            if fqn not in fqns:
+                raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
+            continue
+        for chunk in item.chunks:
+            if (fqn, tuple(chunk.offsets)) not in stored:
+                raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
