@@ -347,3 +347,17 @@ def test_a_refused_claim_fails_every_rank_before_any_writes(tmp_path):
         lock.release()
     assert [(out / f"rank{r}").read_text() for r in (0, 1)] == ["CheckpointExistsError"] * 2
     assert not list(ckpt.glob("*.distcp")), "a rank wrote data although the coordinator lost the claim"
+
+
+def test_a_save_that_failed_on_this_rank_lets_a_retry_claim_the_path(tmp_path: Path) -> None:
+    import numpy as np
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_tiered import numpy_safe_globals
+
+    sd = {"rng": np.random.RandomState(0).get_state(), "w": torch.ones(3)}
+    writer = CompressedWriter(tmp_path / "a")  # kept alive: its lock must not outlive the failed save
+    with pytest.raises(CheckpointException):
+        dcp.save(sd, storage_writer=writer, no_dist=True)  # refused at save: numpy needs the opt-in
+    dcp.save(sd, storage_writer=CompressedWriter(tmp_path / "a", safe_globals=numpy_safe_globals()), no_dist=True)
+    assert (tmp_path / "a" / ".metadata").exists()

@@ -247,7 +247,17 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix if plan.storage_data is not None else "__0_"
         file_name = f"{prefix}0{DATA_SUFFIX}"
-        return completed(lambda: self._write_file(file_name, plan.items, planner))
+        def write() -> list[WriteResult]:
+            try:
+                return self._write_file(file_name, plan.items, planner)
+            except BaseException:
+                # This save fails everywhere (DCP gathers the failure): let a retry claim the path.
+                # A failure on another rank leaves the coordinator's lock until this writer is
+                # reset, set up again or collected.
+                self._release()
+                raise
+
+        return completed(write)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md = {}
