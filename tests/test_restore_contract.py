@@ -381,6 +381,32 @@ def test_close_with_a_timeout_gives_up_on_a_stuck_promotion(tmp_path: Path) -> N
         FaultyFS.faults.reset()
 
 
+def test_a_close_that_timed_out_leaves_the_checkpointer_open_and_a_second_close_finishes(tmp_path: Path) -> None:
+    from faults import FaultyFS, register
+
+    from dcp_tiered import PromotionError
+
+    register()
+    FaultyFS.faults.reset()
+    tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=2),
+             Tier("shared", f"faulty://{tmp_path}/shared", every_steps=1, keep=2)]
+    ck = TieredCheckpointer(tiers)
+    FaultyFS.faults.stall.clear()  # the shared filesystem hangs
+    try:
+        ck.maybe_save(0, small_state())
+        assert FaultyFS.faults.stalled.wait(30)
+        with pytest.raises(PromotionError, match="pending"):
+            ck.close(timeout=0.5)
+        FaultyFS.faults.stall.set()  # the storage comes back
+        ck.close(timeout=120)  # still open: this close waits for the promotion
+        assert (tmp_path / "shared" / "step_000000000" / ".metadata").exists()
+        with pytest.raises(ConfigError, match="closed"):
+            ck.maybe_save(1, small_state())
+    finally:
+        FaultyFS.faults.stall.set()
+        FaultyFS.faults.reset()
+
+
 # -- 4 gloo ranks ----------------------------------------------------------------------------------
 
 WS = 4
@@ -548,3 +574,45 @@ def test_sigkill_mid_promotion_then_restart_restores_the_same_step_everywhere(tm
         assert step not in (None, "error"), f"trial {trial}: restore gave {restored} although {before} was committed"
         assert all(v["exact"] for v in restored.values()), f"trial {trial}: restored step {step} not bit-exact"
         assert step >= min(before["shared"]), (trial, step, before)
+
+
+class _Optim:
+    def __init__(self) -> None:
+        self.m = torch.zeros(4)
+
+    def state_dict(self) -> dict:
+        return {"m": self.m}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.m.copy_(sd["m"])
+
+
+class _App:
+    def __init__(self) -> None:
+        self.w, self.opt = torch.zeros(4), _Optim()
+
+    def state_dict(self) -> dict:
+        return {"model": {"w": self.w}, "optim": self.opt}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.w.copy_(sd["model"]["w"])
+
+
+def test_optimizer_every_reaches_inside_stateful_state_with_a_dotted_key(tmp_path: Path, caplog) -> None:
+    tiers = [Tier("local", str(tmp_path / "l"), every_steps=1, keep=10)]
+    app = _App()
+    with TieredCheckpointer(tiers, optimizer_every=2, optimizer_keys=["app.optim"]) as ck:
+        reports = [ck.maybe_save(s, {"app": app}) for s in range(4)]
+        assert [r.optimizer for r in reports] == [True, False, True, False]
+        held = {i.step: i.has_prefix(["app.optim"]) for i in ck.list()}
+    assert held == {0: True, 1: False, 2: True, 3: False}
+    with TieredCheckpointer(tiers, optimizer_every=2) as ck:  # the default keys match nothing here
+        ck.maybe_save(10, {"app": app})
+        assert "no entry of the state matches optimizer_keys" in caplog.text
+    fresh = _App()
+    with TieredCheckpointer(tiers) as ck:  # the newest step holding the optimizer, loaded into both objects
+        app.w += 1
+        app.opt.m += 2
+        ck.maybe_save(11, {"app": app})
+        assert ck.restore({"app": fresh}) == 11
+    assert torch.equal(fresh.w, app.w) and torch.equal(fresh.opt.m, app.opt.m)

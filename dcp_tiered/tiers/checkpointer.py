@@ -63,6 +63,27 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _without_paths(state_dict: Mapping[str, Any], paths: Sequence[str]) -> tuple[dict[str, Any], bool]:
+    """``state_dict`` without the entries at the dotted ``paths`` (``"optim"``, ``"app.optim"``),
+    copying only the mappings on the way; and whether any path was there."""
+    out = dict(state_dict)
+    found = False
+    for path in paths:
+        *parents, last = path.split(".")
+        node: Any = out
+        for i, part in enumerate(parents):
+            child = node.get(part) if isinstance(node, Mapping) else None
+            if not isinstance(child, Mapping):
+                node = None
+                break
+            node[part] = dict(child)  # a copy: the caller's state dict is never changed
+            node = node[part]
+        if isinstance(node, dict) and last in node:
+            del node[last]
+            found = True
+    return out, found
+
+
 def _state_bytes(state_dict: Mapping[str, Any]) -> int:
     total = 0
     for v in state_dict.values():
@@ -80,8 +101,11 @@ class TieredCheckpointer:
         tiers: tiers, fastest first (see :class:`Tier`).
         async_save: stage the state to host memory and write in the background; at most
             one save is in flight, staging buffers are reused between saves.
-        optimizer_every: every Nth save holds the optimizer state (top-level keys in
+        optimizer_every: every Nth save holds the optimizer state (the entries named by
             ``optimizer_keys``); the others hold the model only.
+        optimizer_keys: top-level keys, or dotted paths into the (``Stateful``-expanded)
+            state, of the optimizer state: ``["app.optim"]`` for the DCP tutorial's
+            ``{"app": AppState(model, optimizer)}``.  A warning says when none matches.
         on_busy: ``"wait"`` (default) or ``"skip"`` when a save is due while one is in flight.
         clock: wall-clock function for schedules (inject a fake one in tests).
         process_group: group whose ranks save together (default: the default group).
@@ -162,6 +186,7 @@ class TieredCheckpointer:
         # construction has finished (or at the first save, wait or close): a resumed commit and
         # its retention never run while ranks are choosing and loading a checkpoint.
         self._resume_pending = opts["resume_promotions"]
+        self._warned_no_optim = False
 
     def _resume_promotions(self) -> None:
         if self._resume_pending:
@@ -267,7 +292,15 @@ class TieredCheckpointer:
         state_dict = expand_stateful(state_dict)[0]  # Stateful objects at any depth, as restore expects them
         with_optim = includes_optimizer(self._saves, self.optimizer_every)
         self._saves += 1
-        sd = dict(state_dict) if with_optim else {k: v for k, v in state_dict.items() if k not in self.optimizer_keys}
+        sd, found = _without_paths(state_dict, self.optimizer_keys)
+        if with_optim:
+            sd = dict(state_dict)
+        if self.optimizer_every > 1 and not found and not self._warned_no_optim:
+            self._warned_no_optim = True
+            log.warning("optimizer_every=%d but no entry of the state matches optimizer_keys %s (top-level keys: %s): "
+                        "every save holds everything; name the optimizer entry, e.g. optimizer_keys=['app.optim']",
+                        self.optimizer_every, list(self.optimizer_keys), sorted(state_dict)[:8])
+        with_optim = with_optim and found
         primary = next(t for t in self.tiers if t.name == due[0])
         planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
         for name in due:
@@ -382,16 +415,27 @@ class TieredCheckpointer:
         self.promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None) -> None:
-        """:meth:`wait` (with ``timeout``), then stop background work. Safe to call twice."""
+        """:meth:`wait` (with ``timeout``), then stop background work. Safe to call twice.
+
+        When ``timeout`` runs out while the save or promotions are still running, the error is
+        raised and the checkpointer stays open: call ``close()`` again to keep waiting (work
+        dropped by a process that exits instead resumes in the next run, from its intents)."""
         if self._closed:
             return
         try:
             self.wait(timeout)
-        finally:
-            self._closed = True
-            self.promoter.close(wait=False, timeout=timeout)
-            if self._stager is not None and self._inflight is None:
-                self._stager.close()
+        except BaseException:
+            if timeout is not None and (self._inflight is not None or self.promoter.pending()):
+                raise  # timed out: still open, a later close() finishes the work
+            self._shut()
+            raise
+        self._shut()
+
+    def _shut(self) -> None:
+        self._closed = True
+        self.promoter.close(wait=False, timeout=2.0)
+        if self._stager is not None and self._inflight is None:
+            self._stager.close()
 
     def __enter__(self) -> "TieredCheckpointer":
         return self
