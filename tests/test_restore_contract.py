@@ -616,3 +616,12 @@ def test_optimizer_every_reaches_inside_stateful_state_with_a_dotted_key(tmp_pat
         ck.maybe_save(11, {"app": app})
         assert ck.restore({"app": fresh}) == 11
     assert torch.equal(fresh.w, app.w) and torch.equal(fresh.opt.m, app.opt.m)
+
+
+@pytest.mark.parametrize("timeout", ["5", -1.0, float("nan"), True])
+def test_wait_and_close_refuse_a_timeout_that_is_no_duration(tmp_path: Path, timeout) -> None:
+    ck = TieredCheckpointer([Tier("local", str(tmp_path / "l"))])
+    for call in (ck.wait, ck.close):
+        with pytest.raises(ConfigError, match="timeout"):
+            call(timeout=timeout)
+    ck.close()

@@ -63,6 +63,12 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _check_timeout(timeout: Any) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 <= timeout < float("inf")):
+        raise ConfigError(f"timeout must be None or a non-negative number of seconds, got {timeout!r}")
+
+
 def _without_paths(state_dict: Mapping[str, Any], paths: Sequence[str]) -> tuple[dict[str, Any], bool]:
     """``state_dict`` without the entries at the dotted ``paths`` (``"optim"``, ``"app.optim"``),
     copying only the mappings on the way; and whether any path was there."""
@@ -398,6 +404,7 @@ class TieredCheckpointer:
 
         With ``timeout`` (seconds, for both together) raise :class:`SaveError` if the save is
         still in flight, or :class:`PromotionError` naming the promotions still pending."""
+        _check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._closed:
             self._resume_promotions()
