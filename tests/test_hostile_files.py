@@ -77,7 +77,7 @@ def probe(path: Path, tier_root: Path, memory_mb: int = 2000) -> dict:
 
 
 def test_fifo_named_metadata_does_not_block_reader_or_ls(tmp_path):
-    ckpt = tmp_path / "tier" / "step_00000001"
+    ckpt = tmp_path / "tier" / "step_000000001"
     ckpt.mkdir(parents=True)
     os.mkfifo(ckpt / ".metadata")
     out = probe(ckpt, tmp_path / "tier")
@@ -87,7 +87,7 @@ def test_fifo_named_metadata_does_not_block_reader_or_ls(tmp_path):
 
 
 def test_metadata_linked_to_dev_zero_is_refused_without_reading(tmp_path):
-    ckpt = tmp_path / "tier" / "step_00000001"
+    ckpt = tmp_path / "tier" / "step_000000001"
     ckpt.mkdir(parents=True)
     os.symlink("/dev/zero", ckpt / ".metadata")
     out = probe(ckpt, tmp_path / "tier", memory_mb=1500)
@@ -98,7 +98,7 @@ def test_metadata_linked_to_dev_zero_is_refused_without_reading(tmp_path):
 
 
 def test_sparse_huge_metadata_is_refused_before_reading(tmp_path):
-    ckpt = tmp_path / "tier" / "step_00000001"
+    ckpt = tmp_path / "tier" / "step_000000001"
     ckpt.mkdir(parents=True)
     with open(ckpt / ".metadata", "wb") as f:
         f.truncate(1 << 30)  # 1 GiB of holes: reading it whole would need 1 GiB of memory
@@ -155,11 +155,11 @@ def test_step_directory_linked_into_a_tier_is_not_followed(tmp_path):
     from dcp_tiered.tiers.catalog import list_tier
     from dcp_tiered.tiers.spec import Tier
 
-    tier, elsewhere = tmp_path / "tier", tmp_path / "elsewhere" / "step_00000007"
+    tier, elsewhere = tmp_path / "tier", tmp_path / "elsewhere" / "step_000000007"
     save(elsewhere, state())
     tier.mkdir()
-    os.symlink(elsewhere, tier / "step_00000007")
-    child = Storage(tier).child("step_00000007")
+    os.symlink(elsewhere, tier / "step_000000007")
+    child = Storage(tier).child("step_000000007")
     with pytest.raises(UnsafeCheckpointError):
         child.read_bytes(".metadata")
     assert child.file_sizes() == {}

@@ -120,11 +120,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             others = [t for t in committed_on.get(i.step, []) if t != i.tier]
             promo = ("also on " + ",".join(others)) if others else ""
-        state = "committed" if i.committed and i.complete else "INCOMPLETE" if i.committed else "uncommitted"
+        state = ("UNUSABLE" if i.unusable else "committed" if i.committed and i.complete
+                 else "INCOMPLETE" if i.committed else "uncommitted")
         rows.append({"tier": i.tier, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
                      "complete": i.complete, "state": state, "size_bytes": i.size_bytes, "codec": i.codec,
                      "optimizer": optim, "pending_promotions": list(i.pending_promotions), "promotion": promo,
-                     "problem": i.problem})
+                     "problem": i.problem, "unusable": i.unusable})
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -166,6 +167,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
     finally:
         promoter.close(wait=False)
     reports = [r.as_dict() for r in promoter.reports]
+    bad = [r for r in reports if not r["ok"]]
+    if failed is None and bad:  # resumed work is only reported by the promoter: here every failure counts
+        failed = "; ".join(f"step {r['step']} {r['source']}->{r['target']} ({r['kind']}): {r['error']}" for r in bad[:8])
     if args.json:
         print_json({"dry_run": False, "resumed": n, "reports": reports, "ok": failed is None,
                     "error": str(failed) if failed else None})
@@ -195,6 +199,7 @@ def _retention_plan(tiers: list, grace: float) -> list[dict]:
         infos = list_tier(tier, idx, with_metadata=False)
         ages = tier_storage(tier).file_ages(time.time()) if grace > 0 else {}
         facts = []
+        infos = [i for i in infos if not i.unusable]  # links: never deleted (see Promoter retention)
         for i in infos:
             own = [a for n, a in ages.items() if n.startswith(i.name + "/")]
             facts.append(CheckpointFacts(i.step, i.committed, busy=bool(i.pending_promotions), age=min(own) if own else None))

@@ -221,6 +221,10 @@ class Storage:
             self._refresh(path)
             return bool(self.fs.exists(path))
 
+    def is_link(self, name: str = "") -> bool:
+        """Whether ``name`` (``""``: the root itself) is a symbolic link; always False off local filesystems."""
+        return self.is_local and os.path.islink(self.path(name) if name else self.root)
+
     def size(self, name: str) -> int:
         """Size of the regular file ``name`` (links and special files are refused locally)."""
         with storage_errors(self.url_of(name), "stat"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,10 @@ class CheckpointInfo:
     pending_promotions: tuple[str, ...] = ()
     problem: str | None = None
     files: dict[str, int] = field(default_factory=dict, repr=False)
+    #: Claims this step but must never be used, written or deleted through: the step directory or
+    #: its ``.metadata`` is a symbolic link (or not a regular file).  Never ``committed`` nor
+    #: ``complete``; ``problem`` says why, so that a restore names it instead of starting from scratch.
+    unusable: bool = False
 
     def has_keys(self, required: Iterable[str]) -> bool:
         """Whether the checkpoint holds every key in ``required`` (flattened, dot-joined)."""
@@ -54,6 +59,13 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
     """Describe one checkpoint directory ``name`` of ``tier``."""
     step = parse_step(name)
     child = storage.child(name)
+    if child.is_link():  # never followed: not listed (nor deleted, nor written) through the link
+        return CheckpointInfo(
+            tier=tier.name, tier_index=index, step=step if step is not None else -1, name=name, url=child.url,
+            committed=False, size_bytes=0, unusable=True,
+            problem=f"{child.url} is a symbolic link; checkpoints are never used through links (copy the files into "
+                    "the tier instead, or remove the link)",
+        )
     files = child.file_sizes()
     info = CheckpointInfo(
         tier=tier.name, tier_index=index, step=step if step is not None else -1, name=name, url=child.url,
@@ -67,6 +79,12 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
             except (DcpTieredError, ValueError) as exc:
                 log.warning("unreadable promotion intent %s/%s: %s", child.url, fname, exc)
     info.pending_promotions = tuple(sorted(set(pending)))
+    if not info.committed and child.is_local and os.path.lexists(child.path(METADATA_FILE)):
+        # a .metadata that is a link, FIFO or directory: claims a commit, never read
+        info.unusable = True
+        info.problem = (f"{child.url_of(METADATA_FILE)} is a symbolic link or not a regular file; checkpoint files "
+                        "are never read through links (copy the file instead)")
+        return info
     if not (info.committed and with_metadata):
         return info
     try:

@@ -539,7 +539,7 @@ class TieredCheckpointer:
                 unlisted.append(f"tier {tier.name!r} cannot be listed: {describe_error(exc)}")
                 continue
             for info in infos:
-                if not info.committed:
+                if not (info.committed or info.unusable):  # a linked checkpoint is named, never skipped
                     continue
                 if (info.step, i) not in pinned:
                     self.promoter.set_writing([tier.name], info.step, True)

@@ -12,7 +12,9 @@ from typing import Any
 from dcp_tiered.errors import CorruptCheckpointError, StorageError
 from dcp_tiered.storage import MissingFileError, Storage
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Exactly what :func:`step_name` writes: 9 ASCII digits, more (no leading zero) only for steps >= 1e9,
+#: so that no two names alias one step (``step_3``, ``step_0000000003``, non-ASCII digits are not steps).
+STEP_DIR = re.compile(r"step_([0-9]{9}|[1-9][0-9]{9,18})", re.ASCII)
 INTENT_PREFIX = ".promote-"
 FRAGMENT_SUFFIX = ".records.json"
 
@@ -24,7 +26,7 @@ def step_name(step: int) -> str:
 
 def parse_step(name: str) -> int | None:
     """Step number of a checkpoint directory name, or None if it is not one."""
-    m = STEP_DIR.match(name)
+    m = STEP_DIR.fullmatch(name) if isinstance(name, str) else None
     return int(m.group(1)) if m else None
 
 

@@ -86,6 +86,27 @@ def _same_place(a: Storage, b: Storage) -> bool:
     return type(a.fs) is type(b.fs) and a.root.rstrip("/") == b.root.rstrip("/")
 
 
+#: Record fields a re-encoding promotion rewrites; every other field must equal the source's.
+_REENCODED = frozenset({"offset", "length", "codec", "filter", "frames", "sums"})
+
+
+def _changed_items(file: str, new: dict, old: dict) -> list:
+    """Items of the data file ``file`` whose promoted record (``new``) does not describe the source item
+    (``old``): a byte-for-byte copy keeps every record as it is; a re-encoded file keeps every field
+    but the encoding, and the items in the source's order (:func:`~dcp_tiered.tiers.reencode.reencode_file`)."""
+    keys = [i for i, r in old.items() if is_native_record(r) and r["file"] == file]
+    if any(not isinstance(new.get(i), dict) for i in keys):
+        return [i for i in keys if not isinstance(new.get(i), dict)]
+    if all(new[i].get("codec") == old[i]["codec"] and new[i].get("filter") == old[i]["filter"] for i in keys):
+        return [i for i in keys if new[i] != old[i]]  # copied byte for byte
+    bad = [i for i in keys if {k: v for k, v in new[i].items() if k not in _REENCODED}
+           != {k: v for k, v in old[i].items() if k not in _REENCODED}]
+    sized = [i for i in keys if old[i]["length"]]  # empty items hold no bytes: their place does not matter
+    by_old = sorted(sized, key=lambda i: old[i]["offset"])
+    by_new = sorted(sized, key=lambda i: new[i].get("offset", -1) if isinstance(new[i].get("offset"), int) else -1)
+    return bad or [a for a, b in zip(by_old, by_new) if a != b]
+
+
 def index_to_json(index: MetadataIndex) -> list:
     return [index.fqn, list(index.offset) if index.offset is not None else None, index.index]
 
@@ -288,6 +309,9 @@ class Promoter:
                 continue
             for name in names:
                 child = storage.child(name)
+                if child.is_link():
+                    log.warning("not resuming promotions of %s: it is a symbolic link (never used through links)", child.url)
+                    continue
                 try:
                     doc = read_intent(child, intent_name(self.rank), dir_name=name, source=tier.name, tiers=self.by_name)
                 except MissingFileError:
@@ -492,6 +516,21 @@ class Promoter:
                             src.url, target.name)
                 self._drop(intent, target.name)
                 return None
+            link = next((s.url for s in (src, dst) if s.is_link()), None)
+            if link is not None:
+                self._refuse(intent, target.name, step, f"{link} is a symbolic link; a promotion never reads or writes "
+                             "through links (remove the link, or copy the files into the tier)", drop=True)
+                return None
+            if intent.resumed and target.name in intent.targets:
+                why = self._intent_mismatch(src, intent)
+                if why == "stale":
+                    log.warning("%s: the save this promotion belongs to is not the committed one; not promoting it to %s",
+                                src.url, target.name)
+                    self._drop(intent, target.name)
+                    return None
+                if why is not None:  # left in place for `dcp-tiered gc`
+                    self._refuse(intent, target.name, step, why)
+                    return None
             if intent.resumed:
                 try:
                     committed = self._committed_save_id(dst)
@@ -582,6 +621,42 @@ class Promoter:
                                      ok=False, error=error))
         return None
 
+    def _refuse(self, intent: _Intent, target: str, step: int, why: str, drop: bool = False) -> None:
+        """Skip a promotion that must not run (warned, and a failed report: ``dcp-tiered promote`` exits 1)."""
+        log.warning("promotion of %s from %s to %s refused: %s", intent.name, intent.source, target, why)
+        if drop:
+            self._drop(intent, target)
+        self._record(PromotionReport(step, intent.source, target, "data", ok=False, error=why),
+                     raise_later=not intent.resumed)
+
+    @staticmethod
+    def _intent_mismatch(src: Storage, intent: _Intent) -> str | None:
+        """Why the records of a (resumed, untrusted) intent are not exactly the committed source
+        checkpoint's records of its data file, or None when they are ("stale": the intent is of
+        another save than the committed one).  A promotion copies and commits
+        the records it is given: records swapped or altered between keys would commit wrong values."""
+        try:
+            md = load_metadata(src)
+        except MissingFileError:  # a node-local source: only the coordinator's node holds .metadata
+            return None  # the commit checks the records this copy used (its fragment) against the source's
+        except DcpTieredError as exc:
+            return f"cannot read {src.url_of(METADATA_FILE)} to check the promotion intent: {exc}"
+        if intent.save_id is not None and (getattr(md.storage_meta, "save_id", None) or "") != intent.save_id:
+            return "stale"
+        want = {(i.fqn, tuple(i.offset) if i.offset is not None else None): r for i, r in md.storage_data.items()
+                if is_native_record(r) and r["file"] == intent.data_file}
+        got: dict = {}
+        for i, r in intent.records:
+            got[(i[0], tuple(i[1]) if i[1] is not None else None)] = record_from_json(r)
+        if got.keys() != want.keys():
+            return (f"the promotion intent in {src.url} lists other items of {intent.data_file} than its .metadata; "
+                    "not promoting it (left for `dcp-tiered gc`)")
+        bad = sorted(k for k, r in got.items() if r != want[k])
+        if bad:
+            return (f"the promotion intent in {src.url} holds records of {[k for k, _ in bad[:3]]} that differ from "
+                    f"the committed .metadata of {intent.data_file}; not promoting it (left for `dcp-tiered gc`)")
+        return None
+
     @staticmethod
     def _committed_save_id(src: Storage) -> str | None:
         """The save id of the checkpoint committed in ``src`` ("" if it has none), None if uncommitted."""
@@ -605,7 +680,8 @@ class Promoter:
             new_records = records
         else:
             n, new_records = reencode_file(src, dst, data_file, records, target.codec)
-        fragment = json.dumps({"save_id": save_id, "records": [[index_to_json(i), r] for i, r in new_records]}).encode()
+        fragment = json.dumps({"save_id": save_id, "records": [[index_to_json(i), r] for i, r in new_records],
+                               "source": [[index_to_json(i), r] for i, r in records]}).encode()
         dst.commit_bytes(fragment_name(data_file), fragment)
         return n
 
@@ -651,6 +727,19 @@ class Promoter:
             raise PromotionError(f"{dst.url}: a promotion fragment is malformed ({exc}); not committing") from None
         if set(new_data) != set(md.storage_data):
             raise PromotionError(f"{dst.url}: promoted records do not match the source checkpoint's items")
+        # a fragment may re-encode (offsets, sizes, frames, codec) but never change what an item is
+        changed = [i.fqn for f in files for i in _changed_items(f, new_data, md.storage_data)]
+        try:  # the records each copy read (its intent's): exactly the source's records of that file
+            for f in files:
+                used = {index_from_json(i): record_from_json(r) for i, r in fragments[f].get("source", ())}  # type: ignore[union-attr]
+                want = {i: r for i, r in md.storage_data.items() if is_native_record(r) and r["file"] == f}
+                if "source" in fragments[f] and used != want:  # type: ignore[operator]
+                    changed += sorted({i.fqn for i in set(used) ^ set(want)} | {i.fqn for i in want if used.get(i) != want[i]})
+        except (TypeError, ValueError) as exc:
+            raise PromotionError(f"{dst.url}: a promotion fragment is malformed ({exc}); not committing") from None
+        if changed:
+            raise PromotionError(f"{dst.url}: promoted records of {changed[:3]} do not describe the source checkpoint's "
+                                 "items (a damaged or crafted promotion fragment); not committing")
         for f in files:
             size = max(r["offset"] + r["length"] for r in new_data.values() if r["file"] == f)
             if present.get(f, -1) != size:
@@ -679,6 +768,9 @@ class Promoter:
         busy_now = set(busy) | self.busy_steps(tier.name)
         facts = []
         for info in infos:
+            if info.unusable:  # a link (or a .metadata that is not a file): never deleted, nor through it
+                log.warning("retention of tier %s: leaving %s alone: %s", tier.name, info.name, info.problem)
+                continue
             committed = info.committed or (not self.is_coordinator and any(f.endswith(DATA_SUFFIX) for f in info.files))
             pending = bool(set(info.pending_promotions) & set(self.by_name)) or any(f.endswith(FRAGMENT_SUFFIX) for f in info.files)
             if set(info.pending_promotions) & set(self.by_name):  # an intent naming no known tier pins nothing
@@ -692,7 +784,7 @@ class Promoter:
             facts.append(CheckpointFacts(info.step, committed, busy=info.step in busy_now or (pending and not committed),
                                          full=full, age=age))
         for step in retention_victims(facts, tier.keep, protect, self.leftover_grace):
-            name = next(i.name for i in infos if i.step == step)
+            name = next(i.name for i in infos if i.step == step and not i.unusable)
             self.mark_own(tier.name, step)
             try:
                 child = storage.child(name)

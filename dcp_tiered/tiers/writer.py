@@ -19,12 +19,19 @@ from torch.futures import Future
 from dcp_tiered.dcp.format import METADATA_FILE
 from dcp_tiered.dcp.report import SaveStats
 from dcp_tiered.dcp.writer import CompressedWriter, _Prefix, check_count, check_frame_size, claim_checkpoint, unique_tag
-from dcp_tiered.errors import ConfigError
+from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save
 from dcp_tiered.tiers.promotion import Promoter, _Intent
 from dcp_tiered.tiers.spec import Tier, validate_tiers
+
+
+def _refuse_link(target: Storage) -> None:
+    """A step directory that is a symbolic link is never written through (it may be another checkpoint)."""
+    if target.is_link():
+        raise UnsafeCheckpointError(f"{target.url} is a symbolic link; a save never writes through links (it could "
+                                    "overwrite the checkpoint it points to): remove the link or save another step")
 
 
 def node_of(rank: int) -> int:
@@ -56,7 +63,8 @@ class TieredWriter(StorageWriter):
         threads, frame_size, nice, overwrite: passed to each tier's ``CompressedWriter`` (``overwrite``
             replaces a checkpoint of the same name, e.g. after a restore from an older step).
 
-    ``checkpoint_id`` (``dcp.save(..., checkpoint_id="step_100")``) names the checkpoint
+    ``checkpoint_id`` (``dcp.save(..., checkpoint_id="step_000000100")``, see
+    :func:`~dcp_tiered.tiers.layout.step_name`) names the checkpoint
     directory inside every tier.
     """
 
@@ -164,7 +172,7 @@ class TieredWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         if self.name is None:
-            raise ConfigError("TieredWriter needs a checkpoint name: pass checkpoint_id='step_100' to dcp.save or step=")
+            raise ConfigError("TieredWriter needs a checkpoint name: pass checkpoint_id='step_000000100' to dcp.save or step=")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -174,6 +182,7 @@ class TieredWriter(StorageWriter):
         primary = self.by_name[tiers[0]]
         target = Storage(primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name,
                          primary.storage_options)
+        _refuse_link(target)
         # Claimed before any rank writes: of two concurrent saves to one path exactly one goes on.
         self._release()
         self._lock, replacing = claim_checkpoint(target, self.overwrite)
@@ -199,6 +208,7 @@ class TieredWriter(StorageWriter):
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
         url = primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name
+        _refuse_link(Storage(url, primary.storage_options))  # each rank: node-local tiers differ per node
         inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals, **kwargs)
         inner.save_id = tp.save_id or inner.save_id
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
