@@ -315,7 +315,8 @@ def test_impossible_frame_tables_are_refused_before_reading(tmp_path):
         "200MiB-bytes-item-in-64-bytes": _edit(save(tmp_path / "bytes"), _bytes_bomb_record),
     }
     out = run_cases(tmp_path, cases, timeout=180)
-    assert_refused(out, str(tmp_path), cls=("CorruptCheckpointError",))
+    # the 2M-item frame tuple is now refused earlier, by the pickle structure scan (stack cap)
+    assert_refused(out, str(tmp_path), cls=("CorruptCheckpointError", "UnsafeCheckpointError"))
     assert all(o["grew_mb"] < 1500 for o in out.values()), out
 
 
@@ -348,3 +349,225 @@ def test_real_checkpoints_still_load(tmp_path, codec):
     """The checks refuse nothing a writer produces (every codec, frames of the smallest size)."""
     out = run_cases(tmp_path, {codec: save(tmp_path / codec, codec)})
     assert out[codec]["ok"], out
+
+
+# --------------------------------------------------------------------------- pickle structure scan
+#
+# Every pickle from a checkpoint is scanned (``check_pickle_structure``) before it is unpickled:
+# ``.metadata`` and also the ``torch.save`` payloads of non-tensor and stock tensor items, which
+# ``torch.load(weights_only=True)`` unpickles with no depth cap at all.
+
+_DEEP = 1_000_000
+
+
+def _deep_pickles() -> dict[str, bytes]:
+    """data.pkl bodies whose loading overflowed the C stack (hash()/recursion of 1e6 nested values)."""
+    deep = pickle.EMPTY_TUPLE + pickle.TUPLE1 * _DEEP
+    return {
+        "dict-key": b"\x80\x02" + pickle.EMPTY_DICT + deep + pickle.NONE + pickle.SETITEM + pickle.STOP,
+        "set-member": b"\x80\x04" + pickle.EMPTY_SET + pickle.MARK + deep + pickle.ADDITEMS + pickle.STOP,
+        "nested-lists": b"\x80\x02" + pickle.EMPTY_LIST * (_DEEP + 1) + pickle.APPEND * _DEEP + pickle.STOP,
+    }
+
+
+def _torch_payload_with(pkl: bytes, like: object) -> bytes:
+    """``torch.save(like)`` with its data.pkl replaced by ``pkl`` (stored, as torch writes it)."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save(like, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, pkl if info.filename.endswith("data.pkl") else src.read(info.filename))
+    return out.getvalue()
+
+
+def test_deep_non_tensor_items_are_refused_before_torch_load(tmp_path):
+    """A 1 MB data.pkl of 1e6 nested tuples as a non-tensor item killed the reader with SIGSEGV."""
+    import io
+
+    paths = {}
+    for name, pkl in _deep_pickles().items():
+        sd = state()
+        sd["note"] = io.BytesIO(_torch_payload_with(pkl, {"a": 1}))
+        path = tmp_path / name
+        dcp.save(sd, storage_writer=CompressedWriter(path, frame_size=FRAME, sync_files=False), no_dist=True)
+        md = plain_metadata(path)
+        md.storage_data[index_of(md, "note")].pop("object")  # read it as a torch.save payload
+        write_metadata(path, md)
+        paths[name] = path
+    out = run_cases(tmp_path, paths, timeout=240)
+    assert_refused(out, "'note'", "refusing to unpickle it", cls=("UnsafeCheckpointError",))
+    assert "nests objects more than 100 deep" in out["dict-key"]["msg"], out
+
+
+def test_deep_stock_tensor_payload_is_refused_before_torch_load(tmp_path):
+    """A stock (FileSystemWriter) tensor item whose data.pkl hashes 1e6 nested tuples: SIGSEGV."""
+    path = tmp_path / "stock"
+    dcp.save(state(), storage_writer=FileSystemWriter(path, sync_files=False), no_dist=True)
+    md = plain_metadata(path)
+    info = md.storage_data[index_of(md, "w")]
+    bomb = _torch_payload_with(_deep_pickles()["dict-key"], torch.zeros(4))
+    (path / "bomb.distcp").write_bytes(bomb)
+    info.relative_path, info.offset, info.length = "bomb.distcp", 0, len(bomb)
+    write_metadata(path, md)
+    out = run_cases(tmp_path, {"stock-tensor": path}, timeout=240)
+    assert_refused(out, "'w'", "nests objects more than 100 deep", cls=("UnsafeCheckpointError",))
+
+
+def _lget(i: int) -> bytes:
+    return pickle.LONG_BINGET + struct.pack("<I", i)
+
+
+def _lput(i: int) -> bytes:
+    return pickle.LONG_BINPUT + struct.pack("<I", i)
+
+
+def _top_down(n: int, kind: str) -> bytes:
+    """A value nested ``n`` deep built top-down: each new container goes into the previous one,
+    fetched back from the memo after it was already placed (depth was only tracked upwards)."""
+    base = 5_000_000
+    if kind == "list":
+        step = lambda i: _lget(base + i) + pickle.EMPTY_LIST + _lput(base + i + 1) + pickle.APPEND + pickle.POP  # noqa: E731
+        head = pickle.EMPTY_LIST + _lput(base)
+    elif kind == "dict":
+        step = lambda i: (_lget(base + i) + pickle.SHORT_BINUNICODE + b"\x01k" + pickle.EMPTY_DICT  # noqa: E731
+                          + _lput(base + i + 1) + pickle.SETITEM + pickle.POP)
+        head = pickle.EMPTY_DICT + _lput(base)
+    else:  # the hostile review's form: one memo slot re-stored each step
+        step = lambda i: (_lget(base) + pickle.EMPTY_LIST + _lput(base + 1) + pickle.APPEND + pickle.POP  # noqa: E731
+                          + _lget(base + 1) + _lput(base) + pickle.POP)
+        head = pickle.EMPTY_LIST + _lput(base)
+    return head + b"".join(step(i) for i in range(n))
+
+
+def _with_extra_attr(path: Path, fragment: bytes) -> None:
+    """Rewrite ``.metadata`` with an extra Metadata attribute whose value is ``fragment`` (unframed protocol 4)."""
+    import pickletools
+
+    md = plain_metadata(path)
+    md.zz_extra = "PLACEHOLDER_XYZ"
+    body = pickle.dumps(md, protocol=4)
+    token = pickle.SHORT_BINUNICODE + bytes([15]) + b"PLACEHOLDER_XYZ" + pickle.MEMOIZE
+    assert body.count(token) == 1
+    ops = list(pickletools.genops(body))
+    unframed = b"".join(
+        body[pos:(ops[k + 1][2] if k + 1 < len(ops) else len(body))] for k, (op, _, pos) in enumerate(ops) if op.name != "FRAME"
+    )
+    (path / ".metadata").write_bytes(unframed.replace(token, fragment))
+
+
+def test_depth_built_top_down_through_the_memo_is_refused(tmp_path):
+    """APPEND/SETITEM into a memoised container already inside another one bypassed the depth cap:
+    a 100,000-deep list loaded (the promoter then died re-pickling it with RecursionError)."""
+    cases = {}
+    for kind in ("list", "dict", "restored-slot"):
+        path = save(tmp_path / kind)
+        _with_extra_attr(path, _top_down(100_000, kind))
+        cases[kind] = path
+    out = run_cases(tmp_path, cases, timeout=240)
+    assert_refused(out, ".metadata", cls=("UnsafeCheckpointError",))
+    assert "after placing it inside another object" in out["list"]["msg"], out
+    assert "after placing it inside another object" in out["dict"]["msg"], out
+
+
+def test_objects_left_on_the_stack_or_in_the_memo_are_bounded(tmp_path):
+    """8 MiB of 1-byte opcodes built 1.4 GB (EMPTY_DICT left on the stack) or 0.9 GB (MEMOIZE) before failing."""
+    size = 8 << 20
+    bodies = {
+        "empty-dicts": pickle.EMPTY_DICT * size,
+        "memoize": pickle.NONE + pickle.MEMOIZE * size,
+        "dict-memoize-pop": (pickle.EMPTY_DICT + pickle.MEMOIZE + pickle.POP) * (size // 3),
+        "marks": pickle.MARK * size,
+        "none-pop": (pickle.NONE + pickle.POP) * (size // 2),
+    }
+    cases = {}
+    for name, body in bodies.items():
+        path = save(tmp_path / name)
+        (path / ".metadata").write_bytes(b"\x80\x04" + body + pickle.NONE + pickle.STOP)
+        cases[name] = path
+    out = run_cases(tmp_path, cases, timeout=300)
+    assert_refused(out, ".metadata")
+    assert sum(o["grew_mb"] for o in out.values()) < 600, out
+
+
+def test_structure_scan_refusals_and_real_pickles():
+    """The scan alone, in-process (it builds nothing): each refusal, and real pickles of every protocol pass."""
+    import io
+
+    import numpy as np
+
+    from dcp_tiered import CorruptCheckpointError as Corrupt
+    from dcp_tiered import UnsafeCheckpointError as Unsafe
+    from dcp_tiered.dcp.safe_pickle import check_pickle_structure, check_torch_payload
+
+    def refused(data: bytes, needle: str, cls: type = Unsafe) -> None:
+        with pytest.raises(cls, match=needle):
+            check_pickle_structure(data, "x.pkl")
+
+    refused(b"\x80\x04" + pickle.NONE + pickle.TUPLE1 * 101 + pickle.STOP, "more than 100 deep")
+    refused(b"\x80\x04" + _top_down(3, "list") + pickle.STOP, "after placing it inside")
+    refused(b"\x80\x04" + pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MEMOIZE + pickle.STOP, "memoizes a value twice")
+    refused(b"\x80\x04" + pickle.NONE * ((1 << 20) + (1 << 16) + 1), "on the unpickler's stack")
+    refused(b"\x80\x04" + (pickle.EMPTY_DICT + pickle.POP) * 30_000 + pickle.NONE + pickle.STOP, "creates more than")
+    refused(b"\x80\x04" + pickle.BINGET + b"\x07" + pickle.STOP, "not a readable pickle", Corrupt)
+    refused(b"\x80\x04" + pickle.BINUNICODE + b"\xff\xff\xff\x00ab.", "runs past the end", Corrupt)
+    refused(b"\x80\x04" + pickle.NONE, "ends without STOP", Corrupt)
+
+    shared = [1, 2]
+    value = {"a": [shared, shared, (1, "x", b"y", 2.5, None, True)], "s": {1, 2}, "f": frozenset({3}), "big": 1 << 100}
+    for protocol in range(6):
+        data = pickle.dumps(value, protocol=protocol)
+        assert check_pickle_structure(data, "x.pkl") == len(data)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sched.step()
+    real = {
+        "adam": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "model": model.state_dict(),
+        "numpy-rng": np.random.get_state(),
+        "trainer": {"epoch": 1, "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}}, "cb": [{"k": [1.0]}]},
+    }
+    for name, obj in real.items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        check_torch_payload(buf.getvalue(), name)
+        legacy = io.BytesIO()
+        torch.save(obj, legacy, _use_new_zipfile_serialization=False)
+        check_torch_payload(legacy.getvalue(), name)
+        legacy.seek(0)
+        check_torch_payload(legacy, name)  # a file object: left where it was
+        assert legacy.tell() == 0
+
+    # a crafted .pt file (``dcp-tiered convert x.pt``): checked from the open file, member by member
+    bomb = io.BytesIO(_torch_payload_with(_deep_pickles()["dict-key"], {"a": 1}))
+    with pytest.raises(Unsafe, match="bomb.pt nests objects more than 100 deep"):
+        check_torch_payload(bomb, "bomb.pt")
+    assert bomb.tell() == 0
+
+
+def test_convert_of_a_crafted_torch_save_file_is_refused_before_torch_load(tmp_path):
+    """`dcp-tiered convert bomb.pt OUT`: the .pt's data.pkl hashes 1e6 nested tuples (SIGSEGV before)."""
+    bomb = tmp_path / "bomb.pt"
+    bomb.write_bytes(_torch_payload_with(_deep_pickles()["dict-key"], {"a": 1}))
+    res = run_isolated(f"""
+        import sys
+        from dcp_tiered.cli.__main__ import main
+        sys.argv = ["dcp-tiered", "convert", {str(bomb)!r}, {str(tmp_path / "out")!r}]
+        try:
+            emit(main())
+        except SystemExit as exc:
+            emit(exc.code)
+    """, timeout=240, memory_mb=4096)
+    assert not res.crashed and not res.timed_out, res.describe()
+    assert res.result == 4, res.describe()  # corrupt or unsafe checkpoint, one line
+    assert "Traceback" not in res.stderr and "bomb.pt" in res.stderr, res.stderr

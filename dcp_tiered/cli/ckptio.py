@@ -258,9 +258,11 @@ def load_state(path: str, storage_options: dict[str, Any] | None = None, on_item
         import fsspec
 
         from dcp_tiered.dcp.objects import allowing, normalize_safe_globals
+        from dcp_tiered.dcp.safe_pickle import check_torch_payload
 
         try:
             with fsspec.open(path, "rb", **(storage_options or {})) as f, allowing(normalize_safe_globals(safe_globals, "load")):
+                check_torch_payload(f, str(path))  # depth/size of the pickle, before torch.load
                 sd = torch.load(f, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise CliError(f"{path} does not exist", EXIT_NOT_FOUND) from None

@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlanner, WriteItem
 
+from dcp_tiered.dcp.safe_pickle import check_torch_payload
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError, UnsafeObjectError, UnsupportedFormatError
 
 #: Record field telling how a bytes item's raw bytes encode its value (absent: ``torch.save``).
@@ -117,6 +118,8 @@ def allowing(safe_globals: Sequence[Any] = ()) -> Iterator[None]:
 
 
 def _torch_load(data: "bytes | memoryview") -> Any:
+    # torch's weights_only unpickler caps no depth: scan the pickle's shape first
+    check_torch_payload(data, "a non-tensor item")
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
@@ -197,11 +200,13 @@ def _refusal(data: "bytes | memoryview", safe_globals: Sequence[Any], exc: BaseE
 def load_object(data: "bytes | memoryview", safe_globals: Sequence[Any], key: str, where: str) -> Any:
     """Load one ``torch.save`` payload with ``weights_only=True`` under ``safe_globals``.
 
-    Raises :class:`UnsafeCheckpointError` naming ``key``, ``where`` and the missing globals.
+    Raises :class:`UnsafeCheckpointError` naming ``key``, ``where`` and the missing globals,
+    or the shape (depth, size) that makes the pickle unsafe to unpickle at all.
     """
+    check_torch_payload(data, f"non-tensor item {key!r} in {where}")
     try:
         with allowing(safe_globals):
-            return _torch_load(data)
+            return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - every refusal or decode failure is reported alike
         raise UnsafeCheckpointError(
             f"non-tensor item {key!r} in {where} does not load safely: {_refusal(data, safe_globals, exc)}; "

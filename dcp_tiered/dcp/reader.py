@@ -35,6 +35,7 @@ from dcp_tiered.dcp.format import (
 )
 from dcp_tiered.dcp.metadata_io import check_metadata, load_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
+from dcp_tiered.dcp.safe_pickle import check_torch_payload
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
 from dcp_tiered.dcp.writer import default_threads
@@ -405,6 +406,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             self._load_bytes(req, raw, planner, info)
             return
+        check_torch_payload(raw, f"tensor {key!r} in {self.storage.url_of(name)}")
         try:
             tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as exc:
