@@ -11,9 +11,11 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import fsspec
+import pytest
 from fsspec.implementations.local import LocalFileSystem, LocalFileOpener
 
 
@@ -129,3 +131,18 @@ class FaultyFS(LocalFileSystem):
 def register() -> type[FaultyFS]:
     fsspec.register_implementation("faulty", FaultyFS, clobber=True)
     return FaultyFS
+
+
+@pytest.fixture
+def reset_faults():
+    """Clear every fault before and after a test (use with ``pytest.mark.usefixtures`` or autouse)."""
+    FaultyFS.faults.reset()
+    yield
+    FaultyFS.faults.reset()
+
+
+def committed_steps(path: Path) -> list[int]:
+    """Steps committed (``.metadata`` present) in the tier directory ``path``."""
+    if not path.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in path.iterdir() if p.name.startswith("step_") and (p / ".metadata").exists())

@@ -35,24 +35,14 @@ from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.layout import INTENT_FIELDS, INTENT_MAX_BYTES, parse_intent
 from dcp_tiered.tiers.promotion import FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_FLOOR, Promoter, fragment_wait_bound
 
-from faults import FaultyFS, register
+from faults import FaultyFS, committed_steps, register, reset_faults  # noqa: F401 (fixture)
 
 register()
 FAST_RETRY = RetryPolicy(attempts=2, base=0.01, cap=0.05)
 TESTS = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _reset_faults():
-    FaultyFS.faults.reset()
-    yield
-    FaultyFS.faults.reset()
-
-
-def committed_steps(path: Path) -> list[int]:
-    if not path.exists():
-        return []
-    return sorted(int(p.name[5:]) for p in path.iterdir() if p.name.startswith("step_") and (p / ".metadata").exists())
+pytestmark = pytest.mark.usefixtures("reset_faults")
 
 
 def state(step: int) -> dict:

@@ -37,7 +37,7 @@ from dcp_tiered import CompressedReader, PromotionError, SaveError, Tier, Tiered
 from dcp_tiered.storage.retry import RetryPolicy
 
 from conftest import MotoServer
-from faults import FaultyFS, register
+from faults import FaultyFS, committed_steps, register, reset_faults  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).parents[1]
 if str(ROOT) not in sys.path:
@@ -49,17 +49,7 @@ register()
 FAST_RETRY = RetryPolicy(attempts=3, base=0.01, cap=0.05)
 
 
-@pytest.fixture(autouse=True)
-def _reset_faults():
-    FaultyFS.faults.reset()
-    yield
-    FaultyFS.faults.reset()
-
-
-def committed_steps(path: Path) -> list[int]:
-    if not path.exists():
-        return []
-    return sorted(int(p.name[5:]) for p in path.iterdir() if p.name.startswith("step_") and (p / ".metadata").exists())
+pytestmark = pytest.mark.usefixtures("reset_faults")
 
 
 def sd_for(step: int, n: int = 20_000) -> dict:

@@ -4,6 +4,7 @@ restore that survives SIGKILLs mid-promotion with ``keep=1``."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -345,12 +346,11 @@ def test_save_error_is_short_and_carries_its_cause(tmp_path: Path) -> None:
     assert type(err.__cause__).__name__ != "CheckpointException"
 
 
-def test_close_with_a_timeout_gives_up_on_a_stuck_promotion(tmp_path: Path) -> None:
-    import threading
-
+@contextlib.contextmanager
+def stalled_promotion(tmp_path: Path):
+    """A checkpointer whose step 0 is committed locally while its promotion to "shared" hangs
+    (until ``FaultyFS.faults.stall`` is set)."""
     from faults import FaultyFS, register
-
-    from dcp_tiered import PromotionError
 
     register()
     FaultyFS.faults.reset()
@@ -361,50 +361,46 @@ def test_close_with_a_timeout_gives_up_on_a_stuck_promotion(tmp_path: Path) -> N
     try:
         ck.maybe_save(0, small_state())
         assert FaultyFS.faults.stalled.wait(30)
+        yield ck, FaultyFS.faults
+    finally:
+        FaultyFS.faults.stall.set()
+        FaultyFS.faults.reset()
+
+
+def test_close_with_a_timeout_gives_up_on_a_stuck_promotion(tmp_path: Path) -> None:
+    import threading
+
+    from dcp_tiered import PromotionError
+
+    with stalled_promotion(tmp_path) as (ck, faults):
         gave_up = threading.Event()
 
         def release_later() -> None:  # the storage comes back only long after close() gave up
             gave_up.wait(120)
-            FaultyFS.faults.stall.set()
+            faults.stall.set()
 
         threading.Thread(target=release_later, daemon=True).start()
         with pytest.raises(PromotionError):
             try:
                 ck.wait(timeout=0.5)
             finally:
-                stuck = not FaultyFS.faults.stall.is_set()
+                stuck = not faults.stall.is_set()
                 gave_up.set()
         assert stuck  # wait() returned while the promotion was still blocked
         ck.close(timeout=60)
-    finally:
-        FaultyFS.faults.stall.set()
-        FaultyFS.faults.reset()
 
 
 def test_a_close_that_timed_out_leaves_the_checkpointer_open_and_a_second_close_finishes(tmp_path: Path) -> None:
-    from faults import FaultyFS, register
-
     from dcp_tiered import PromotionError
 
-    register()
-    FaultyFS.faults.reset()
-    tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=2),
-             Tier("shared", f"faulty://{tmp_path}/shared", every_steps=1, keep=2)]
-    ck = TieredCheckpointer(tiers)
-    FaultyFS.faults.stall.clear()  # the shared filesystem hangs
-    try:
-        ck.maybe_save(0, small_state())
-        assert FaultyFS.faults.stalled.wait(30)
+    with stalled_promotion(tmp_path) as (ck, faults):
         with pytest.raises(PromotionError, match="pending"):
             ck.close(timeout=0.5)
-        FaultyFS.faults.stall.set()  # the storage comes back
+        faults.stall.set()  # the storage comes back
         ck.close(timeout=120)  # still open: this close waits for the promotion
         assert (tmp_path / "shared" / "step_000000000" / ".metadata").exists()
         with pytest.raises(ConfigError, match="closed"):
             ck.maybe_save(1, small_state())
-    finally:
-        FaultyFS.faults.stall.set()
-        FaultyFS.faults.reset()
 
 
 # -- 4 gloo ranks ----------------------------------------------------------------------------------
