@@ -259,3 +259,22 @@ def test_bad_steps(step):
 @pytest.mark.parametrize("step", [0, 5, 10**9 - 1, 10**12])
 def test_good_steps(step):
     assert check_step(step) == step
+
+
+@pytest.mark.parametrize("bad", ["/tmp/x\x00y", "/tmp/x\ny"])
+def test_a_tier_url_with_a_control_character_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="control character"):
+        Tier("local", bad)
+
+
+@pytest.mark.parametrize("command", ["ls", "gc", "promote"])
+def test_cli_tier_commands_refuse_a_regular_file_as_tier(tmp_path: Path, command: str) -> None:
+    import subprocess
+    import sys
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    res = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", command, "--local-path", str(not_a_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr  # usage/configuration, not "no checkpoints" with exit 0
+    assert "not a directory" in res.stderr and "Traceback" not in res.stderr

@@ -266,7 +266,7 @@ def _interval(args: argparse.Namespace, name: str) -> float | None:
 def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[list[Any], dict[str, Any]]:
     """Build the tier list (fastest first) and checkpointer options from ``--tiers`` or the path flags."""
     from dcp_tiered.errors import ConfigError
-    from dcp_tiered.tiers.spec import Tier, load_tiers_yaml
+    from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, validate_tiers
 
     paths = {n: getattr(args, f"{n}_path", None) for n in TIER_NAMES}
     dtype = None if getattr(args, "checkpoint_dtype", "fp32") in (None, "fp32") else args.checkpoint_dtype
@@ -308,7 +308,8 @@ def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[li
             raise CliError(str(exc)) from exc
     if not tiers and required:
         raise CliError("no tiers: give --tiers tiers.yaml or at least one of --local-path/--shared-path/--durable-path")
-    return tiers, {}
+    # the structure only (a regular file or FIFO given as a tier is refused); reading commands create nothing
+    return validate_tiers(tiers, probe=False) if tiers else tiers, {}
 
 
 def _tier_fields(t: Any) -> dict[str, Any]:

@@ -74,6 +74,8 @@ class Tier:
         if not isinstance(self.url, (str, os.PathLike)) or not str(self.url):
             raise ConfigError(f"{where}: field 'url' must be a path or fsspec URL, got {self.url!r}")
         object.__setattr__(self, "url", os.fspath(self.url))
+        if any(ord(c) < 32 for c in self.url):
+            raise ConfigError(f"{where}: field 'url' contains a control character: {self.url!r}")
         object.__setattr__(self, "every", parse_duration(self.every, f"{where}: field 'every'"))
         for name in ("every_steps", "max_per_hour", "keep"):
             value = getattr(self, name)
