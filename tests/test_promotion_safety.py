@@ -376,6 +376,24 @@ def test_resumed_intent_of_the_same_save_is_idempotent(tmp_path: Path) -> None:
     assert not _intent_path(tmp_path).exists()
 
 
+def test_resumed_intent_removes_the_temp_file_of_a_killed_rewrite(tmp_path: Path, caplog) -> None:
+    """A rank SIGKILLed while rewriting its intent leaves ``.promote-0.json.<hex>.tmp`` next to it:
+    it is no intent (not read, no warning), and the finished promotion removes it with the intent."""
+    tiers = two_tiers(tmp_path)
+    crash_save(tiers, 5)
+    temp = _intent_path(tmp_path).with_name(".promote-0.json.0badc0de.tmp")
+    temp.write_bytes(_intent_path(tmp_path).read_bytes()[:10])
+    from dcp_tiered.tiers.catalog import list_tier
+    with caplog.at_level(logging.WARNING, logger="dcp_tiered"):
+        infos = list_tier(tiers[0])
+    assert [i.pending_promotions for i in infos] == [("shared",)]
+    assert "unreadable promotion intent" not in caplog.text
+    ck = TieredCheckpointer(tiers, retry=FAST_RETRY)
+    ck.close()
+    assert load_step(tmp_path / "shared" / "step_000000005") == 5.0
+    assert sorted(p.name for p in _intent_path(tmp_path).parent.glob(".promote-*")) == []
+
+
 # =========================================================================== pinned steps
 
 

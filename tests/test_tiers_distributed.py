@@ -447,7 +447,9 @@ def crashed(root: Path) -> tuple[Path, str | None, dict]:
         "shared_committed": committed_steps(base / "shared"),
         "third_committed": committed_steps(base / "third"),
         "local_committed": committed_steps(base / "local" / "0"),
-        "intents": sorted(p.name for r in range(WS) for p in (base / "local" / str(r) / d).glob(".promote-*")),
+        # a rank SIGKILLed while rewriting its intent may leave the rewrite's temp file: not an intent
+        "intents": sorted(p.name for r in range(WS) for p in (base / "local" / str(r) / d).glob(".promote-*")
+                          if not p.name.endswith(".tmp")),
     }
     return out, err, seen
 

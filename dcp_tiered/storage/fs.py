@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import posixpath
+import re
 import stat
 import uuid
 from collections.abc import Iterator
@@ -33,6 +34,12 @@ class MissingFileError(StorageError, FileNotFoundError):
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+_TEMP_FILE = re.compile(r".+\.[0-9a-f]{8}\.tmp")
+
+
+def _temp_name(final: str) -> str:
+    """The temp file :meth:`Storage.commit_bytes` writes before renaming it to ``final``."""
+    return f"{final}.{uuid.uuid4().hex[:8]}.tmp"
 
 
 class FileLock:
@@ -344,7 +351,7 @@ class Storage:
         with storage_errors(url, "commit"):
             if self.is_local:
                 final = self.path(name)
-                tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+                tmp = _temp_name(final)
                 try:
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
                     with os.fdopen(fd, "wb") as f:
@@ -383,7 +390,7 @@ class Storage:
                 self._parent_dirs(name)
                 if exclusive and self.fs.exists(self.path(name)):  # no atomic primitive here: best effort
                     return False
-                tmp = f"{self.path(name)}.{uuid.uuid4().hex[:8]}.tmp"
+                tmp = _temp_name(self.path(name))
                 try:
                     self.fs.pipe_file(tmp, data)
                     self.fs.mv(tmp, self.path(name))
@@ -494,6 +501,12 @@ class Storage:
             except FileNotFoundError:
                 pass
             self._refresh(self.path(name))
+
+    def remove_temps(self, name: str) -> None:
+        """Delete the temp files a killed :meth:`commit_bytes` of ``name`` left behind."""
+        for entry in self.listdir():
+            if _TEMP_FILE.fullmatch(entry) and entry.rsplit(".", 2)[0] == name:
+                self.remove(entry)
 
     def remove_tree(self) -> None:
         """Delete the root and everything under it; a missing root is not an error."""

@@ -11,7 +11,7 @@ from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.layout import INTENT_PREFIX, parse_step, read_intent
+from dcp_tiered.tiers.layout import INTENT_FILE, parse_step, read_intent
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
     )
     pending: list[str] = []
     for fname in files:
-        if fname.startswith(INTENT_PREFIX):
+        if INTENT_FILE.match(fname):
             try:  # untrusted input: validated, an invalid one is ignored (and left for gc)
                 pending += read_intent(child, fname, dir_name=name, source=tier.name)["targets"]
             except (DcpTieredError, ValueError) as exc:
