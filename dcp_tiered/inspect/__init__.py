@@ -8,7 +8,7 @@ functions return::
     from dcp_tiered import inspect as ckpt
 
     print(ckpt.describe("ckpt/step_000000100").summary())
-    result = ckpt.verify("s3://bucket/run/step_000001000", {"endpoint_url": "http://127.0.0.1:9000"})
+    result = ckpt.verify("s3://bucket/run/step_000001000", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}})
     assert result.ok, result.problems
     ckpt.convert("stock_ckpt/", "compressed_ckpt/", codec="zstd:3")
     state = ckpt.load_any("model.pt")

@@ -71,7 +71,8 @@ def save_any(sd: dict[str, Any], dst: str | os.PathLike[str], codec: str = "zstd
     """Save ``sd`` to ``dst``: this package's format with ``codec``, stock DCP (``codec="stock"``), or a
     ``torch.save`` file (``dst`` ending in ``.pt`` ...).  ``dtype``: safe downcast of floating tensors.
 
-    Refuses to replace an existing ``dst`` unless ``overwrite`` (``CheckpointExistsError``).
+    Refuses to replace an existing ``dst`` unless ``overwrite`` (``CheckpointExistsError``; raised inside
+    ``dcp.save`` for this package's format, so wrapped in DCP's ``CheckpointException`` like any error there).
     Returns what was written: ``format``, and for this package's format the codec and ``SaveStats``.
     """
     dst = os.fspath(dst)
@@ -171,6 +172,7 @@ class ConvertResult:
         return round(self.dst_bytes / self.src_bytes, 4) if self.src_bytes else None
 
     def as_dict(self) -> dict[str, Any]:
+        """The ``convert --json`` document; keys of :attr:`saved` (``ratio``: stored over raw) win."""
         return {"src": self.src, "dst": self.dst, "src_bytes": self.src_bytes, "dst_bytes": self.dst_bytes,
                 "ratio": self.ratio, "seconds": round(self.seconds, 3), **self.saved}
 
@@ -181,6 +183,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], codec: str
     """Load ``src`` completely (:func:`load_any`) and write it to ``dst`` (:func:`save_any`).
 
     ``codec``: ``none``, ``lz4``, ``zstd``, ``zstd:N`` or ``"stock"``; checked before anything is read.
+    Errors raised inside ``dcp.load``/``dcp.save`` arrive wrapped in DCP's ``CheckpointException``
+    (the original in ``exc.failures[rank]``).
     """
     from dcp_tiered.codecs import parse_codec
 
