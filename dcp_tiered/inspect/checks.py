@@ -87,7 +87,8 @@ def _verify_items(storage: Storage, path: str, md: Metadata, on_bytes: Callable[
         if size is None:
             continue
         if size < end:
-            result.problems.append(f"{storage.url_of(item.file)} is truncated: {key!r} needs {end} bytes, the file has {size}")
+            result.problems.append(
+                f"{storage.url_of(item.file)} is truncated: {key!r} needs {end} bytes, the file has {size}")
         elif not item.native:
             on_bytes(item.length)
         else:
@@ -99,7 +100,8 @@ def _verify_items(storage: Storage, path: str, md: Metadata, on_bytes: Callable[
     return result
 
 
-def _check_frames(storage: Storage, key: str, item: StoredItem, on_bytes: Callable[[int], None]) -> tuple[list[str], int, int]:
+def _check_frames(storage: Storage, key: str, item: StoredItem,
+                  on_bytes: Callable[[int], None]) -> tuple[list[str], int, int]:
     """Checksum every stored frame of one native item, reading up to ``READ_STEP`` at a time.
 
     Returns (problems, frames checked, bytes read).  To be replaced by a public method of

@@ -117,7 +117,8 @@ def _stock_writer(dst: str, storage_options: dict[str, Any] | None, overwrite: b
     else:
         writer = dcp.FileSystemWriter(dst)
     if exists and not overwrite:
-        raise CheckpointExistsError(f"a committed checkpoint already exists at {dst}; pass overwrite=True (--overwrite) to replace it")
+        raise CheckpointExistsError(
+            f"a committed checkpoint already exists at {dst}; pass overwrite=True (--overwrite) to replace it")
     return writer
 
 
@@ -177,7 +178,8 @@ class ConvertResult:
                 "ratio": self.ratio, "seconds": round(self.seconds, 3), **self.saved}
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], codec: str = "zstd", dtype: torch.dtype | None = None, *,
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], codec: str = "zstd",
+            dtype: torch.dtype | None = None, *,
             src_options: dict[str, Any] | None = None, dst_options: dict[str, Any] | None = None,
             overwrite: bool = False, safe_globals: Any = None, progress: ProgressFactory | None = None) -> ConvertResult:
     """Load ``src`` completely (:func:`load_any`) and write it to ``dst`` (:func:`save_any`).

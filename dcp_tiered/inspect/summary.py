@@ -86,7 +86,8 @@ class Description:
         return {**self.summary(), "tensors": [r.as_dict() for r in self.rows]}
 
 
-def describe(source: str | os.PathLike[str] | CompressedReader, storage_options: dict[str, Any] | None = None) -> Description:
+def describe(source: str | os.PathLike[str] | CompressedReader,
+             storage_options: dict[str, Any] | None = None) -> Description:
     """Describe a checkpoint directory (path/URL, or an open reader) from its ``.metadata`` alone.
 
     Raises ``CheckpointNotFoundError`` without a committed checkpoint, ``CorruptCheckpointError``
