@@ -19,6 +19,7 @@ import errno
 import os
 import posixpath
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO, ClassVar
@@ -286,10 +287,15 @@ class Storage:
                 pass
             self._refresh(self.path(name))
 
-    def remove_temps(self, name: str) -> None:
-        """Delete the temp files a killed :meth:`commit_bytes` of ``name`` left behind."""
-        for entry in self.listdir():
-            if _TEMP_FILE.fullmatch(entry) and entry.rsplit(".", 2)[0] == name:
+    def remove_temps(self, name: str, older_than: float, now: float | None = None) -> None:
+        """Delete the temp files a killed :meth:`commit_bytes` of ``name`` left behind.
+
+        Only those unchanged for ``older_than`` seconds: a younger one may belong to a commit
+        in progress in another process.  Files whose age is unknown are kept.
+        """
+        ages = self.file_ages(time.time() if now is None else now)
+        for entry, age in ages.items():
+            if age >= older_than and _TEMP_FILE.fullmatch(entry) and entry.rsplit(".", 2)[0] == name:
                 self.remove(entry)
 
     def remove_tree(self) -> None:
