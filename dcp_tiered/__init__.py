@@ -23,6 +23,7 @@ from dcp_tiered.errors import (
     UnsupportedFormatError,
     UnsafeObjectError,
     RestoreError,
+    PromotionIOError,
 )
 
 __version__ = "0.1.0"
@@ -71,6 +72,7 @@ __all__ = [
     "UnsafeObjectError",
     "numpy_safe_globals",
     "RestoreError",
+    "PromotionIOError",
 ]
 
 

@@ -44,8 +44,12 @@ class UnsupportedFormatError(DcpTieredError, ValueError):
     """The checkpoint was written in a format version or transform this version cannot read."""
 
 
-class PromotionError(StorageError):
-    """A background promotion to a slower tier failed after its retries."""
+class PromotionError(DcpTieredError, RuntimeError):
+    """A background promotion to a slower tier failed (after the retries of its storage steps), or work
+    was still pending when a ``wait``/``close`` timeout ran out; raised at ``wait()``/``close()``.
+
+    Not an ``OSError``: a failed check of the promotion protocol is not retried as I/O.  When every
+    failure it reports is a storage failure it is a :class:`PromotionIOError`, which is one."""
 
 
 class SaveError(DcpTieredError, RuntimeError):
@@ -70,3 +74,8 @@ class RestoreError(DcpTieredError, RuntimeError):
 
 class MissingFileError(StorageError, FileNotFoundError):
     """A file that should exist in storage does not."""
+
+
+class PromotionIOError(PromotionError, StorageError):
+    """A :class:`PromotionError` whose every failure is a storage failure (unreachable URL, I/O error, full
+    disk) that outlasted its retries; also an ``OSError``, with the first failure as ``__cause__``."""

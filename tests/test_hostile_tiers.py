@@ -16,7 +16,9 @@ from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.layout import fragment_name, intent_name, parse_step, step_name
-from dcp_tiered.tiers.promotion import Promoter, index_to_json
+from dcp_tiered.tiers.fragments import commit_from_fragments, copy_with_fragment
+from dcp_tiered.tiers.intents import index_to_json
+from dcp_tiered.tiers.promotion import Promoter
 
 
 def _tier(root: Path, name: str, codec: str = "lz4", **kw) -> Tier:
@@ -82,10 +84,8 @@ def test_swapped_fragment_records_are_not_committed(tmp_path: Path) -> None:
     (dst / data_file).write_bytes((src / data_file).read_bytes())
     swapped = [[index_to_json(recs["a"][0]), recs["b"][1]], [index_to_json(recs["b"][0]), recs["a"][1]]]
     (dst / fragment_name(data_file)).write_text(json.dumps({"save_id": md.storage_meta.save_id, "records": swapped}))
-    p = Promoter([local, shared])
-    with pytest.raises(Exception, match="do not describe the source"):
-        p._commit_metadata(Storage(str(src)), Storage(str(dst)), md.storage_meta.save_id)
-    p.close(wait=False)
+    with pytest.raises(PromotionError, match="do not describe the source"):
+        commit_from_fragments(Storage(str(src)), Storage(str(dst)), md.storage_meta.save_id)
     assert not (dst / ".metadata").exists()
 
 
@@ -254,11 +254,7 @@ def test_copy_from_duplicated_records_is_not_committed(tmp_path: Path) -> None:
     md = load_metadata(src)
     recs = {i.fqn: (i, r) for i, r in md.storage_data.items()}
     crafted = [(recs["a"][0], recs["a"][1]), (recs["b"][0], recs["a"][1])]
-    p = Promoter([local, shared])
-    try:
-        p._copy_data(src, dst, recs["a"][1]["file"], crafted, shared, md.storage_meta.save_id)
-        with pytest.raises(PromotionError, match="do not describe the source"):
-            p._commit_metadata(src, dst, md.storage_meta.save_id)
-    finally:
-        p.close(wait=False)
+    copy_with_fragment(src, dst, recs["a"][1]["file"], crafted, shared, md.storage_meta.save_id)
+    with pytest.raises(PromotionError, match="do not describe the source"):
+        commit_from_fragments(src, dst, md.storage_meta.save_id)
     assert not (tmp_path / "shared" / step_name(5) / ".metadata").exists()

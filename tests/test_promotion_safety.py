@@ -424,3 +424,77 @@ def test_retention_of_a_resumed_promotion_honours_pinned_steps(tmp_path: Path) -
     finally:
         promoter.close(wait=False)
     assert committed_steps(tmp_path / "shared") == [5]
+
+
+# =========================================================================== errors: I/O or not
+
+
+def test_a_promotion_error_is_no_oserror_and_is_not_retried() -> None:
+    """``PromotionError`` is not an ``OSError``: the retry loop (only for storage failures) runs it once."""
+    from dcp_tiered.storage.retry import retrying
+
+    calls = []
+
+    def closed() -> None:
+        calls.append(1)
+        raise PromotionError("the promoter is closed")
+
+    with pytest.raises(PromotionError):
+        retrying(closed, RetryPolicy(attempts=4, base=0.001, cap=0.001), "submit")
+    assert calls == [1]
+    assert not isinstance(PromotionError("x"), OSError)
+
+
+def _own_intent(tiers: list[Tier], step: int, swap: bool = False):
+    """This rank's recorded intent of ``step`` in the source tier, as a fresh (not resumed) intent."""
+    from dcp_tiered.tiers.promotion import PromotionIntent
+
+    path = Path(tiers[0].url) / f"step_{step:09d}" / ".promote-0.json"
+    doc = json.loads(path.read_text())
+    if swap:  # valid records, swapped between the two keys
+        (ia, ra), (ib, rb) = doc["records"]
+        doc["records"] = [[ia, rb], [ib, ra]]
+    return PromotionIntent(**{k: v for k, v in doc.items()})
+
+
+def test_wait_raises_an_oserror_only_when_every_failure_is_storage(tmp_path: Path) -> None:
+    """A copy that fails on storage (after its retries) is a ``PromotionIOError``: also an ``OSError``,
+    caused by the storage error.  A commit refused by the protocol's checks is a plain ``PromotionError``,
+    tried once."""
+    from dcp_tiered import PromotionIOError, StorageError
+
+    tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=5, codec="lz4"),
+             Tier("shared", str(tmp_path / "shared"), every_steps=1, keep=5, codec="lz4")]
+    crash_save(tiers, 5)
+    shutil.rmtree(tmp_path / "shared", ignore_errors=True)
+    (tmp_path / "shared").write_text("a file where the tier directory should be")
+    p = Promoter(tiers, retry=FAST_RETRY)
+    try:
+        p.submit(_own_intent(tiers, 5))
+        with pytest.raises(PromotionIOError) as info:
+            p.wait(timeout=120)
+        assert isinstance(info.value, OSError) and isinstance(info.value.__cause__, StorageError)
+        assert [r.attempts for r in p.reports if r.kind == "data"] == [FAST_RETRY.attempts]
+    finally:
+        p.close(wait=False)
+
+    (tmp_path / "shared").unlink()
+    p = Promoter(tiers, retry=FAST_RETRY)
+    try:
+        p.submit(_own_intent(tiers, 5, swap=True))
+        with pytest.raises(PromotionError, match="do not describe the source") as info:
+            p.wait(timeout=120)
+        assert not isinstance(info.value, OSError)
+        assert [r.attempts for r in p.reports if r.kind == "metadata"] == [1], "a refused commit was retried"
+    finally:
+        p.close(wait=False)
+    assert not (tmp_path / "shared" / "step_000000005" / ".metadata").exists()
+
+
+def test_a_closed_promoter_refuses_work_with_a_promotion_error(tmp_path: Path) -> None:
+    tier = Tier("local", str(tmp_path / "local"), every_steps=1)
+    p = Promoter([tier])
+    p.close()
+    with pytest.raises(PromotionError, match="closed") as info:
+        p.retention(tier)
+    assert not isinstance(info.value, OSError)

@@ -104,6 +104,8 @@ def _catalog(tiers: list) -> list:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
+
     tiers, _ = tiers_from_args(args)
     infos = _catalog(tiers)
     committed_on: dict[int, list[str]] = {}
@@ -115,7 +117,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         optim = None if i.keys is None else i.has_prefix(("optim", "optimizer"))
         if i.pending_promotions:
             promo = "pending -> " + ",".join(i.pending_promotions)
-        elif not i.committed and any(f.endswith(".records.json") for f in i.files):
+        elif not i.committed and any(f.endswith(FRAGMENT_SUFFIX) for f in i.files):
             promo = "incoming (promotion not committed yet)"
         else:
             others = [t for t in committed_on.get(i.step, []) if t != i.tier]
@@ -188,60 +190,26 @@ def _grace(text: str) -> float:
     return 0.0 if str(text).strip() in ("0", "0s") else float(parse_duration(text, "--leftover-grace") or 0.0)
 
 
-def _retention_plan(tiers: list, grace: float) -> list[dict]:
-    import time
-
-    from dcp_tiered.tiers.catalog import list_tier, tier_storage
-    from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
-
-    plan = []
-    for idx, tier in enumerate(tiers):
-        infos = list_tier(tier, idx, with_metadata=False)
-        ages = tier_storage(tier).file_ages(time.time()) if grace > 0 else {}
-        facts = []
-        infos = [i for i in infos if not i.unusable]  # links: never deleted (see Promoter retention)
-        for i in infos:
-            own = [a for n, a in ages.items() if n.startswith(i.name + "/")]
-            facts.append(CheckpointFacts(i.step, i.committed, busy=bool(i.pending_promotions), age=min(own) if own else None))
-        victims = set(retention_victims(facts, tier.keep, leftover_grace=grace))
-        for i in infos:
-            if i.step in victims:
-                plan.append({"tier": tier.name, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
-                             "size_bytes": i.size_bytes, "keep": tier.keep})
-    return plan
-
-
 def cmd_gc(args: argparse.Namespace) -> int:
-    from dcp_tiered.tiers.catalog import list_tiers
-    from dcp_tiered.tiers.promotion import Promoter
+    from dcp_tiered.tiers.retention import Retention
 
     tiers, _ = tiers_from_args(args)
     _check_reachable(tiers)
-    grace = _grace(args.leftover_grace)
-    plan = _retention_plan(tiers, grace)
-    if not args.dry_run:
-        before = {(i.tier, i.step) for i in list_tiers(tiers, with_metadata=False)}
-        promoter = Promoter(tiers, leftover_grace=grace)
-        try:
-            for t in tiers:
-                promoter.retention(t)
-            promoter.wait()
-        finally:
-            promoter.close(wait=False)
-        after = {(i.tier, i.step) for i in list_tiers(tiers, with_metadata=False)}
-        gone = before - after
-        plan = [p for p in plan if (p["tier"], p["step"]) in gone] + [
-            {"tier": t, "step": s, "name": None, "url": None, "committed": None, "size_bytes": None, "keep": None}
-            for t, s in sorted(gone - {(p["tier"], p["step"]) for p in plan})]
+    retention = Retention(tiers, leftover_grace=_grace(args.leftover_grace))
+    plans = [retention.plan(t) for t in tiers]  # what the promoter's retention job would delete now
+    if args.dry_run:
+        rows = [row for plan in plans for row in plan.as_rows()]
+    else:
+        rows = [row for plan in plans for row in plan.as_rows(retention.apply(plan))]
     if args.json:
-        print_json({"dry_run": args.dry_run, "deleted" if not args.dry_run else "would_delete": plan})
+        print_json({"dry_run": args.dry_run, "deleted" if not args.dry_run else "would_delete": rows})
         return EXIT_OK
     verb = "would delete" if args.dry_run else "deleted"
-    if plan:
-        print(table([(p["tier"], p["step"], "committed" if p["committed"] else "uncommitted" if p["committed"] is False else "-",
-                      human_bytes(p["size_bytes"])) for p in plan], ["tier", "step", "state", "size"], right=(1, 3)))
-    total = sum(p["size_bytes"] or 0 for p in plan)
-    print(f"{verb} {len(plan)} checkpoint(s), {human_bytes(total)}")
+    if rows:
+        print(table([(p["tier"], p["step"], "committed" if p["committed"] else "uncommitted", human_bytes(p["size_bytes"]))
+                     for p in rows], ["tier", "step", "state", "size"], right=(1, 3)))
+    total = sum(p["size_bytes"] for p in rows)
+    print(f"{verb} {len(rows)} checkpoint(s), {human_bytes(total)}")
     return EXIT_OK
 
 

@@ -1,0 +1,203 @@
+"""The target side of a promotion: per-rank copies with their fragments, and the commit from them.
+
+Every rank copies its own data file into the target checkpoint (:func:`copy_with_fragment`:
+byte for byte, or re-encoded for the target's codec) and then commits a fragment
+``.{data_file}.records.json`` with the new records and the save id.  The coordinator commits
+the target's ``.metadata`` (:func:`commit_from_fragments`) once every data file of the source
+has a fragment of this save, after checking that the fragments describe exactly the source's
+items; ``.metadata`` is written last, so the target is committed only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+
+from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
+from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata, read_metadata_bytes
+from dcp_tiered.errors import DcpTieredError, PromotionError
+from dcp_tiered.storage import MissingFileError, Storage
+from dcp_tiered.tiers.intents import committed_save_id, index_from_json, index_to_json, record_from_json
+from dcp_tiered.tiers.layout import fragment_name, read_small_file
+from dcp_tiered.tiers.reencode import copy_file, reencode_file
+from dcp_tiered.tiers.spec import Tier
+
+log = logging.getLogger(__name__)
+
+#: Bounds (seconds) of the wait of a promotion's commit for the files of the other ranks.
+FRAGMENT_WAIT_FLOOR = 60.0
+FRAGMENT_WAIT_CAP = 1800.0
+#: Used when neither the source nor the target tier has a time interval (``every``).
+FRAGMENT_WAIT_DEFAULT = 600.0
+_DATA_RANK = re.compile(r"^__(\d+)_")
+
+#: Record fields a re-encoding promotion rewrites; every other field must equal the source's.
+_REENCODED = frozenset({"offset", "length", "codec", "filter", "frames", "sums"})
+
+
+def changed_items(file: str, new: dict, old: dict) -> list:
+    """Items of the data file ``file`` whose promoted record (``new``) does not describe the source item
+    (``old``): a byte-for-byte copy keeps every record as it is; a re-encoded file keeps every field
+    but the encoding, and the items in the source's order (:func:`~dcp_tiered.tiers.reencode.reencode_file`)."""
+    keys = [i for i, r in old.items() if is_native_record(r) and r["file"] == file]
+    if any(not isinstance(new.get(i), dict) for i in keys):
+        return [i for i in keys if not isinstance(new.get(i), dict)]
+    if all(new[i].get("codec") == old[i]["codec"] and new[i].get("filter") == old[i]["filter"] for i in keys):
+        return [i for i in keys if new[i] != old[i]]  # copied byte for byte
+    bad = [i for i in keys if {k: v for k, v in new[i].items() if k not in _REENCODED}
+           != {k: v for k, v in old[i].items() if k not in _REENCODED}]
+    sized = [i for i in keys if old[i]["length"]]  # empty items hold no bytes: their place does not matter
+    by_old = sorted(sized, key=lambda i: old[i]["offset"])
+    by_new = sorted(sized, key=lambda i: new[i].get("offset", -1) if isinstance(new[i].get("offset"), int) else -1)
+    return bad or [a for a, b in zip(by_old, by_new) if a != b]
+
+
+def copy_with_fragment(src: Storage, dst: Storage, data_file: str, records: list, target: Tier,
+                       save_id: str | None = None) -> int:
+    """Copy this rank's ``data_file`` from ``src`` to ``dst`` (re-encoded when the codecs differ), then commit
+    its fragment; a target committed with another save id is un-committed first.  Returns the bytes copied."""
+    committed_id = committed_save_id(dst)
+    if committed_id is not None:
+        if save_id and committed_id == save_id:
+            return 0  # another process (e.g. one that resumed this intent) promoted this save already
+        # an older checkpoint of the same step is being replaced: un-commit it before its
+        # data files change, so no .metadata ever describes files that are being rewritten
+        dst.remove(METADATA_FILE)
+    if all(r["codec"] == target.codec for _, r in records):
+        n = copy_file(src, dst, data_file)
+        new_records = records
+    else:
+        n, new_records = reencode_file(src, dst, data_file, records, target.codec)
+    fragment = json.dumps({"save_id": save_id, "records": [[index_to_json(i), r] for i, r in new_records],
+                           "source": [[index_to_json(i), r] for i, r in records]}).encode()
+    dst.commit_bytes(fragment_name(data_file), fragment)
+    return n
+
+
+def read_fragment(dst: Storage, data_file: str) -> dict | None:
+    """A rank's fragment (its promoted records), or None if absent or unreadable (written by another process)."""
+    try:
+        doc = json.loads(read_small_file(dst, fragment_name(data_file)))
+    except (MissingFileError, ValueError, RecursionError):
+        return None
+    if not (isinstance(doc, dict) and isinstance(doc.get("records"), list)):
+        return None
+    return doc
+
+
+def missing_fragments(dst: Storage, files: list[str], present: dict[str, int], save_id: str | None) -> list[str]:
+    """Data files whose fragment of this save is not in ``dst`` yet (an older attempt's does not count)."""
+    missing = []
+    for f in files:
+        frag = read_fragment(dst, f) if fragment_name(f) in present else None
+        if frag is None or frag.get("save_id") != save_id:
+            missing.append(f)
+    return missing
+
+
+def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None) -> int:
+    """Commit ``dst``'s ``.metadata`` from the fragments of every data file of ``src`` (of save ``save_id``).
+
+    Raises :class:`~dcp_tiered.errors.PromotionError` when a fragment is missing, malformed, or does
+    not describe the source's items, or a file has the wrong size.  Returns the bytes of ``.metadata``."""
+    raw = read_metadata_bytes(src)
+    md = decode_metadata(raw, src.url_of(METADATA_FILE))
+    files = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
+    present = dst.file_sizes()
+    if save_id and committed_save_id(dst) == save_id:
+        return 0  # another process committed this very save (and removed the fragments)
+    if save_id and (getattr(md.storage_meta, "save_id", None) or "") != save_id:
+        raise PromotionError(f"{src.url} was saved again while being promoted; not committing {dst.url}")
+    fragments = {f: read_fragment(dst, f) for f in files}
+    missing = [f for f, doc in fragments.items() if doc is None or doc.get("save_id") != save_id]
+    if missing:
+        raise PromotionError(f"{dst.url}: promoted files {missing[:3]} vanished before the commit")
+    new_data = {}
+    try:
+        for f in files:
+            for i, r in fragments[f]["records"]:  # type: ignore[index]
+                new_data[index_from_json(i)] = record_from_json(r)
+    except (TypeError, ValueError) as exc:
+        raise PromotionError(f"{dst.url}: a promotion fragment is malformed ({exc}); not committing") from None
+    if set(new_data) != set(md.storage_data):
+        raise PromotionError(f"{dst.url}: promoted records do not match the source checkpoint's items")
+    # a fragment may re-encode (offsets, sizes, frames, codec) but never change what an item is
+    changed = [i.fqn for f in files for i in changed_items(f, new_data, md.storage_data)]
+    try:  # the records each copy read (its intent's): exactly the source's records of that file
+        for f in files:
+            used = {index_from_json(i): record_from_json(r) for i, r in fragments[f].get("source", ())}  # type: ignore[union-attr]
+            want = {i: r for i, r in md.storage_data.items() if is_native_record(r) and r["file"] == f}
+            if "source" in fragments[f] and used != want:  # type: ignore[operator]
+                changed += sorted({i.fqn for i in set(used) ^ set(want)} | {i.fqn for i in want if used.get(i) != want[i]})
+    except (TypeError, ValueError) as exc:
+        raise PromotionError(f"{dst.url}: a promotion fragment is malformed ({exc}); not committing") from None
+    if changed:
+        raise PromotionError(f"{dst.url}: promoted records of {changed[:3]} do not describe the source checkpoint's "
+                             "items (a damaged or crafted promotion fragment); not committing")
+    for f in files:
+        size = max(r["offset"] + r["length"] for r in new_data.values() if r["file"] == f)
+        if present.get(f, -1) != size:
+            raise PromotionError(f"{dst.url_of(f)} has {present.get(f)} bytes, expected {size}")
+    md.storage_data = new_data
+    if md.storage_meta is not None:
+        md.storage_meta.checkpoint_id = dst.url
+    dst.commit_bytes(METADATA_FILE, encode_metadata(md))
+    for f in files:
+        try:
+            dst.remove(fragment_name(f))
+        except DcpTieredError as exc:  # cleanup only: the target is committed
+            log.warning("could not remove promotion fragment %s: %s", dst.url_of(fragment_name(f)), exc)
+    return len(raw)
+
+
+def fragment_wait_bound(source: Tier, target: Tier, own_copy_s: float = 0.0) -> float:
+    """How long a promotion's commit waits, without progress, for the other ranks' promoted files.
+
+    Of the order of the save interval: the target tier's ``every`` (else the source's, else
+    :data:`FRAGMENT_WAIT_DEFAULT`), and at least three times as long as this rank's own copy of
+    its data file took (ranks copy files of similar sizes at the same time); clamped to
+    [:data:`FRAGMENT_WAIT_FLOOR`, :data:`FRAGMENT_WAIT_CAP`] (1 to 30 minutes).  Any new or
+    growing file in the target directory counts as progress and restarts the wait.
+    """
+    interval = target.every or source.every or FRAGMENT_WAIT_DEFAULT
+    return min(FRAGMENT_WAIT_CAP, max(FRAGMENT_WAIT_FLOOR, interval, 3.0 * own_copy_s))
+
+
+@dataclass
+class FragmentWait:
+    """The coordinator's wait for the fragments of every data file (``files``) of one save in one target.
+
+    :meth:`poll` lists the target; a new or growing file there counts as progress (the other
+    ranks are getting there), and the wait gives up only after ``bound`` seconds without any."""
+
+    files: list[str]
+    save_id: str | None
+    start: float
+    progress: float = 0.0
+    seen: dict[str, int] | None = None
+    missing: list[str] = field(default_factory=list)
+
+    def poll(self, dst: Storage, now: float, what: str) -> list[str]:
+        """The data files whose fragment of this save is still missing in ``dst`` (listing trouble: as before)."""
+        try:
+            present = dst.file_sizes()
+            self.missing = missing_fragments(dst, self.files, present, self.save_id)
+        except DcpTieredError as exc:  # storage trouble: keep polling within the bound
+            log.warning("%s: cannot list the target (%s); trying again", what, exc)
+            return self.missing
+        if present != self.seen:
+            self.seen, self.progress = present, now
+        return self.missing
+
+    def ranks(self) -> list[str]:
+        """The ranks whose files are missing (from the data file names ``__{rank}_*``)."""
+        return sorted({m.group(1) if (m := _DATA_RANK.match(f)) else "?" for f in self.missing})
+
+    def stalled(self, now: float, bound: float) -> bool:
+        return now - self.progress >= bound
+
+    def describe(self, now: float, bound: float) -> str:
+        return (f"waiting {now - self.start:.0f}s (bound {bound:.0f}s without progress) for {len(self.missing)} "
+                f"file(s) of rank(s) {', '.join(self.ranks())}: {self.missing[:4]}")

@@ -1,0 +1,171 @@
+"""Retention: which checkpoints of a tier to delete, and deleting them.
+
+The one place that turns a tier's listing into :class:`~dcp_tiered.tiers.policy.CheckpointFacts`
+for the pure rule :func:`~dcp_tiered.tiers.policy.retention_victims`.  The promoter's retention
+job and ``dcp-tiered gc`` (``--dry-run`` too) both go through :meth:`Retention.plan`, so what gc
+lists is what retention deletes on the same tier state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from dcp_tiered.dcp.format import DATA_SUFFIX, METADATA_FILE
+from dcp_tiered.errors import DcpTieredError
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.catalog import CheckpointInfo, list_tier, tier_storage
+from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
+from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
+from dcp_tiered.tiers.spec import Tier
+
+log = logging.getLogger(__name__)
+
+
+class StepMarks:
+    """Steps this process knows about, per tier (thread safe).
+
+    ``own``: steps this process wrote or deleted; their leftovers need no grace period.
+    ``pinned``: steps a save of this process is writing now, or that a restore reads; never deleted.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._own: dict[str, set[int]] = {}
+        self._pinned: dict[str, set[int]] = {}
+
+    def mark_own(self, tier_name: str, step: int) -> None:
+        with self._lock:
+            self._own.setdefault(tier_name, set()).add(step)
+
+    def pin(self, tier_names: Iterable[str], step: int, pinned: bool) -> None:
+        with self._lock:
+            for name in tier_names:
+                steps = self._pinned.setdefault(name, set())
+                if pinned:
+                    steps.add(step)
+                else:
+                    steps.discard(step)
+
+    def own(self, tier_name: str) -> set[int]:
+        with self._lock:
+            return set(self._own.get(tier_name, ()))
+
+    def pinned(self, tier_name: str) -> set[int]:
+        with self._lock:
+            return set(self._pinned.get(tier_name, ()))
+
+
+def checkpoint_facts(info: CheckpointInfo, *, ages: dict[str, float], busy: Collection[int], own: Collection[int],
+                     known_tiers: Collection[str], is_coordinator: bool = True,
+                     optimizer_keys: Sequence[str] = ()) -> CheckpointFacts:
+    """The retention facts of one (usable) checkpoint directory.
+
+    Busy: in ``busy``, or with a pending intent naming a known tier (one naming no known tier
+    pins nothing), or uncommitted with promotion fragments (an incoming promotion).  A rank
+    other than the coordinator counts a directory holding data files as committed (node-local
+    tiers: only the coordinator's node holds ``.metadata``).  A step in ``own`` has an infinite
+    age (no grace period); else the age of its newest file, from ``ages`` (path -> seconds).
+    """
+    committed = info.committed or (not is_coordinator and any(f.endswith(DATA_SUFFIX) for f in info.files))
+    intents = bool(set(info.pending_promotions) & set(known_tiers))
+    incoming = any(f.endswith(FRAGMENT_SUFFIX) for f in info.files)
+    file_ages = [a for n, a in ages.items() if n.startswith(info.name + "/")]
+    age = float("inf") if info.step in own else (min(file_ages) if file_ages else None)
+    full = info.keys is None or not optimizer_keys or info.has_prefix(optimizer_keys)
+    busy_now = info.step in busy or intents or (incoming and not committed)
+    return CheckpointFacts(info.step, committed, busy=busy_now, full=full, age=age)
+
+
+@dataclass
+class RetentionPlan:
+    """What retention of one tier deletes (``victims``, newest first) and what it leaves alone as unusable."""
+
+    tier: Tier
+    storage: Storage
+    victims: list[CheckpointInfo] = field(default_factory=list)
+    unusable: list[CheckpointInfo] = field(default_factory=list)
+
+    def as_rows(self, infos: Sequence[CheckpointInfo] | None = None) -> list[dict]:
+        """One plain dict per victim, or per checkpoint of ``infos`` (e.g. those deleted): ``dcp-tiered gc`` output."""
+        return [{"tier": self.tier.name, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
+                 "size_bytes": i.size_bytes, "keep": self.tier.keep} for i in (self.victims if infos is None else infos)]
+
+
+class Retention:
+    """Retention of ``tiers`` as one rank sees them: the facts builder, the victim rule, the deletes.
+
+    ``leftover_grace``: an uncommitted leftover not written by this process is deleted only once
+    untouched that long; ``optimizer_keys``: keep the newest committed checkpoint holding them;
+    ``marks``: this process's own and pinned steps (:class:`StepMarks`).
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, rank: int = 0, node: int = 0, is_coordinator: bool = True,
+                 optimizer_keys: Sequence[str] = (), leftover_grace: float = 3600.0,
+                 marks: StepMarks | None = None) -> None:
+        self.tiers = list(tiers)
+        self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
+        self.optimizer_keys = tuple(optimizer_keys)
+        self.leftover_grace = leftover_grace
+        self.marks = marks if marks is not None else StepMarks()
+
+    def applies_to(self, tier: Tier) -> bool:
+        """Only the coordinator applies retention to a shared tier; every rank to its node-local ones."""
+        return tier.node_local or self.is_coordinator
+
+    def plan(self, tier: Tier, protect: Iterable[int] = (), busy: Iterable[int] = ()) -> RetentionPlan:
+        """List ``tier`` and decide what to delete; raises :class:`~dcp_tiered.errors.DcpTieredError` if it cannot list."""
+        storage = tier_storage(tier, self.rank, self.node)
+        infos = list_tier(tier, self.tiers.index(tier), self.rank, self.node, with_metadata=bool(self.optimizer_keys))
+        ages = storage.file_ages(time.time()) if self.leftover_grace > 0 else {}
+        busy_now = set(busy) | self.marks.pinned(tier.name)
+        own = self.marks.own(tier.name)
+        known = {t.name for t in self.tiers}
+        usable = [i for i in infos if not i.unusable]  # a link (or a .metadata that is no file): never deleted
+        facts = [checkpoint_facts(i, ages=ages, busy=busy_now, own=own, known_tiers=known,
+                                  is_coordinator=self.is_coordinator, optimizer_keys=self.optimizer_keys) for i in usable]
+        victims = set(retention_victims(facts, tier.keep, protect, self.leftover_grace))
+        return RetentionPlan(tier, storage, [i for i in usable if i.step in victims], [i for i in infos if i.unusable])
+
+    def apply(self, plan: RetentionPlan,
+              on_failure: Callable[[CheckpointInfo, DcpTieredError], None] | None = None) -> list[CheckpointInfo]:
+        """Delete the plan's victims (``.metadata`` first, then the directory); return those deleted.
+
+        A failed delete is logged and passed to ``on_failure``; it does not stop the others."""
+        for info in plan.unusable:
+            log.warning("retention of tier %s: leaving %s alone: %s", plan.tier.name, info.name, info.problem)
+        deleted = []
+        for info in plan.victims:
+            self.marks.mark_own(plan.tier.name, info.step)  # whatever a failed delete leaves needs no grace
+            try:
+                delete_checkpoint(plan.storage.child(info.name))
+            except DcpTieredError as exc:
+                log.warning("retention: could not delete %s of tier %s: %s", info.name, plan.tier.name, exc)
+                if on_failure is not None:
+                    on_failure(info, exc)
+                continue
+            log.info("retention: deleted %s", info.url)
+            deleted.append(info)
+        return deleted
+
+    def run(self, tier: Tier, protect: Iterable[int] = (), busy: Iterable[int] = (),
+            on_failure: Callable[[CheckpointInfo, DcpTieredError], None] | None = None) -> list[CheckpointInfo]:
+        """:meth:`plan` and :meth:`apply` where this rank applies retention; a tier it cannot list is logged and left."""
+        if not self.applies_to(tier):
+            return []
+        try:
+            plan = self.plan(tier, protect, busy)
+        except DcpTieredError as exc:
+            log.warning("retention: cannot list tier %s: %s", tier.name, exc)
+            return []
+        return self.apply(plan, on_failure)
+
+
+def delete_checkpoint(child: Storage) -> None:
+    """Delete one checkpoint directory: un-commit first, so a half-deleted checkpoint is never listed."""
+    if child.exists(METADATA_FILE):
+        child.remove(METADATA_FILE)
+    child.remove_tree()

@@ -1,0 +1,149 @@
+"""Retention has one facts builder: ``dcp-tiered gc --dry-run`` lists exactly what the promoter's
+retention job deletes on the same tier state, and ``gc`` deletes exactly that.
+
+Tier states are built from one real checkpoint copied into step directories: committed steps,
+uncommitted leftovers (old and young against ``--leftover-grace``), incoming promotions (an
+uncommitted step with a fragment), steps pinned by a promotion intent (to a known tier, and to a
+tier this tier set does not know), a step directory that is a symbolic link, and ``keep=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_tiered import CompressedWriter, Tier
+from dcp_tiered.cli.__main__ import main as cli_main
+from dcp_tiered.dcp.metadata_io import load_metadata
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.intents import index_to_json
+from dcp_tiered.tiers.layout import fragment_name, intent_name, parse_step, step_name
+from dcp_tiered.tiers.promotion import Promoter
+from dcp_tiered.tiers.retention import Retention
+
+HOUR = 3600.0
+
+# per tier: {step: kind}; kinds: c committed, u uncommitted leftover (u_old: untouched for 2 h),
+# f uncommitted with a promotion fragment, i:<tier> committed with a pending intent to <tier>, link
+STATES = {
+    "leftovers": ({"local": {0: "u_old", 1: "c", 2: "u", 3: "c", 4: "u_old", 5: "c", 6: "c", 7: "u"},
+                   "shared": {1: "c", 2: "u_old", 3: "c"}}, {"local": 2, "shared": 1}, "1h"),
+    "leftovers-no-grace": ({"local": {0: "u", 1: "c", 2: "u", 3: "c", 9: "u"}, "shared": {4: "u", 5: "c"}},
+                           {"local": 1, "shared": 1}, "0"),
+    "incoming-fragments": ({"local": {1: "c", 2: "c"}, "shared": {0: "f", 1: "u", 2: "c", 3: "f"}},
+                           {"local": 1, "shared": 1}, "0"),
+    "pinned-by-intents": ({"local": {1: "i:shared", 2: "i:other", 3: "c", 4: "c", 5: "c"}, "shared": {1: "c", 4: "c"}},
+                          {"local": 1, "shared": 1}, "0"),
+    "links-keep-1": ({"local": {1: "c", 2: "link", 3: "c", 4: "u", 5: "c"}, "shared": {2: "c", 3: "link", 6: "c"}},
+                     {"local": 1, "shared": 1}, "0"),
+}
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("template") / "ckpt"
+    dcp.save({"a": torch.full((64,), 1.0), "b": torch.arange(64.0)}, storage_writer=CompressedWriter(root), no_dist=True)
+    return root
+
+
+def _intent(ckpt: Path, source: str, target: str) -> None:
+    md = load_metadata(Storage(str(ckpt)))
+    records = [[index_to_json(i), r] for i, r in md.storage_data.items()]
+    doc = {"name": ckpt.name, "source": source, "rank": 0, "data_file": records[0][1]["file"], "records": records,
+           "targets": [target], "meta": [target], "save_id": md.storage_meta.save_id}
+    (ckpt / intent_name(0)).write_text(json.dumps(doc))
+
+
+def build(root: Path, template: Path, state: str) -> tuple[list[Tier], Path]:
+    """The tier state ``state`` under ``root``; returns the tiers and their YAML file."""
+    layout, keep, grace = STATES[state]
+    tiers = [Tier(name, str(root / name), codec="lz4", keep=keep[name]) for name in ("local", "shared")]
+    old = time.time() - 2 * HOUR
+    for tier, steps in layout.items():
+        for step, kind in steps.items():
+            d = root / tier / step_name(step)
+            if kind == "link":
+                target = root / f"outside-{tier}-{step}"
+                shutil.copytree(template, target)
+                d.parent.mkdir(parents=True, exist_ok=True)
+                d.symlink_to(target)
+                continue
+            shutil.copytree(template, d)
+            if kind in ("u", "u_old", "f"):
+                (d / ".metadata").unlink()
+            if kind == "f":
+                data_file = next(p.name for p in d.iterdir() if p.name.endswith(".distcp"))
+                (d / fragment_name(data_file)).write_text(json.dumps({"save_id": "ab", "records": []}))
+            if kind.startswith("i:"):
+                _intent(d, tier, kind[2:])
+            if kind == "u_old":
+                for p in [d, *d.iterdir()]:
+                    os.utime(p, (old, old))
+    yaml_path = root / "tiers.yaml"
+    yaml_path.write_text("tiers:\n" + "".join(f"  - {{name: {t.name}, url: '{t.url}', codec: lz4, keep: {t.keep}}}\n"
+                                              for t in tiers))
+    return tiers, yaml_path
+
+
+def on_disk(tiers: list[Tier]) -> set[tuple[str, int]]:
+    return {(t.name, parse_step(p.name)) for t in tiers for p in Path(t.url).iterdir() if parse_step(p.name) is not None}
+
+
+def gc(yaml_path: Path, grace: str, capsys: pytest.CaptureFixture, dry_run: bool) -> set[tuple[str, int]]:
+    capsys.readouterr()
+    rc = cli_main(["gc", "--tiers", str(yaml_path), "--leftover-grace", grace, "--json"] + (["--dry-run"] if dry_run else []))
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["would_delete" if dry_run else "deleted"]
+    return {(r["tier"], r["step"]) for r in rows}
+
+
+@pytest.mark.parametrize("state", sorted(STATES))
+def test_gc_dry_run_lists_exactly_what_retention_deletes(tmp_path: Path, template: Path, state: str,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    grace = STATES[state][2]
+    tiers, yaml_path = build(tmp_path / "a", template, state)
+    before = on_disk(tiers)
+    would = gc(yaml_path, grace, capsys, dry_run=True)
+    assert on_disk(tiers) == before, "--dry-run deleted something"
+    promoter = Promoter(tiers, leftover_grace=0.0 if grace == "0" else HOUR)
+    try:
+        for t in tiers:
+            promoter.retention(t)
+        promoter.wait(timeout=120)
+    finally:
+        promoter.close(wait=False)
+    assert before - on_disk(tiers) == would, f"{state}: gc --dry-run and the retention job disagree"
+    assert would, f"{state}: the state should have something to delete"
+
+    tiers_b, yaml_b = build(tmp_path / "b", template, state)
+    deleted = gc(yaml_b, grace, capsys, dry_run=False)
+    assert deleted == would and before - on_disk(tiers_b) == would
+    for t in tiers + tiers_b:  # links and what they point to are never deleted
+        assert all(os.path.isdir(p) for p in Path(t.url).iterdir() if p.is_symlink())
+
+
+def test_pinned_and_own_steps_are_honoured_by_the_one_facts_builder(tmp_path: Path, template: Path) -> None:
+    """Steps pinned with ``set_writing`` are never planned for deletion; a leftover this process wrote
+    (``mark_own``) needs no grace period.  The plan and the retention job agree on both."""
+    tiers, _ = build(tmp_path, template, "leftovers")
+    promoter = Promoter(tiers, leftover_grace=HOUR)
+    promoter.set_writing(["local"], 3, True)  # e.g. a restore candidate
+    promoter.mark_own("local", 2)  # young leftover, but written by this process
+    plan = promoter.keeper.plan(tiers[0])
+    assert {i.step for i in plan.victims} == {0, 1, 2, 4}
+    before = on_disk(tiers)
+    try:
+        promoter.retention(tiers[0])
+        promoter.wait(timeout=120)
+    finally:
+        promoter.close(wait=False)
+    assert before - on_disk(tiers) == {("local", s) for s in (0, 1, 2, 4)}
+    fresh = Retention(tiers, leftover_grace=HOUR).plan(tiers[0])  # another process: no pins, no own steps
+    assert {i.step for i in fresh.victims} == {3}
