@@ -18,25 +18,18 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_tiered import CompressedReader, CompressedWriter, ConfigError, Tier, TieredCheckpointer
+from dcp_tiered import CompressedReader, CompressedWriter, Tier, TieredCheckpointer
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.dcp.writer import RankFilePrefix
 from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.spec import parse_duration
+from test_config_validation import config_error
 
 PROPS = settings(max_examples=200, deadline=None)
 BOOLS = ("async_save", "resume_promotions", "via_fastest")
 NAMES = set(CheckpointerOptions.names())
-
-
-def config_error(fn, *args, **kwargs) -> str:
-    with pytest.raises(ConfigError) as info:
-        fn(*args, **kwargs)
-    msg = str(info.value)
-    assert len(msg) < 400, f"not short: {msg}"
-    return msg
 
 
 # --------------------------------------------------------------------------- booleans
