@@ -339,7 +339,7 @@ def test_from_yaml(tmp_path: Path) -> None:
           - {{name: shared, url: {tmp_path}/s, every: 30m, keep: 4, codec: zstd, dtype: bf16}}
     """))
     ckpt = TieredCheckpointer.from_yaml(tmp_path / "tiers.yaml")
-    assert ckpt.async_save and ckpt.optimizer_every == 5
+    assert ckpt.options.async_save and ckpt.options.optimizer_every == 5
     assert [t.name for t in ckpt.tiers] == ["local", "shared"] and ckpt.tiers[1].dtype == "bf16"
     ckpt.close()
 

@@ -13,9 +13,9 @@ import pytest
 
 from dcp_tiered import CompressedWriter, ConfigError, StorageError
 from dcp_tiered.dcp.writer import MAX_FRAME_SIZE, MIN_FRAME_SIZE
+from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.spec import (
     Tier,
-    check_checkpointer_options,
     check_step,
     check_str_list,
     tier_location,
@@ -235,14 +235,14 @@ def test_tiered_writer_refuses_one_directory_twice(tmp_path):
     ({"leftover_grace": -1}, "leftover_grace"),
 ])
 def test_checkpointer_options(kwargs, field):
-    assert field in config_error(check_checkpointer_options, **kwargs)
+    assert field in config_error(CheckpointerOptions, **kwargs)
 
 
 def test_checkpointer_options_normalized():
-    got = check_checkpointer_options(optimizer_keys=["opt"], leftover_grace="2m", frame_size=1 << 20)
-    assert got["optimizer_keys"] == ("opt",) and got["leftover_grace"] == 120.0 and got["frame_size"] == 1 << 20
-    assert check_checkpointer_options(leftover_grace=0)["leftover_grace"] == 0.0
-    assert check_checkpointer_options()["threads"] is None
+    got = CheckpointerOptions(optimizer_keys=["opt"], leftover_grace="2m", frame_size=1 << 20)
+    assert got.optimizer_keys == ("opt",) and got.leftover_grace == 120.0 and got.frame_size == 1 << 20
+    assert CheckpointerOptions(leftover_grace=0).leftover_grace == 0.0
+    assert CheckpointerOptions().threads is None
 
 
 def test_str_is_not_a_list_of_keys():

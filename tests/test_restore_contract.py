@@ -237,7 +237,7 @@ def test_every_candidate_failing_raises_restore_error_with_each_failure(tmp_path
 
 def test_a_tier_that_cannot_be_listed_is_no_empty_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dcp_tiered import RestoreError, StorageError
-    from dcp_tiered.tiers import checkpointer as mod
+    from dcp_tiered.tiers import restore as mod
 
     ck = TieredCheckpointer([Tier("local", str(tmp_path / "l")), Tier("shared", str(tmp_path / "s"))],
                             resume_promotions=False)

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from dcp_tiered.cli.train_model import batch_for_step, build_model, check_resume, fp32_bytes
 from dcp_tiered.cli.common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -104,100 +105,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--check-resume", metavar="DIR", help="after --resume, compare the restored state with DIR's dump, bit for bit")
 
 
-# -- the model ------------------------------------------------------------------------------
-
-
-def build_model(vocab: int, seq_len: int, d_model: int, layers: int, heads: int) -> Any:
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1 = nn.LayerNorm(d_model)
-            self.attn = nn.MultiheadAttention(d_model, heads, batch_first=True)
-            self.ln2 = nn.LayerNorm(d_model)
-            self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-
-        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            h = self.ln1(x)
-            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-            return x + self.mlp(self.ln2(x))
-
-    class TinyGPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok = nn.Embedding(vocab, d_model)
-            self.pos = nn.Embedding(seq_len, d_model)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = nn.LayerNorm(d_model)
-            self.head = nn.Linear(d_model, vocab, bias=False)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            t = idx.shape[1]
-            x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-            mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), diagonal=1)
-            for b in self.blocks:
-                x = b(x, mask)
-            return self.head(self.ln_f(x))
-
-    return TinyGPT()
-
-
-def batch_for_step(step: int, seed: int, batch: int, seq_len: int, vocab: int, device: Any) -> Any:
-    """Synthetic arithmetic sequences; the batch depends only on ``seed`` and ``step``."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    a = torch.randint(0, vocab, (batch, 1), generator=g)
-    b = torch.randint(1, 8, (batch, 1), generator=g)
-    t = torch.arange(seq_len + 1).unsqueeze(0)
-    return ((a + b * t) % vocab).to(device)
-
-
-def flat_tensors(sd: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(sd, dict):
-        for k, v in sd.items():
-            out.update(flat_tensors(v, f"{prefix}{k}."))
-    elif isinstance(sd, (list, tuple)):
-        for i, v in enumerate(sd):
-            out.update(flat_tensors(v, f"{prefix}{i}."))
-    else:
-        out[prefix[:-1]] = sd
-    return out
-
-
-def compare_states(saved: Any, live: Any) -> tuple[list[str], int, int]:
-    """Bit-for-bit comparison: (differences, tensors compared, bytes compared)."""
-    import torch
-
-    a, b = flat_tensors(saved), flat_tensors(live)
-    diffs = [f"missing in restored state: {k}" for k in sorted(set(a) - set(b))]
-    diffs += [f"extra in restored state: {k}" for k in sorted(set(b) - set(a))]
-    n = nbytes = 0
-    for k in sorted(set(a) & set(b)):
-        x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            n += 1
-            nbytes += x.numel() * x.element_size()
-            x, y = x.detach().cpu().contiguous(), y.detach().cpu().contiguous()
-            if x.dtype != y.dtype or x.shape != y.shape:
-                diffs.append(f"{k}: {x.dtype}{tuple(x.shape)} != {y.dtype}{tuple(y.shape)}")
-            elif x.numel() and not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-                diffs.append(f"{k}: values differ")
-        elif isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor) or x != y:
-            diffs.append(f"{k}: {x!r} != {y!r}")
-    return diffs, n, nbytes
-
-
-def _fp32_bytes(sd: Any) -> int:
-    import torch
-
-    return sum(v.numel() * (4 if v.is_floating_point() else v.element_size())
-               for v in flat_tensors(sd).values() if isinstance(v, torch.Tensor))
-
-
 # -- train ----------------------------------------------------------------------------------
 
 
@@ -205,41 +112,129 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _checkpointer_options(args: argparse.Namespace, options: dict[str, Any]) -> Any:
+    """The YAML file's checkpointer options with the flags over them, read by the one options
+    model (:class:`~dcp_tiered.tiers.options.CheckpointerOptions`)."""
+    from dcp_tiered.tiers.options import CheckpointerOptions
+
+    flags = {"async_save": args.async_checkpoint, "optimizer_every": args.optimizer_every,
+             "event_log": args.event_log or None}
+    merged = {**options, **{k: v for k, v in flags.items() if v is not None}}
+    return CheckpointerOptions.from_mapping(merged, where=args.tiers)
+
+
+def _device(args: argparse.Namespace) -> Any:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is available; use --device cpu")
+    if args.torch_threads < 1:
+        raise CliError("--torch-threads must be at least 1")
+    return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def _start_metrics(args: argparse.Namespace, tiers: list, prices: dict, ckpt: Any) -> Any:
+    if args.metrics_port is None:
+        return None
+    from dcp_tiered.metrics import PrometheusExporter
+
+    exporter = PrometheusExporter(tiers, prices=prices).attach(ckpt)
+    port = exporter.start_http_server(args.metrics_port, args.metrics_addr)
+    host = "127.0.0.1" if args.metrics_addr in ("0.0.0.0", "") else args.metrics_addr
+    _say(f"metrics: http://{host}:{port}/metrics")
+    return exporter
+
+
+def _resume(args: argparse.Namespace, ckpt: Any, totals: Any, model: Any, optim: Any,
+            state: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    """``--resume``: the step to start after (0 for a fresh run) and the ``--check-resume`` result."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    start, resume_check = 0, None
+    if args.resume:
+        t0 = time.perf_counter()
+        restored = ckpt.restore(state)
+        if restored is None:
+            _say("resume: no checkpoint found; starting from step 0")
+        else:
+            set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            start = restored
+            tier = next((e.get("tier") for e in reversed(totals.restores) if e.get("event") == "restore"), "?")
+            _say(f"resume: restored step {restored} from tier {tier} in {time.perf_counter() - t0:.2f} s"
+                 + (f" ({ckpt.restore_failures} candidate(s) skipped)" if ckpt.restore_failures else ""))
+            if args.check_resume:
+                resume_check = check_resume(args.check_resume, restored, model, optim)
+    return start, resume_check
+
+
+def _train_steps(args: argparse.Namespace, ckpt: Any, model: Any, optim: Any, state: dict[str, Any], device: Any,
+                 start: int) -> float:
+    """Train from ``start + 1`` to ``--steps``, offering every step to the checkpointer; the last loss."""
+    import torch
+
+    if start >= args.steps:
+        _say(f"nothing to do: already at step {start} of {args.steps}")
+    loss_val = math.nan
+    for step in range(start + 1, args.steps + 1):
+        tokens = batch_for_step(step, args.seed, args.batch_size, args.seq_len, args.vocab, device)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        loss_val = float(loss.detach())
+        report = ckpt.maybe_save(step, state)
+        if report is not None and args.dump_states:
+            os.makedirs(args.dump_states, exist_ok=True)
+            torch.save(state, os.path.join(args.dump_states, f"step_{step:09d}.pt"))
+        if report is not None:
+            _say(f"step {step}: save to {'+'.join(report.tiers)} ({'async, ' if report.async_save else ''}"
+                 f"{'with' if report.optimizer else 'without'} optimizer), blocked {report.blocked_s * 1000:.0f} ms")
+        if args.log_every and step % args.log_every == 0:
+            _say(f"step {step}: loss {loss_val:.4f}")
+        if args.crash_at_step is not None and step >= args.crash_at_step:
+            _say(f"step {step}: simulating a crash (SIGKILL)")
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return loss_val
+
+
+def _report(args: argparse.Namespace, summary: dict[str, Any], exporter: Any) -> None:
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    if args.json:
+        print_json(summary)
+    else:
+        _print_summary(summary)
+    if exporter is not None:
+        if args.metrics_linger_s > 0:
+            _say(f"metrics: serving for {args.metrics_linger_s:g} s more")
+            time.sleep(args.metrics_linger_s)
+        exporter.close()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from dcp_tiered.cost import parse_prices
 
-    # configuration errors first, before torch is imported
+    # configuration errors first, before the model is built
     if args.steps < 1:
         raise CliError("--steps must be at least 1")
     try:
         prices = parse_prices(args.price)
     except ValueError as exc:
         raise CliError(f"--price: {exc}") from exc
-    tiers, options = tiers_from_args(args)
+    tiers, file_options = tiers_from_args(args)
+    options = _checkpointer_options(args, file_options)
+    device = _device(args)
 
     import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from dcp_tiered.errors import PromotionError
     from dcp_tiered.metrics import TierTotals
     from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 
-    if args.async_checkpoint is not None:
-        options["async_save"] = args.async_checkpoint
-    if args.optimizer_every is not None:
-        options["optimizer_every"] = args.optimizer_every
-    if args.event_log:
-        options["event_log"] = args.event_log
-    allowed = {"async_save", "optimizer_every", "optimizer_keys", "on_busy", "event_log", "threads", "frame_size"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise CliError(f"{args.tiers}: unknown option(s) {unknown}; known: {sorted(allowed)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise CliError("--device cuda: no CUDA device is available; use --device cpu")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-
-    if args.torch_threads < 1:
-        raise CliError("--torch-threads must be at least 1")
     torch.set_num_threads(args.torch_threads)
     torch.manual_seed(args.seed)
     model = build_model(args.vocab, args.seq_len, args.d_model, args.layers, args.heads).to(device)
@@ -247,68 +242,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     msd, osd = get_state_dict(model, optim)  # creates the optimizer state, so a restore has tensors to fill
     state = {"model": msd, "optim": osd}
     n_params = sum(p.numel() for p in model.parameters())
-    fp32 = _fp32_bytes(state)
+    fp32 = fp32_bytes(state)
 
-    ckpt = TieredCheckpointer(tiers, **options)
+    ckpt = TieredCheckpointer(tiers, options=options)
     totals = TierTotals(tiers)
     ckpt.events.hooks.append(totals.observe)
-    exporter = None
-    if args.metrics_port is not None:
-        from dcp_tiered.metrics import PrometheusExporter
-
-        exporter = PrometheusExporter(tiers, prices=prices).attach(ckpt)
-        port = exporter.start_http_server(args.metrics_port, args.metrics_addr)
-        host = "127.0.0.1" if args.metrics_addr in ("0.0.0.0", "") else args.metrics_addr
-        _say(f"metrics: http://{host}:{port}/metrics")
+    exporter = _start_metrics(args, tiers, prices, ckpt)
     _say(f"model: {n_params:,} parameters ({human_bytes(fp32)} with AdamW state) on {device}; tiers: "
          + ", ".join(f"{t.name}={t.url} ({t.codec}, keep {t.keep})" for t in tiers))
-
-    start = 0
-    resume_check: dict[str, Any] | None = None
     try:
-        if args.resume:
-            t0 = time.perf_counter()
-            restored = ckpt.restore(state)
-            if restored is None:
-                _say("resume: no checkpoint found; starting from step 0")
-            else:
-                set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-                start = restored
-                tier = next((e.get("tier") for e in reversed(totals.restores) if e.get("event") == "restore"), "?")
-                _say(f"resume: restored step {restored} from tier {tier} in {time.perf_counter() - t0:.2f} s"
-                     + (f" ({ckpt.restore_failures} candidate(s) skipped)" if ckpt.restore_failures else ""))
-                if args.check_resume:
-                    resume_check = _check_resume(args.check_resume, restored, model, optim)
-                    if not resume_check["equal"]:
-                        ckpt.close()
-                        return EXIT_PROBLEMS
+        start, resume_check = _resume(args, ckpt, totals, model, optim, state)
+        if resume_check is not None and not resume_check["equal"]:
+            ckpt.close()
+            return EXIT_PROBLEMS
         if start == 0:
             _refuse_existing(ckpt, args.resume)
-        if start >= args.steps:
-            _say(f"nothing to do: already at step {start} of {args.steps}")
-        loss_val = math.nan
         t_train = time.perf_counter()
-        for step in range(start + 1, args.steps + 1):
-            tokens = batch_for_step(step, args.seed, args.batch_size, args.seq_len, args.vocab, device)
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
-            loss_val = float(loss.detach())
-            report = ckpt.maybe_save(step, state)
-            if report is not None and args.dump_states:
-                os.makedirs(args.dump_states, exist_ok=True)
-                torch.save(state, os.path.join(args.dump_states, f"step_{step:09d}.pt"))
-            if report is not None:
-                _say(f"step {step}: save to {'+'.join(report.tiers)} ({'async, ' if report.async_save else ''}"
-                     f"{'with' if report.optimizer else 'without'} optimizer), blocked {report.blocked_s * 1000:.0f} ms")
-            if args.log_every and step % args.log_every == 0:
-                _say(f"step {step}: loss {loss_val:.4f}")
-            if args.crash_at_step is not None and step >= args.crash_at_step:
-                _say(f"step {step}: simulating a crash (SIGKILL)")
-                sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
+        loss_val = _train_steps(args, ckpt, model, optim, state, device, start)
         train_s = time.perf_counter() - t_train
         close_error = None
         try:
@@ -326,18 +276,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     summary = _summary(args, tiers, totals, ckpt, start, loss_val, train_s, wall_s, fp32, prices, resume_check)
     summary["error"] = str(close_error) if close_error is not None else None
-    if args.summary_json:
-        with open(args.summary_json, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
-    if args.json:
-        print_json(summary)
-    else:
-        _print_summary(summary)
-    if exporter is not None:
-        if args.metrics_linger_s > 0:
-            _say(f"metrics: serving for {args.metrics_linger_s:g} s more")
-            time.sleep(args.metrics_linger_s)
-        exporter.close()
+    _report(args, summary, exporter)
     if close_error is not None:
         raise close_error
     return EXIT_OK
@@ -352,24 +291,6 @@ def _refuse_existing(ckpt: Any, resume: bool) -> None:
                else "pass --resume to continue from them")
         raise CliError(f"tier {newest.tier} already holds committed checkpoints (newest: step {newest.step}); {why}, "
                        "or point the tiers at new paths", 2)
-
-
-def _check_resume(dump_dir: str, step: int, model: Any, optim: Any) -> dict[str, Any]:
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    path = os.path.join(dump_dir, f"step_{step:09d}.pt")
-    if not os.path.exists(path):
-        raise CliError(f"--check-resume: no saved state for step {step} in {dump_dir}", 3)
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    msd, osd = get_state_dict(model, optim)
-    diffs, n, nbytes = compare_states(saved, {"model": msd, "optim": osd})
-    if diffs:
-        _say(f"resume check: FAILED, restored state differs from the state saved at step {step}: " + "; ".join(diffs[:5]))
-    else:
-        _say(f"resume check: restored state equals the state saved at step {step} bit for bit "
-             f"({n} tensors, {human_bytes(nbytes)}, model and optimizer)")
-    return {"step": step, "equal": not diffs, "tensors": n, "bytes": nbytes, "differences": diffs[:20]}
 
 
 def _summary(args: argparse.Namespace, tiers: list, totals: Any, ckpt: Any, start: int, loss: float, train_s: float,

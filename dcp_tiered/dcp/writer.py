@@ -78,8 +78,14 @@ def default_threads() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Prefix:
-    """Per-rank file name prefix, shared through the save plan (plain builtins only)."""
+class RankFilePrefix:
+    """The ``storage_data`` of a rank's ``SavePlan``: its data file is ``{prefix}0.distcp``.
+
+    ``CompressedWriter.prepare_global_plan`` gives rank ``i`` the prefix ``__{i}_``.  A writer
+    that wraps ``CompressedWriter`` and plans the save itself (``TieredWriter``) sets it on the
+    plan before calling ``prepare_local_plan``, which then keeps it, to choose the rank's data
+    file name.  Plain builtins only: the plan travels between ranks.
+    """
 
     prefix: str
 
@@ -148,6 +154,10 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             at save time under them: one that a reader would refuse raises
             :class:`~dcp_tiered.errors.UnsafeObjectError`, naming the key and the missing globals.
             Readers need the same list.  ``io.BytesIO`` values are stored as raw bytes.
+        save_id: the id the commit carries (``.metadata``'s ``storage_meta.save_id``), which
+            tells two saves of one path apart.  Default: a new random id per save.  A wrapper
+            that coordinates several writers for one save passes them one id; a fixed id is
+            kept by every save of this writer.
     """
 
     def __init__(
@@ -164,8 +174,12 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         check_sizes: bool = True,
         nice: int | None = None,
         safe_globals: SafeGlobals | None = None,
+        save_id: str | None = None,
     ) -> None:
         super().__init__()
+        if save_id is not None and (not isinstance(save_id, str) or not save_id):
+            raise ConfigError(f"save_id must be a non-empty string or None, got {save_id!r}")
+        self._fixed_save_id = save_id
         self.codec = str(parse_codec(codec))
         check_frame_size(frame_size)
         check_count(threads, "threads", optional=True)
@@ -194,7 +208,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         self._lock: FileLock | None = None
         self.is_coordinator = False
         self.rank: int | None = None
-        self.save_id = uuid.uuid4().hex
+        self.save_id = save_id or uuid.uuid4().hex
         self._replacing = False
         #: Sizes and ratio of the last checkpoint this writer committed (coordinator only).
         self.last_stats: SaveStats | None = None
@@ -204,7 +218,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
         if checkpoint_id:
             self.storage = Storage(checkpoint_id, self.storage_options)
-        self.save_id = uuid.uuid4().hex
+        self.save_id = self._fixed_save_id or uuid.uuid4().hex
         self._replacing = False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -230,7 +244,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 raise exists_error(self.storage.url)
             self._replacing = True
         if self.rank is not None and plan.storage_data is None:
-            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_"))
+            plan = dataclasses.replace(plan, storage_data=RankFilePrefix(f"__{self.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -241,8 +255,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             # files that are being replaced.
             self.storage.remove(METADATA_FILE)
         tag = unique_tag(self.storage)
-        prefixes = [p.storage_data.prefix if isinstance(p.storage_data, _Prefix) else f"__{i}_" for i, p in enumerate(plans)]
-        return [dataclasses.replace(p, storage_data=_Prefix(prefix + tag)) for p, prefix in zip(plans, prefixes)]
+        prefixes = [p.storage_data.prefix if isinstance(p.storage_data, RankFilePrefix) else f"__{i}_" for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=RankFilePrefix(prefix + tag)) for p, prefix in zip(plans, prefixes)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix if plan.storage_data is not None else "__0_"

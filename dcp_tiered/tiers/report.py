@@ -13,6 +13,36 @@ from typing import Any
 log = logging.getLogger("dcp_tiered.events")
 
 
+def _first_failure(exc: BaseException) -> "tuple[int, BaseException] | None":
+    """``(rank, error)`` of the lowest rank's failure inside DCP's ``CheckpointException``."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return None
+    from torch.distributed.checkpoint.api import CheckpointException  # loaded already: DCP raised exc
+
+    if not isinstance(exc, CheckpointException):
+        return None
+    rank, (inner, _) = min(failures.items(), key=lambda kv: kv[0])
+    return rank, inner
+
+
+def describe_error(exc: BaseException, limit: int = 800) -> str:
+    """``Type: message`` of ``exc`` on one line, at most ``limit`` characters; for DCP's
+    ``CheckpointException`` (whose text holds every rank's traceback) the first failure's."""
+    first = _first_failure(exc)
+    rank, exc = first if first is not None else (None, exc)
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if rank is not None:
+        text += f" (rank {rank})"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first rank's failure inside DCP's ``CheckpointException``, else ``exc``."""
+    first = _first_failure(exc)
+    return first[1] if first is not None else exc
+
+
 @dataclass
 class SaveReport:
     """One save: where it went, how big, how long training was blocked, how long in total."""

@@ -12,27 +12,49 @@ from typing import Any
 import fsspec
 
 from dcp_tiered.codecs import parse_codec
-from dcp_tiered.dcp.writer import check_count, check_frame_size
+from dcp_tiered.dcp.writer import check_count
 from dcp_tiered.errors import CodecError, ConfigError
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|m|min|h|hr|d)?\s*$", re.IGNORECASE)
-_UNIT_SECONDS = {None: 1.0, "ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
+# One "number unit" part of a duration; longer unit names first so "ms" is not read as "m".
+_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|sec|min|hr|s|m|h|d)", re.IGNORECASE)
+_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
+_UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
 DTYPES = ("bf16", "fp16")
 
 
+def _duration_seconds(text: str) -> float | None:
+    """Seconds of ``"90"``, ``"5m"`` or a compound ``"1h30m"``/``"1d 2h"`` (units from the largest
+    down, each once); None when ``text`` is not such a duration."""
+    if _NUMBER.match(text):
+        return float(text)
+    pos, total, last = 0, 0.0, float("inf")
+    text = text.strip()
+    while pos < len(text):
+        m = _PART.match(text, pos)
+        if not m:
+            return None
+        unit = _UNIT_SECONDS[m.group(2).lower()]
+        if unit >= last:  # "30m1h", "1h1h": a typo, not a sum
+            return None
+        total, last = total + float(m.group(1)) * unit, unit
+        pos = m.end()
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return total if text else None
+
+
 def parse_duration(value: "str | float | int | None", where: str = "duration") -> float | None:
-    """``"5m"`` -> 300.0; numbers are seconds; None stays None."""
+    """``"5m"`` -> 300.0, ``"1h30m"`` -> 5400.0; numbers are seconds; None stays None."""
     if value is None:
         return None
     if isinstance(value, bool):
         raise ConfigError(f"{where}: expected a duration such as '5m' or seconds, got {value!r}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds: float | None = float(value)
     else:
-        m = _DURATION.match(str(value))
-        if not m:
-            raise ConfigError(f"{where}: cannot read {value!r} as a duration; use e.g. '30s', '5m', '1h' or seconds")
-        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2).lower() if m.group(2) else None]
+        seconds = _duration_seconds(str(value))
+        if seconds is None:
+            raise ConfigError(f"{where}: cannot read {value!r} as a duration; use e.g. '30s', '5m', '1h30m' or seconds")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"{where}: must be a positive finite number of seconds, got {value!r}")
     return seconds
@@ -234,44 +256,13 @@ def check_step(step: object) -> int:
     return check_count(step, "step", 0)  # type: ignore[return-value]
 
 
-def check_checkpointer_options(
-    *,
-    optimizer_every: object = 1,
-    optimizer_keys: object = ("optim", "optimizer"),
-    on_busy: object = "wait",
-    threads: object = None,
-    frame_size: object = None,
-    async_save: object = False,
-    via_fastest: object = True,
-    resume_promotions: object = True,
-    leftover_grace: object = "1h",
-) -> dict[str, Any]:
-    """Validate ``TieredCheckpointer`` arguments at construction; return them normalized.
-
-    Each error is a short :class:`ConfigError` naming the argument.  ``leftover_grace`` comes
-    back in seconds (``0`` stays 0.0).
-    """
-    for flag, value in (("async_save", async_save), ("via_fastest", via_fastest), ("resume_promotions", resume_promotions)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{flag} must be True or False, got {value!r}")
-    if on_busy not in ("wait", "skip"):
-        raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
-    grace = 0.0 if leftover_grace in (0, "0") and not isinstance(leftover_grace, bool) else parse_duration(leftover_grace, "leftover_grace")
-    return {
-        "optimizer_every": check_count(optimizer_every, "optimizer_every"),
-        "optimizer_keys": check_str_list(optimizer_keys, "optimizer_keys"),
-        "on_busy": on_busy,
-        "threads": check_count(threads, "threads", optional=True),
-        "frame_size": check_frame_size(frame_size, optional=True),
-        "async_save": async_save,
-        "via_fastest": via_fastest,
-        "resume_promotions": resume_promotions,
-        "leftover_grace": grace,
-    }
-
-
 def load_tiers_yaml(path: "str | os.PathLike[str]") -> tuple[list[Tier], dict[str, Any]]:
-    """Read ``tiers:`` (a list of tier mappings) and optional checkpointer options from YAML."""
+    """Read ``tiers:`` (a list of tier mappings) and optional checkpointer options from YAML.
+
+    The tiers come back validated; the options as written (a dict), to be read with
+    :meth:`CheckpointerOptions.from_mapping <dcp_tiered.tiers.options.CheckpointerOptions.from_mapping>`,
+    as ``TieredCheckpointer.from_yaml`` and ``dcp-tiered train`` do.
+    """
     try:
         import yaml
     except ImportError as exc:  # pragma: no cover - optional extra

@@ -18,12 +18,19 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.format import METADATA_FILE
 from dcp_tiered.dcp.report import SaveStats
-from dcp_tiered.dcp.writer import CompressedWriter, _Prefix, check_count, check_frame_size, claim_checkpoint, unique_tag
+from dcp_tiered.dcp.writer import (
+    CompressedWriter,
+    RankFilePrefix,
+    check_count,
+    check_frame_size,
+    claim_checkpoint,
+    unique_tag,
+)
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
-from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save
-from dcp_tiered.tiers.promotion import Promoter, _Intent
+from dcp_tiered.tiers.promotion import Promoter
+from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.spec import Tier, validate_tiers
 
 
@@ -54,9 +61,10 @@ class TieredWriter(StorageWriter):
 
     Args:
         tiers: tiers, fastest first.
-        due: names of the tiers to save to (decided by the caller, e.g. ``TieredCheckpointer``);
-            when omitted the coordinator applies each tier's schedule with ``clock``
-            (a tier never saved by this writer is due; if none is due the fastest is used).
+        due: names of the tiers to save to, decided by the caller (``TieredCheckpointer``
+            passes them); when omitted the coordinator decides with
+            :class:`~dcp_tiered.tiers.schedule.SaveSchedule` and ``clock`` (a tier never
+            saved by this writer is due; if none is due the fastest is used).
         promoter: the background promoter to use (default: one owned by this writer;
             call :meth:`wait` / :meth:`close` to finish its work).
         clock: wall-clock function for schedules.
@@ -107,11 +115,11 @@ class TieredWriter(StorageWriter):
         self.name: str | None = None
         self.rank = 0
         self.is_coordinator = True
-        self.histories: dict[str, TierHistory] = {t.name: TierHistory() for t in self.tiers}
+        self.schedule = SaveSchedule(self.tiers) if due is None else None
         self.last_tiers: tuple[str, ...] = ()
         self.last_stats: SaveStats | None = None
         self._inner: CompressedWriter | None = None
-        self._intent: _Intent | None = None
+        self._intent: Any = None  # the Promoter's record of what this rank owes (opaque here)
         self._plan_tiers: tuple[str, ...] = ()
 
     def __getstate__(self) -> dict:
@@ -141,17 +149,19 @@ class TieredWriter(StorageWriter):
         if self.promoter is not None and self._own_promoter:
             self.promoter.close()
 
-    def _decide(self) -> tuple[str, ...]:
+    def _due(self) -> tuple[str, ...]:
         if self.due is not None:
             return self.due
-        now = self.clock()
+        assert self.schedule is not None
         step = self.step if self.step is not None else (parse_step(self.name or "") or 0)
-        schedules = [Schedule(t.every, t.every_steps, t.max_per_hour) for t in self.tiers]
-        idx = due_tiers(schedules, [self.histories[t.name] for t in self.tiers], step, now)
-        names = tuple(self.tiers[i].name for i in idx) or (self.tiers[0].name,)
-        for n in names:
-            self.histories[n] = record_save(self.histories[n], step, now)
-        return names
+        return self.schedule.decide(step, self.clock(), fallback=True)
+
+    def _target(self, tier: Tier) -> Storage:
+        """The checkpoint directory inside ``tier`` as this rank sees it (never through a link)."""
+        assert self.name is not None
+        target = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(self.name)
+        _refuse_link(target)
+        return target
 
     # -- DCP protocol -------------------------------------------------------------
 
@@ -178,11 +188,8 @@ class TieredWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        tiers = self._decide()
-        primary = self.by_name[tiers[0]]
-        target = Storage(primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name,
-                         primary.storage_options)
-        _refuse_link(target)
+        tiers = self._due()
+        target = self._target(self.by_name[tiers[0]])
         # Claimed before any rank writes: of two concurrent saves to one path exactly one goes on.
         self._release()
         self._lock, replacing = claim_checkpoint(target, self.overwrite)
@@ -207,12 +214,11 @@ class TieredWriter(StorageWriter):
                                   "check_sizes": not primary.node_local, "nice": self.nice}
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
-        url = primary.resolved_url(self.rank, node_of(self.rank)).rstrip("/") + "/" + self.name
-        _refuse_link(Storage(url, primary.storage_options))  # each rank: node-local tiers differ per node
-        inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals, **kwargs)
-        inner.save_id = tp.save_id or inner.save_id
+        url = self._target(primary).url  # each rank: node-local tiers differ per node
+        inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
+                                 save_id=tp.save_id or None, **kwargs)
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
-        inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=_Prefix(tp.prefix)))
+        inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=RankFilePrefix(tp.prefix)))
         self._inner = inner
         fut = inner.write_data(inner_plan, planner)
         targets = tp.tiers[1:]

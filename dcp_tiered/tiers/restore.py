@@ -1,0 +1,214 @@
+"""``Restorer``: choose and load the newest good checkpoint across tiers, with fallback.
+
+Used by :meth:`TieredCheckpointer.restore <dcp_tiered.tiers.checkpointer.TieredCheckpointer.restore>`.
+Every rank lists what it answers for (its node-local tiers, and the shared tiers on the
+coordinator), the ranks agree on one ordered candidate list with one all-gather, and they
+try the candidates in that order until one loads on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_tiered.dcp.reader import CompressedReader
+from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
+from dcp_tiered.errors import DcpTieredError, RestoreError
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.catalog import list_tier
+from dcp_tiered.tiers.layout import step_name
+from dcp_tiered.tiers.policy import restore_order
+from dcp_tiered.tiers.promotion import Promoter
+from dcp_tiered.tiers.report import EventLog, describe_error
+from dcp_tiered.tiers.spec import Tier
+
+log = logging.getLogger(__name__)
+
+Candidate = tuple[int, int]  # (step, tier index)
+
+
+class Restorer:
+    """Restore for one checkpointer: its tiers as ``rank`` on ``node`` sees them.
+
+    ``promoter`` pins each candidate against retention while the restore runs;
+    ``list_group`` carries the agreement collectives, ``load_group`` the loads;
+    ``reader_options`` go to every :class:`CompressedReader`.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, rank: int, node: int, world: int, distributed: bool,
+                 promoter: Promoter, events: EventLog, list_group: Any = None, load_group: Any = None,
+                 reader_options: "dict[str, Any] | None" = None) -> None:
+        self.tiers = list(tiers)
+        self.rank, self.node, self.world, self.distributed = rank, node, world, distributed
+        self.promoter = promoter
+        self.events = events
+        self.list_group, self.load_group = list_group, load_group
+        self.reader_options = dict(reader_options or {})
+        #: Candidates that failed to load, over every restore (each was skipped for the next).
+        self.failures = 0
+
+    def restore(self, state_dict: dict[str, Any], step: int | None = None, broadcast: Any = False,
+                bucket_bytes: int = 64 << 20) -> "tuple[int, set[int]] | None":
+        """Load the newest good candidate into ``state_dict`` (collective).
+
+        Returns the restored step and the indexes of the tiers that offered candidates, or
+        None when no tier holds a committed checkpoint; raises :class:`RestoreError` when
+        committed checkpoints exist but none could be restored, naming each and why.
+        """
+        required = flatten_keys(expand_stateful(state_dict)[0])
+        rejected: dict[Candidate, str] = {}
+        tried: set[Candidate] = set()
+        committed = False
+        pinned: set[Candidate] = set()
+        unlisted: list[str] = []
+        try:
+            for _ in range(3):  # listed again after all failed: a resumed promotion may have committed
+                candidates, reasons, found = self._agree_candidates(required, step, pinned, unlisted)
+                committed = committed or found
+                for cand, why in reasons.items():
+                    rejected.setdefault(cand, why)
+                fresh = [c for c in candidates if c not in tried]
+                if not fresh:
+                    break
+                for cand in fresh:
+                    tried.add(cand)
+                    rejected.pop(cand, None)
+                    why = self._attempt(cand, state_dict, broadcast, bucket_bytes)
+                    if why is None:
+                        return cand[0], {c[1] for c in candidates}
+                    rejected[cand] = why
+        finally:
+            for s, i in pinned:
+                self.promoter.set_writing([self.tiers[i].name], s, False)
+        if not committed and not unlisted:
+            return None
+        raise self._error(rejected, unlisted, step)
+
+    def _error(self, rejected: dict[Candidate, str], unlisted: list[str], step: int | None) -> RestoreError:
+        order = restore_order(rejected)
+        listed = [(self.tiers[i].name, s, rejected[(s, i)]) for s, i in order]
+        lines = "; ".join([f"step {s} on tier {t!r}: {why}" for t, s, why in listed[:8]] + unlisted[:4])
+        more = f"; and {len(listed) - 8} more" if len(listed) > 8 else ""
+        wanted = f" of step {step}" if step is not None else ""
+        return RestoreError(f"no committed checkpoint{wanted} could be restored ({len(listed)} candidate(s)): "
+                            f"{lines}{more}", listed)
+
+    def _local_view(self, required: Sequence[str], pinned: set[Candidate], unlisted: list[str]
+                    ) -> list[tuple[int, int, str | None]]:
+        """``(step, tier index, why unusable or None)`` of each committed checkpoint this rank answers for:
+        the node-local tiers as this rank sees them, and the shared tiers on the coordinator.
+        Each one is pinned against retention at once; tiers that cannot be listed go to ``unlisted``."""
+        out: list[tuple[int, int, str | None]] = []
+        for i, tier in enumerate(self.tiers):
+            if not tier.node_local and self.rank != 0:
+                continue
+            try:
+                infos = list_tier(tier, i, self.rank, self.node)
+            except DcpTieredError as exc:
+                log.warning("restore: cannot list tier %s: %s", tier.name, exc)
+                unlisted.append(f"tier {tier.name!r} cannot be listed: {describe_error(exc)}")
+                continue
+            for info in infos:
+                if not (info.committed or info.unusable):  # a linked checkpoint is named, never skipped
+                    continue
+                if (info.step, i) not in pinned:
+                    self.promoter.set_writing([tier.name], info.step, True)
+                    pinned.add((info.step, i))
+                why = None
+                if not info.complete or info.keys is None:
+                    why = info.problem or "files missing or unreadable metadata"
+                else:
+                    missing = [k for k in required if k not in info.keys]
+                    if missing:
+                        extra = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                        why = f"lacks key(s) {missing[:3]}{extra} of the state dict"
+                out.append((info.step, i, why))
+        return out
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank (one all-gather on the listing group), or ``[value]`` alone."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.list_group)
+        return out
+
+    def _agree_candidates(self, required: Sequence[str], step: int | None, pinned: set[Candidate],
+                          unlisted: list[str]) -> tuple[list[Candidate], dict[Candidate, str], bool]:
+        """The candidate list every rank agrees on (one all-gather), the rejected ones with why,
+        and whether any committed checkpoint exists; listing problems of any rank go to ``unlisted``."""
+        problems: list[str] = []
+        try:
+            view = self._local_view(required, pinned, problems)
+        except Exception as exc:  # noqa: BLE001 - this rank must still take part in the collective below
+            problems.append(f"listing the tiers failed: {describe_error(exc)}")
+            view = []
+        views = self._gather((view, problems))
+        seen: dict[Candidate, dict[int, str | None]] = {}
+        for rank, (v, probs) in enumerate(views):
+            for p in probs:
+                line = f"rank {rank}: {p}" if self.distributed else p
+                if line not in unlisted:
+                    unlisted.append(line)
+            for s, i, why in v:
+                seen.setdefault((s, i), {})[rank] = why
+        usable: list[Candidate] = []
+        reasons: dict[Candidate, str] = {}
+        for (s, i), by_rank in seen.items():
+            if step is not None and s != step:
+                reasons[(s, i)] = f"not the requested step {step}"
+                continue
+            if self.tiers[i].node_local:
+                problems = [f"rank {r}: {by_rank[r]}" if r in by_rank else f"rank {r}: not committed there"
+                            for r in range(len(views)) if by_rank.get(r, "") is not None]
+            else:
+                problems = [by_rank[0]] if by_rank.get(0) is not None else []
+            if problems:
+                reasons[(s, i)] = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} ranks)" if len(problems) > 3 else "")
+            else:
+                usable.append((s, i))
+        return restore_order(usable), reasons, bool(seen)
+
+    def _load(self, url: str, tier: Tier, state_dict: dict[str, Any], broadcast: Any, bucket_bytes: int) -> None:
+        plain, finish = expand_stateful(state_dict)
+
+        def make_reader() -> CompressedReader:
+            return CompressedReader(url, storage_options=tier.storage_options, **self.reader_options)
+
+        if broadcast is not False and broadcast is not None and self.distributed:
+            from dcp_tiered.dcp.broadcast import load_and_broadcast
+
+            groups = self.load_group if broadcast is True else broadcast
+            load_and_broadcast(plain, make_reader, process_group=groups, bucket_bytes=bucket_bytes)
+        else:
+            kwargs: dict[str, Any] = {"process_group": self.load_group} if self.distributed else {"no_dist": True}
+            dcp.load(plain, storage_reader=make_reader(), **kwargs)
+        finish()
+
+    def _attempt(self, cand: Candidate, state_dict: dict[str, Any], broadcast: Any, bucket_bytes: int) -> str | None:
+        """Load one candidate on every rank; None if every rank succeeded, else why (the same on every rank)."""
+        s, i = cand
+        tier = self.tiers[i]
+        t0 = time.perf_counter()
+        error = None
+        try:
+            url = Storage(tier.resolved_url(self.rank, self.node), tier.storage_options).child(step_name(s)).url
+            self._load(url, tier, state_dict, broadcast, bucket_bytes)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = describe_error(exc)
+        failed = [(r, e) for r, e in enumerate(self._gather(error)) if e is not None]
+        if not failed:
+            self.events.emit({"event": "restore", "step": s, "tier": tier.name, "seconds": time.perf_counter() - t0})
+            return None
+        why = failed[0][1] if len(failed) == self.world else f"rank {failed[0][0]}: {failed[0][1]}"
+        self.failures += 1
+        log.warning("restore: step %d on tier %s failed (%s); trying the next candidate", s, tier.name, why)
+        self.events.emit({"event": "restore_failure", "step": s, "tier": tier.name, "error": why})
+        return why
