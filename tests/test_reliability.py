@@ -695,7 +695,8 @@ def test_a_promotion_another_process_already_finished_succeeds_without_touching_
     """Two processes running as rank 0 on one tier path: one resumes the other's promotion intent
     and commits it first.  The original owner then runs the same intent: it must see the save is
     promoted (same save id) and finish without error, leaving the target committed."""
-    from dcp_tiered.tiers.promotion import Promoter, _Intent
+    from dcp_tiered.tiers.intents import PromotionIntent
+    from dcp_tiered.tiers.promotion import Promoter
 
     local, shared = tmp_path / "local", tmp_path / "shared"
     tiers = [Tier("local", str(local), every_steps=1, keep=5, codec="lz4"),
@@ -713,7 +714,7 @@ def test_a_promotion_another_process_already_finished_succeeds_without_touching_
     before = {p.name: p.stat().st_mtime_ns for p in (shared / "step_000000005").iterdir()}
 
     owner = Promoter(tiers, retry=FAST_RETRY, metadata_timeout=2)
-    owner.submit(_Intent.from_json(intent))
+    owner.submit(PromotionIntent.from_json(intent))
     owner.close()  # raises PromotionError if the owner's run failed
     after = {p.name: p.stat().st_mtime_ns for p in (shared / "step_000000005").iterdir()}
     assert after == before, "the committed target was rewritten"

@@ -907,7 +907,7 @@ def _hostile_fixtures(work: Path) -> dict[str, Any]:
     dcp.save(sd, storage_writer=CompressedWriter(tiers_root / "local" / "step_000000002", codec="lz4", frame_size=4096, threads=1,
                                                  sync_files=False), no_dist=True)
     from dcp_tiered.dcp.metadata_io import decode_metadata
-    from dcp_tiered.tiers.promotion import index_to_json
+    from dcp_tiered.tiers.intents import index_to_json
 
     step2 = tiers_root / "local" / "step_000000002"
     md = decode_metadata((step2 / ".metadata").read_bytes(), "x")

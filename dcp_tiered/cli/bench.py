@@ -45,7 +45,7 @@ def _model_state(name: str) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from dcp_tiered.cli.train import batch_for_step, build_model
+    from dcp_tiered.cli.train_model import batch_for_step, build_model
 
     cfg = MODELS[name]
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ def _model_state(name: str) -> dict[str, Any]:
 def _raw_bytes(sd: Any) -> int:
     import torch
 
-    from dcp_tiered.cli.train import flat_tensors
+    from dcp_tiered.cli.train_model import flat_tensors
 
     return sum(v.numel() * v.element_size() for v in flat_tensors(sd).values() if isinstance(v, torch.Tensor))
 

@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 __all__ = ["FRAGMENT_WAIT_CAP", "FRAGMENT_WAIT_DEFAULT", "FRAGMENT_WAIT_FLOOR", "Promoter", "PromotionIntent",
            "PromotionReport", "fragment_wait_bound", "index_to_json", "promotion_error"]
 
-#: The old private name of :class:`PromotionIntent` (``tiers/writer.py`` and tests import it).
-_Intent = PromotionIntent
 
 def promotion_error(message: str, causes: list[BaseException | None]) -> PromotionError:
     """The error ``wait``/``close`` raise: a :class:`PromotionIOError` (also an ``OSError``) when every
