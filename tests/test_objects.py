@@ -42,7 +42,7 @@ from dcp_tiered import (
     load_and_broadcast,
     numpy_safe_globals,
 )
-from dcp_tiered.cli.ckptio import load_state
+from dcp_tiered.inspect import load_any as load_state
 from dcp_tiered.dcp.format import METADATA_FILE
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
 from dcp_tiered.dcp.objects import OBJECT_BYTESIO, OBJECT_FIELD

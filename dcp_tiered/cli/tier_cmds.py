@@ -214,7 +214,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
-    from dcp_tiered.cli import ckptio
+    from dcp_tiered import inspect
     from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices
     from dcp_tiered.errors import DcpTieredError
 
@@ -241,8 +241,8 @@ def cmd_cost(args: argparse.Namespace) -> int:
                 newest = committed[0]
                 stored = newest.size_bytes
                 try:
-                    reader = ckptio.open_reader(newest.url, t.storage_options, verify=False)
-                    fp32 = ckptio.fp32_bytes(reader.read_metadata())
+                    reader = inspect.open_reader(newest.url, t.storage_options, verify=False)
+                    fp32 = inspect.fp32_bytes(reader.read_metadata())
                 except DcpTieredError:
                     fp32 = stored
                 source = f"step {newest.step}"

@@ -408,7 +408,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summary = json.load(f)
 
     banner("4/4 verify the newest checkpoint of every tier")
-    from dcp_tiered.cli import ckptio
+    from dcp_tiered import inspect
     from dcp_tiered.tiers.catalog import list_tiers
 
     tiers, _ = tiers_from_args(ls_args)
@@ -418,10 +418,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if newest is None:
             verified.append({"tier": t.name, "step": None, "ok": False, "problems": ["no committed checkpoint"]})
             continue
-        problems, counts = ckptio.verify_checkpoint(ckptio.open_reader(newest.url))
-        verified.append({"tier": t.name, "step": newest.step, "ok": not problems, "problems": problems, **counts})
+        result = inspect.verify(newest.url)
+        problems = result.problems
+        verified.append({"tier": t.name, "step": newest.step, "ok": not problems, "problems": problems, **result.counts()})
         print(f"{t.name:<8} step {newest.step}: {'OK' if not problems else 'PROBLEMS: ' + '; '.join(problems)} "
-              f"({counts['frames']} frames checksummed)", file=out, flush=True)
+              f"({result.frames} frames checksummed)", file=out, flush=True)
     check = summary.get("resume_check") or {}
     ok = bool(check.get("equal")) and all(v["ok"] for v in verified)
     result = {"ok": ok, "dir": root, "seconds": round(time.perf_counter() - t0, 1), "crash_step": preset["crash"],

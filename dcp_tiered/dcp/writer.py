@@ -31,8 +31,7 @@ from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_gl
 from dcp_tiered.dcp.report import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
-from dcp_tiered.storage import Storage
-from dcp_tiered.storage.fs import FileLock
+from dcp_tiered.storage import FileLock, Storage
 
 #: Lock file a local checkpoint directory holds while a save writes it (removed at commit).
 LOCK_FILE = ".lock"
