@@ -2,6 +2,8 @@
 
 Records hold plain builtins only (str, int, tuple, dict) so that ``.metadata`` stays
 loadable by the allow-list unpickler without importing anything from this package.
+:class:`ItemRecord` is their typed view (validation, frame arithmetic, conversions), and
+:func:`record_view` shows stock DCP records the same way (:class:`StockRecord`).
 """
 
 from __future__ import annotations
