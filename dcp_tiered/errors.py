@@ -66,3 +66,7 @@ class RestoreError(DcpTieredError, RuntimeError):
 
     def __reduce__(self):  # picklable across processes with its candidates
         return (type(self), (str(self), self.candidates))
+
+
+class MissingFileError(StorageError, FileNotFoundError):
+    """A file that should exist in storage does not."""

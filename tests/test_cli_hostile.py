@@ -245,7 +245,7 @@ def test_ls_lists_hostile_checkpoints_without_failing(hostile: dict[str, Path], 
 
 _UNEXPECTED = r"""
 import contextlib, io, logging, sys, threading
-from dcp_tiered.cli import ckptio
+from dcp_tiered.inspect import sources as ckptio
 from dcp_tiered.cli.__main__ import main
 
 def run(exc, *argv):

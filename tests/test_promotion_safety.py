@@ -378,7 +378,8 @@ def test_resumed_intent_of_the_same_save_is_idempotent(tmp_path: Path) -> None:
 
 def test_resumed_intent_removes_the_temp_file_of_a_killed_rewrite(tmp_path: Path, caplog) -> None:
     """A rank SIGKILLed while rewriting its intent leaves ``.promote-0.json.<hex>.tmp`` next to it:
-    it is no intent (not read, no warning), and the finished promotion removes it with the intent."""
+    it is no intent (not read, no warning), and the finished promotion removes it with the intent once
+    it is older than the leftover grace."""
     tiers = two_tiers(tmp_path)
     crash_save(tiers, 5)
     temp = _intent_path(tmp_path).with_name(".promote-0.json.0badc0de.tmp")
@@ -388,10 +389,13 @@ def test_resumed_intent_removes_the_temp_file_of_a_killed_rewrite(tmp_path: Path
         infos = list_tier(tiers[0])
     assert [i.pending_promotions for i in infos] == [("shared",)]
     assert "unreadable promotion intent" not in caplog.text
-    ck = TieredCheckpointer(tiers, retry=FAST_RETRY)
+    young = temp.with_name(".promote-0.json.0000beef.tmp")  # maybe a commit in progress in another process
+    young.write_bytes(b"{")
+    os.utime(temp, (time.time() - 7200, time.time() - 7200))
+    ck = TieredCheckpointer(tiers, retry=FAST_RETRY)  # leftover_grace: one hour
     ck.close()
     assert load_step(tmp_path / "shared" / "step_000000005") == 5.0
-    assert sorted(p.name for p in _intent_path(tmp_path).parent.glob(".promote-*")) == []
+    assert sorted(p.name for p in _intent_path(tmp_path).parent.glob(".promote-*")) == [young.name]
 
 
 # =========================================================================== pinned steps

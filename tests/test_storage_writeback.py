@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dcp_tiered.errors import StorageError
-from dcp_tiered.storage.fs import Storage
+from dcp_tiered.storage import Storage
 from dcp_tiered.storage.writeback import WritebackFile
 
 

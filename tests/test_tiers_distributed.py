@@ -608,5 +608,6 @@ def test_resumed_promotion_is_committed_and_clean(crashed, resumed, root: Path) 
         dcp.load(sd, storage_reader=CompressedReader(base / name / d), no_dist=True)
         check_equal(full_diffs(sd, CRASH_STEP, True))
     for rank in range(WS):
-        left = sorted(p.name for p in (base / "local" / str(rank) / d).glob(".promote-*"))
+        # (a temp file of an intent rewrite killed by the crash may stay: younger than the leftover grace)
+        left = sorted(p.name for p in (base / "local" / str(rank) / d).glob(".promote-*") if not p.name.endswith(".tmp"))
         assert left == [], f"rank {rank}: promotion intents left after the resumed promotion: {left}"

@@ -129,9 +129,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise CliError("--repeat must be at least 1")
     if args.path:
-        from dcp_tiered.cli import ckptio
+        from dcp_tiered.inspect import load_any
 
-        sd = ckptio.load_state(args.path, storage_options_for(args.path, args))
+        sd = load_any(args.path, storage_options_for(args.path, args))
         source = args.path
     else:
         sd = _model_state(args.model)

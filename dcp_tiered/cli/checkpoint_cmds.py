@@ -1,4 +1,7 @@
-"""``inspect``, ``verify`` and ``convert``: commands on one checkpoint."""
+"""``inspect``, ``verify`` and ``convert``: commands on one checkpoint.
+
+Argument parsing, output and exit codes only; the work is done by :mod:`dcp_tiered.inspect`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import sys
 import time
 from typing import Any
 
-from dcp_tiered.cli import ckptio
 from dcp_tiered.cli.common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -85,11 +87,13 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    reader = ckptio.open_reader(args.path, storage_options_for(args.path, args))
-    summary, rows = ckptio.describe(reader)
+    from dcp_tiered import inspect as ckpt
+
+    desc = ckpt.describe(args.path, storage_options_for(args.path, args))
     if args.json:
-        print_json({**summary, "tensors": [r.as_dict() for r in rows]})
+        print_json(desc.as_dict())
         return EXIT_OK
+    summary = desc.summary()
     print(f"checkpoint  {summary['path']}")
     print(f"format      {summary['format']}" + (f" (format version {summary['format_version']})" if summary["format_version"] else ""))
     print(f"codecs      {', '.join(summary['codecs']) or '-'}")
@@ -98,7 +102,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         (r.key, r.dtype or "object", r.stored_dtype if r.stored_dtype and r.stored_dtype != r.dtype else "",
          "x".join(map(str, r.shape)) if r.shape else ("scalar" if r.shape == () else "-"),
          human_bytes(r.raw_bytes), human_bytes(r.stored_bytes), f"{r.ratio:.3f}" if r.ratio is not None else "-", r.codec)
-        for r in rows
+        for r in desc.rows
     ]
     print(table(body, ["key", "dtype", "stored as", "shape", "raw", "stored", "ratio", "codec"], right=(4, 5, 6)))
     ratio = f"{summary['ratio']:.3f}" if summary["ratio"] is not None else "-"
@@ -107,14 +111,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _verify_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Verify one path; never raises (but for Ctrl-C): an error becomes the path's verdict and exit code."""
+def _verify_one(path: str, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Verify one path: (its JSON verdict, what was checked in words).
+
+    Never raises (but for Ctrl-C): an error becomes the path's verdict and exit code.
+    """
+    from dcp_tiered import inspect as ckpt
+
     t0 = time.perf_counter()
     try:
-        reader = ckptio.open_reader(path, storage_options_for(path, args))
-        summary, _ = ckptio.describe(reader)
-        with Progress(summary["stored_bytes"], "verify", unit="B") as bar:
-            problems, counts = ckptio.verify_checkpoint(reader, bar.update)
+        result = ckpt.verify(path, storage_options_for(path, args), progress=Progress)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as raised:
@@ -126,16 +132,17 @@ def _verify_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
         code = exit_code_for(exc)
         return {"path": path, "ok": False, "exit_code": code, "error": error_line("verify", exc, path),
                 "error_type": type(exc).__name__, "problems": [f"{type(exc).__name__}: {one_line(exc)}"],
-                "seconds": round(time.perf_counter() - t0, 3)}
-    return {"path": path, "ok": not problems, "exit_code": EXIT_PROBLEMS if problems else EXIT_OK, "problems": problems,
-            **counts, "seconds": round(time.perf_counter() - t0, 3)}
+                "seconds": round(time.perf_counter() - t0, 3)}, ""
+    return {"path": path, "ok": result.ok, "exit_code": EXIT_OK if result.ok else EXIT_PROBLEMS,
+            "problems": result.problems, **result.counts(), "seconds": round(time.perf_counter() - t0, 3)}, \
+        result.counts_text(human_bytes)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Verify every path, print a verdict per path, exit with the worst (highest) code."""
     results = []
     for path in args.paths:
-        r = _verify_one(path, args)
+        r, checked = _verify_one(path, args)
         results.append(r)
         if "error" in r:
             print(r["error"], file=sys.stderr, flush=True)
@@ -146,8 +153,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"PROBLEM  {p}")
             print(f"{r['path']}: {len(r['problems'])} problem(s) found; restore from another tier or an older step", flush=True)
         else:
-            print(f"{r['path']}: OK ({r['items']} items, {r['frames']} frames checksummed, "
-                  f"{r['files']} files, {human_bytes(r['bytes'])} read)", flush=True)
+            print(f"{r['path']}: OK ({checked})", flush=True)
     code = max(r["exit_code"] for r in results)
     if args.json:
         print_json(results[0] if len(results) == 1 else results)
@@ -160,47 +166,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from dcp_tiered import inspect as ckpt
     from dcp_tiered.codecs import parse_codec
     from dcp_tiered.errors import CodecError
 
-    if args.codec != "stock":
+    if args.codec != ckpt.STOCK:
         try:
             args.codec = str(parse_codec(args.codec))
         except CodecError as exc:
-            raise CliError(f"--codec: {exc}; or 'stock' for stock DCP") from exc
-    t0 = time.perf_counter()
-    src_opts, dst_opts = storage_options_for(args.src, args), storage_options_for(args.dst, args)
-    n = ckptio.count_items(args.src, src_opts)
-    with Progress(n, "read") as bar:
-        sd = ckptio.load_state(args.src, src_opts, on_item=bar.update)
-    n_items = _count_leaves(sd)
-    with Progress(n_items, "write") as bar:
-        out = ckptio.save_state(sd, args.dst, args.codec, parse_dtype(args.dtype), dst_opts, args.overwrite, on_item=bar.update)
-    src_size = _size(args.src, src_opts)
-    dst_size = _size(args.dst, dst_opts)
-    result = {"src": args.src, "dst": args.dst, "src_bytes": src_size, "dst_bytes": dst_size,
-              "ratio": round(dst_size / src_size, 4) if src_size else None, "seconds": round(time.perf_counter() - t0, 3), **out}
+            raise CliError(f"--codec: {exc}; or '{ckpt.STOCK}' for stock DCP") from exc
+    res = ckpt.convert(args.src, args.dst, args.codec, parse_dtype(args.dtype), src_options=storage_options_for(args.src, args),
+                       dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=Progress)
     if args.json:
-        print_json(result)
+        print_json(res.as_dict())
     else:
-        print(f"converted {args.src} -> {args.dst} ({out.get('format')}{', ' + out['codec'] if out.get('codec') else ''}"
-              f"{', ' + args.dtype if args.dtype != 'fp32' else ''}): {human_bytes(src_size)} -> {human_bytes(dst_size)}")
+        codec = res.saved.get("codec")
+        print(f"converted {args.src} -> {args.dst} ({res.saved.get('format')}{', ' + codec if codec else ''}"
+              f"{', ' + args.dtype if args.dtype != 'fp32' else ''}): {human_bytes(res.src_bytes)} -> {human_bytes(res.dst_bytes)}")
     return EXIT_OK
-
-
-def _count_leaves(sd: Any) -> int:
-    if isinstance(sd, dict):
-        return sum(_count_leaves(v) for v in sd.values())
-    return 1
-
-
-def _size(path: str, opts: dict) -> int:
-    if ckptio.is_torch_save_path(path):
-        import fsspec
-
-        fs, p = fsspec.core.url_to_fs(path, **opts)
-        return int(fs.size(p))
-    return ckptio.dir_size(path, opts)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,9 +20,9 @@ import numpy as np
 
 from dcp_tiered.codecs.bytegroup import FILTER_NONE, FILTERS, merge_planes, plane_count, split_planes
 from dcp_tiered.codecs.checksum import checksum
-from dcp_tiered.codecs.compressors import Compressor, make_compressor
-from dcp_tiered.codecs.spec import CodecSpec, parse_codec
-from dcp_tiered.errors import ConfigError, CorruptCheckpointError, UnsupportedFormatError
+from dcp_tiered.codecs.compressors import make_compressor
+from dcp_tiered.codecs.registry import Codec, check_block_len, get_codec
+from dcp_tiered.errors import ConfigError, CorruptCheckpointError, DcpTieredError, UnsupportedFormatError
 
 DEFAULT_FRAME_SIZE = 4 << 20
 #: Smallest and largest frame sizes a checkpoint may declare (the writer refuses smaller ones).
@@ -39,27 +39,25 @@ _PLANE = struct.Struct("<BI")
 _MIN_SAVING = 0.01
 
 
-# Largest expansion of one compressed block: lz4 encodes at most 255 bytes per byte of match
-# length; zstd blocks hold at most 128 KiB and take at least 4 bytes (3 header, 1 RLE byte).
-_MAX_RATIO = {"none": 1, "lz4": 256, "zstd": 32768}
-
-
-def stored_frame_bounds(codec: str, filter_name: str, itemsize: int, raw_len: int) -> tuple[int, int]:
+def stored_frame_bounds(codec: str | Codec, filter_name: str, itemsize: int, raw_len: int) -> tuple[int, int]:
     """Smallest and largest stored size a frame of ``raw_len`` raw bytes can have.
 
     A declared frame size outside these bounds is a lie: checking them before reading lets
     a reader refuse a record that claims a huge tensor stored in a few bytes (no codec
-    expands that much) or millions of one-byte frames.  Raises ``CodecError`` for an unknown codec.
+    expands that much, see ``Codec.min_stored_size``) or millions of one-byte frames.  A plane
+    that does not shrink is stored raw, so the largest is the raw size plus the header.
+    Raises ``CodecError`` for an unknown codec.
     """
-    header, planes, ratio = _frame_layout(codec, filter_name, itemsize)
+    smallest = get_codec(codec).min_stored_size  # cached lookup for spec strings
+    header, planes = _frame_layout(filter_name, itemsize)
     plane_len = raw_len // planes
-    return header + planes * (plane_len if ratio == 1 else plane_len // ratio), header + raw_len
+    return header + planes * min(smallest(plane_len), plane_len), header + raw_len
 
 
-@functools.lru_cache(maxsize=256)
-def _frame_layout(codec: str, filter_name: str, itemsize: int) -> tuple[int, int, int]:
+@functools.lru_cache(maxsize=64)
+def _frame_layout(filter_name: str, itemsize: int) -> tuple[int, int]:
     planes = plane_count(filter_name, itemsize)
-    return _HEAD.size + planes * _PLANE.size, planes, _MAX_RATIO[parse_codec(codec).name]
+    return _HEAD.size + planes * _PLANE.size, planes
 
 
 def record_frame_size(raw_len: int, frame_size: int) -> int:
@@ -91,13 +89,13 @@ class EncodedFrame:
 class FrameCodec:
     """Encodes and decodes frames for one codec, filter and item size."""
 
-    codec: "str | CodecSpec"
+    codec: str | Codec
     filter_name: str = FILTER_NONE
     itemsize: int = 1
-    _compressor: Compressor = field(init=False, repr=False)
+    _compressor: Codec = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.codec = parse_codec(self.codec)
+        self.codec = get_codec(self.codec)
         if self.filter_name not in FILTERS:
             raise UnsupportedFormatError(f"unknown filter {self.filter_name!r}; this version reads {FILTERS}")
         if self.itemsize < 1 or (self.filter_name != FILTER_NONE and self.itemsize not in (2, 4, 8)):
@@ -113,7 +111,7 @@ class FrameCodec:
         header = [_HEAD.pack(self.planes)]
         payloads: list[object] = []
         for plane in split_planes(raw, self.filter_name, self.itemsize):
-            if self.codec.name == "none":
+            if not self.codec.compresses:
                 mode, payload = MODE_RAW, plane
             else:
                 packed = self._compressor.compress(plane)
@@ -151,12 +149,24 @@ class FrameCodec:
                     raise CorruptCheckpointError(f"raw plane {k} has {length} bytes, expected {plane_len}")
                 planes.append(payload)
             elif mode == MODE_COMPRESSED:
-                planes.append(self._compressor.decompress(payload, plane_len))
+                planes.append(self._decompress(payload, plane_len))
             else:
                 raise CorruptCheckpointError(f"frame plane {k} has unknown mode {mode}")
         if pos != len(view):
             raise CorruptCheckpointError(f"frame has {len(view) - pos} trailing bytes")
         merge_planes(planes, self.filter_name, self.itemsize, out)
+
+
+    def _decompress(self, payload: memoryview, plane_len: int) -> object:
+        # Registered codecs may come from plugins: whatever a hostile block makes them
+        # raise, or a wrong length, is reported as corruption.
+        try:
+            out = self._compressor.decompress(payload, plane_len)
+        except DcpTieredError:
+            raise
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError, ArithmeticError) as exc:
+            raise CorruptCheckpointError(f"{self.codec.spec} block does not decode: {exc}") from exc
+        return check_block_len(out, plane_len, self.codec)
 
 
 def verify_frame(stored: object, expected: int) -> bool:

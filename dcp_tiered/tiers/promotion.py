@@ -468,7 +468,7 @@ class Promoter:
             return
         try:
             src.remove(intent_name(intent.rank))
-            src.remove_temps(intent_name(intent.rank))  # a rank killed while rewriting the intent
+            src.remove_temps(intent_name(intent.rank), older_than=self.leftover_grace)  # a rank killed mid-rewrite
         except DcpTieredError as exc:  # cleanup only: the promotion itself succeeded
             log.warning("could not remove finished promotion intent in %s: %s", src.url, exc)
 
