@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_tiered.dcp.common import UrlCheckpointId, completed, lower_thread_priority
-from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
+from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, get_codec, parse_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
@@ -314,7 +314,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         fields = {
             "kind": KIND_TENSOR,
             "itemsize": keep.element_size(),
-            "filter_name": filter_for(keep.dtype.is_floating_point, keep.element_size(), self.byte_group and self.codec != "none"),
+            "filter_name": filter_for(keep.dtype.is_floating_point, keep.element_size(),
+                                      self.byte_group and get_codec(self.codec).compresses),
             "dtype": dtype_name(keep.dtype),
             "orig_dtype": dtype_name(orig),
             "shape": tuple(int(d) for d in keep.shape),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcp_tiered.codecs import FrameCodec, verify_frame
+from dcp_tiered.codecs import FrameCodec, get_codec, verify_frame
 from dcp_tiered.codecs.bytegroup import FILTER_NONE
 from dcp_tiered.dcp.format import record_view
 from dcp_tiered.errors import CorruptCheckpointError
@@ -36,11 +36,12 @@ def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[obj
     """
     out_records = []
     offset = 0
+    target = get_codec(codec)
     with dst.open_write(name) as f:
         for key, rec in sorted(((k, record_view(r)) for k, r in records), key=lambda kr: kr[1].offset):
             old = FrameCodec(rec.codec, rec.filter_name, rec.itemsize)
-            new_filter = rec.filter_name if codec != "none" else FILTER_NONE
-            new = FrameCodec(codec, new_filter, rec.itemsize)
+            new_filter = rec.filter_name if target.compresses else FILTER_NONE
+            new = FrameCodec(target, new_filter, rec.itemsize)
             frames, sums = [], []
             for i, at, stored_len, s, e in rec.frame_slices():
                 stored = src.read_range(rec.file, at, at + stored_len)
@@ -53,7 +54,7 @@ def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[obj
                     f.write(piece)
                 frames.append(enc.stored_len)
                 sums.append(enc.digest)
-            moved = rec.reencoded(str(new.codec), new_filter, offset, frames, sums)
+            moved = rec.reencoded(target.spec, new_filter, offset, frames, sums)
             out_records.append((key, moved.to_builtin()))
             offset += moved.length
     return offset, out_records
