@@ -24,7 +24,9 @@ from dcp_tiered.dcp.format import (
     StockRecord,
     check_record,
     dtype_from_name,
+    native_files,
     record_view,
+    records_in_file,
 )
 from dcp_tiered.dcp.metadata_io import decode_metadata
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
@@ -79,6 +81,20 @@ def test_builtin_and_json_round_trip(rec: dict) -> None:
     assert ItemRecord.from_json(json.loads(json.dumps(item.to_json())), "w", "intent") == item
     assert record_view(rec) == item and record_view(item) is item
     assert item.native and item.end == rec["offset"] + rec["length"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(records(), st.sampled_from(["none", "lz4", "zstd:7"]), st.integers(0, 1 << 40))
+def test_same_item_whatever_its_encoding(rec: dict, codec: str, offset: int) -> None:
+    item = ItemRecord.from_checked(rec)
+    moved = item.reencoded(codec, "none", offset, (5,) * len(rec["frames"]), (1,) * len(rec["frames"]))
+    assert moved.same_item_as(item) and item.same_item_as(moved) and item.same_item_as(item)
+    assert moved.length == 5 * len(rec["frames"]) and moved.frame_starts()[0] == offset
+    other = ItemRecord.from_checked({**rec, "raw": rec["raw"] + 1, "file": "__1_0.distcp"})
+    assert not other.same_item_as(item)
+    data = {"a": rec, "b": {**rec, "file": "__1_0.distcp"}, "c": _StorageInfo("__0_0.distcp", 0, 1)}
+    assert records_in_file(data, "__0_0.distcp") == {"a": rec}
+    assert native_files(data) == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def test_unknown_fields_are_kept() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -245,6 +245,11 @@ class ItemRecord:
                                    length=sum(frame_lengths), frame_lengths=tuple(frame_lengths),
                                    frame_sums=tuple(frame_sums))
 
+    def same_item_as(self, other: "ItemRecord") -> bool:
+        """Whether ``other`` describes the same item, however it is encoded and wherever it is stored
+        (all fields equal but codec, filter, offset, length and the frame table)."""
+        return other.reencoded(self.codec, self.filter_name, self.offset, self.frame_lengths, self.frame_sums) == self
+
     # -- where the bytes are -------------------------------------------------------
 
     @property
@@ -345,6 +350,16 @@ def record_view(value: Any) -> ItemView:
     if is_native_record(value):
         return ItemRecord.from_checked(value)
     return StockRecord.from_storage_info(value)
+
+
+def records_in_file(storage_data: Mapping[Any, Any], file: str) -> dict[Any, dict]:
+    """The native records (plain, by index) of ``storage_data`` whose bytes are in the data file ``file``."""
+    return {i: r for i, r in storage_data.items() if is_native_record(r) and r["file"] == file}
+
+
+def native_files(storage_data: Mapping[Any, Any]) -> list[str]:
+    """The data files that native records of ``storage_data`` name, sorted."""
+    return sorted({r["file"] for r in storage_data.values() if is_native_record(r)})
 
 
 def builtin_from_json(doc: dict) -> dict:
