@@ -9,7 +9,6 @@ decoded straight into its destination.  ``.metadata`` goes through the allow-lis
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +28,11 @@ from dcp_tiered.dcp.format import (
     KIND_BYTES,
     MAX_OBJECT_BYTES,
     METADATA_FILE,
+    ItemRecord,
+    ItemView,
+    StockRecord,
     chunk_sizes,
-    dtype_from_name,
-    is_native_record,
+    record_view,
 )
 from dcp_tiered.dcp.metadata_io import check_metadata, load_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
@@ -51,13 +52,13 @@ class _Request:
     """One read item of a native record, with where its frames decode to."""
 
     req: ReadItem
-    record: dict
+    record: ItemRecord
     key: str
-    buf: np.ndarray  # uint8 destination covering frames [first_frame, last_frame]
+    buf: np.ndarray  # uint8 destination: the raw bytes of ``frames``
     tensor: torch.Tensor | None  # tensor whose bytes are ``buf`` (None for bytes items)
     direct: bool  # ``tensor`` is the planner's destination itself
     elem_skip: int  # elements of ``buf`` before the first requested element
-    first_frame: int = 0
+    frames: range  # the record's frames to decode into ``buf``
     frames_left: int = 0
 
 
@@ -133,7 +134,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
         self._tensor_dtypes: dict[str, torch.dtype] = {}
-        self._prefix_sums: dict[int, list[int]] = {}
+        self._items: dict[MetadataIndex, ItemView] = {}  # typed records, parsed once per load when first read
         self._codecs: dict[tuple[str, str, int], FrameCodec] = {}
 
     # -- DCP protocol ---------------------------------------------------------------
@@ -162,7 +163,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
             self.storage = self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
-        self._prefix_sums = {}
+        self._items = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -179,6 +180,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
                 raise CorruptCheckpointError(f"{self.storage.url}/{METADATA_FILE} has no storage records")
             self._validate(metadata, self.storage.url)
         self.storage_data = metadata.storage_data
+        self._items = {}
         self._chunk_sizes = chunk_sizes(metadata.state_dict_metadata)
         self._tensor_dtypes = {
             fqn: md.properties.dtype for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
@@ -203,13 +205,19 @@ class CompressedReader(UrlCheckpointId, StorageReader):
                 f"{self.storage.url}/{METADATA_FILE} has no storage record for {req.storage_index.fqn!r}"
             ) from None
 
+    def _item(self, req: ReadItem) -> ItemView:
+        """The typed record of ``req`` (validated with the metadata; parsed on first use)."""
+        item = self._items.get(req.storage_index)
+        if item is None:
+            item = self._items[req.storage_index] = record_view(self._record(req))
+        return item
+
     def _check_files(self, reqs: list[ReadItem]) -> None:
         """Every requested item must lie inside its data file: checked before anything is allocated."""
         by_file: dict[str, list[tuple[str, int]]] = {}
         for req in reqs:
-            rec = self._record(req)
-            name, end = (rec["file"], rec["offset"] + rec["length"]) if is_native_record(rec) else (rec.relative_path, rec.offset + rec.length)
-            by_file.setdefault(name, []).append((req.storage_index.fqn, end))
+            item = self._item(req)
+            by_file.setdefault(item.file, []).append((req.storage_index.fqn, item.end))
         for name, items in by_file.items():
             try:
                 size = self.storage.size(name)
@@ -230,7 +238,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         native, stock = [], []
         for req in plan.items:
-            (native if is_native_record(self._record(req)) else stock).append(req)
+            (native if self._item(req).native else stock).append(req)
         self._check_files(plan.items)
         for req in stock:
             self._read_stock(req, planner)
@@ -259,21 +267,14 @@ class CompressedReader(UrlCheckpointId, StorageReader):
                     if owner.frames_left == 0:
                         self._finish(owner, planner)
 
-    def _prefix(self, record: dict) -> list[int]:
-        key = id(record)
-        sums = self._prefix_sums.get(key)
-        if sums is None:
-            sums = self._prefix_sums[key] = [0, *itertools.accumulate(record["frames"])]
-        return sums
-
     def _plan_request(self, req: ReadItem, planner: LoadPlanner) -> _Request:
-        record = self._record(req)
+        record = self._item(req)
         key = req.storage_index.fqn
-        if record["kind"] == KIND_BYTES:
-            buf = np.empty(record["raw"], dtype=np.uint8)
-            return _Request(req, record, key, buf, None, False, 0)
-        shape = record["shape"]
-        itemsize = record["itemsize"]
+        if record.kind == KIND_BYTES:
+            buf = np.empty(record.raw_length, dtype=np.uint8)
+            return _Request(req, record, key, buf, None, False, 0, range(len(record.frame_lengths)))
+        shape = record.shape
+        itemsize = record.itemsize
         offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
         if len(offsets) != len(shape) or any(o + n > d for o, n, d in zip(offsets, lengths, shape)):
             raise CorruptCheckpointError(
@@ -288,13 +289,10 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         else:
             first = sum(o * s for o, s in zip(offsets, strides))
             last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides)) + 1
-        step = record["frame"] - record["frame"] % itemsize
-        f0 = (first * itemsize) // step
-        covered_start = f0 * step
-        covered_end = min(record["raw"], -(-(last * itemsize) // step) * step) if numel else covered_start
-        dtype = dtype_from_name(record["dtype"])
+        frames = record.frame_range(first * itemsize, last * itemsize)
+        dtype = record.stored_dtype
         target = planner.resolve_tensor(req).detach()
-        whole = numel * itemsize == record["raw"]
+        whole = numel * itemsize == record.raw_length
         if (
             whole
             and target.device.type == "cpu"
@@ -302,30 +300,22 @@ class CompressedReader(UrlCheckpointId, StorageReader):
             and target.is_contiguous()
             and tuple(target.shape) == tuple(lengths)
         ):
-            return _Request(req, record, key, writable_bytes(target), target, True, 0)
-        n_elems = (covered_end - covered_start) // itemsize
-        tmp = torch.empty(n_elems, dtype=dtype)
-        return _Request(req, record, key, writable_bytes(tmp), tmp, False, first - covered_start // itemsize, f0)
+            return _Request(req, record, key, writable_bytes(target), target, True, 0, frames)
+        covered_start, covered_end = record.raw_span(frames)
+        tmp = torch.empty((covered_end - covered_start) // itemsize, dtype=dtype)
+        return _Request(req, record, key, writable_bytes(tmp), tmp, False, first - covered_start // itemsize, frames)
 
     def _frame_tasks(self, r: _Request) -> list[_FrameTask]:
-        record = r.record
-        step = record["frame"] - record["frame"] % record["itemsize"]
-        sums = self._prefix(record)
-        f0 = r.first_frame
-        f1 = f0 + -(-r.buf.nbytes // step)
-        base = f0 * step
-        tasks = []
-        for i in range(f0, f1):
-            raw_s, raw_e = i * step - base, min(record["raw"], (i + 1) * step) - base
-            tasks.append(_FrameTask(record["offset"] + sums[i], record["frames"][i], i, r, raw_s, raw_e))
+        base = r.frames.start * r.record.frame_step
+        tasks = [_FrameTask(at, n, i, r, s - base, e - base) for i, at, n, s, e in r.record.frame_slices(r.frames)]
         r.frames_left = len(tasks)
         return tasks
 
     @staticmethod
     def _chunks(tasks: list[_FrameTask]) -> list[_ReadChunk]:
         out: list[_ReadChunk] = []
-        for t in sorted(tasks, key=lambda t: (t.owner.record["file"], t.file_offset)):
-            file = t.owner.record["file"]
+        for t in sorted(tasks, key=lambda t: (t.owner.record.file, t.file_offset)):
+            file = t.owner.record.file
             last = out[-1] if out else None
             end = t.file_offset + t.stored_len
             if last is not None and last.file == file and last.start <= t.file_offset <= last.end and end - last.start <= READ_CHUNK:
@@ -349,8 +339,8 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         r = t.owner
         rec = r.record
         stored = data[t.file_offset - chunk.start : t.file_offset - chunk.start + t.stored_len]
-        where = f"frame {t.index} of {r.key!r} in {self.storage.url_of(rec['file'])}"
-        if self.verify and not verify_frame(stored, rec["sums"][t.index]):
+        where = f"frame {t.index} of {r.key!r} in {self.storage.url_of(rec.file)}"
+        if self.verify and not verify_frame(stored, rec.frame_sums[t.index]):
             raise CorruptCheckpointError(
                 f"checksum mismatch in {where}: the file is corrupted; restore from another tier or an older step"
             )
@@ -361,22 +351,22 @@ class CompressedReader(UrlCheckpointId, StorageReader):
             raise CorruptCheckpointError(f"{where} does not decode: {exc}") from exc
         return r
 
-    def _codec(self, rec: dict) -> FrameCodec:
-        key = (rec["codec"], rec["filter"], rec["itemsize"])
+    def _codec(self, rec: ItemRecord) -> FrameCodec:
+        key = (rec.codec, rec.filter_name, rec.itemsize)
         codec = self._codecs.get(key)
         if codec is None:
             codec = self._codecs.setdefault(key, FrameCodec(*key))
         return codec
 
     def _finish(self, r: _Request, planner: LoadPlanner) -> None:
-        if r.record["kind"] == KIND_BYTES:
-            self._load_bytes(r.req, r.buf.tobytes(), planner, r.record)
+        if r.record.kind == KIND_BYTES:
+            self._load_bytes(r.req, r.buf.tobytes(), planner, self._record(r.req))
             return
         if r.direct:
             planner.commit_tensor(r.req, r.tensor)
             return
         lengths = tuple(r.req.lengths)
-        view = r.tensor[r.elem_skip :].as_strided(lengths, _strides(r.record["shape"])) if r.tensor.numel() else r.tensor.reshape(lengths)
+        view = r.tensor[r.elem_skip :].as_strided(lengths, _strides(r.record.shape)) if r.tensor.numel() else r.tensor.reshape(lengths)
         self._copy_into(r.req, view, planner)
 
     def _copy_into(self, req: ReadItem, tensor: torch.Tensor, planner: LoadPlanner) -> None:
@@ -393,18 +383,18 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         deliver(planner, req, data, record, self.safe_globals, self.storage.url)
 
     def _read_stock(self, req: ReadItem, planner: LoadPlanner) -> None:
-        info = self._record(req)
+        info: StockRecord = self._item(req)  # type: ignore[assignment]
         key = req.storage_index.fqn
-        name = safe_relative_name(info.relative_path, f"record of {key!r}")
-        data = self.storage.read_range(name, info.offset, info.offset + info.length)
+        name = safe_relative_name(info.file, f"record of {key!r}")
+        data = self.storage.read_range(name, info.offset, info.end)
         if len(data) != info.length:
             raise CorruptCheckpointError(
                 f"data file {self.storage.url_of(name)} is truncated at item {key!r}: {len(data)} of {info.length} bytes"
             )
         bound = stock_raw_bound(req, self._chunk_sizes, self._tensor_dtypes, info.length, self.max_object_bytes)
-        raw = decode_stock_item(data, info.transform_descriptors or (), bound, f"{key!r} in {self.storage.url_of(name)}")
+        raw = decode_stock_item(data, info.transforms, bound, f"{key!r} in {self.storage.url_of(name)}")
         if req.type == LoadItemType.BYTE_IO:
-            self._load_bytes(req, raw, planner, info)
+            self._load_bytes(req, raw, planner, self._record(req))
             return
         check_torch_payload(raw, f"tensor {key!r} in {self.storage.url_of(name)}")
         try:

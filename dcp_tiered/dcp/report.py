@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dcp_tiered.dcp.format import KIND_TENSOR, dtype_from_name
+from dcp_tiered.dcp.format import ItemRecord, record_view
 
 
 @dataclass
@@ -34,19 +34,18 @@ class SaveStats:
         return {**asdict(self), "ratio": round(self.ratio, 4)}
 
 
-def stats_from_records(records: Iterable[tuple[str, dict]]) -> SaveStats:
-    """Sum native records ``(key, record)`` into :class:`SaveStats`."""
+def stats_from_records(records: Iterable[tuple[str, "dict | ItemRecord"]]) -> SaveStats:
+    """Sum native records ``(key, record)`` (plain or typed) into :class:`SaveStats`."""
     stats = SaveStats()
     files = set()
-    for key, rec in records:
+    for key, value in records:
+        rec: ItemRecord = record_view(value)  # type: ignore[assignment]
         stats.items += 1
-        stats.encoded_bytes += rec["raw"]
-        stats.stored_bytes += rec["length"]
-        files.add(rec["file"])
-        raw = rec["raw"]
-        if rec["kind"] == KIND_TENSOR and rec.get("orig_dtype", rec["dtype"]) != rec["dtype"]:
-            raw = rec["raw"] // rec["itemsize"] * dtype_from_name(rec["orig_dtype"]).itemsize
+        stats.encoded_bytes += rec.raw_length
+        stats.stored_bytes += rec.length
+        files.add(rec.file)
+        if rec.downcast:
             stats.downcast.append(key)
-        stats.raw_bytes += raw
+        stats.raw_bytes += rec.orig_raw_length
     stats.files = len(files)
     return stats

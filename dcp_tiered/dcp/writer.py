@@ -23,9 +23,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_tiered.dcp.common import UrlCheckpointId, completed, lower_thread_priority
-from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, parse_codec
+from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, get_codec, parse_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size
-from dcp_tiered.dcp.format import DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, dtype_name
+from dcp_tiered.dcp.format import (
+    DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
+)
 from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
 from dcp_tiered.dcp.report import SaveStats, stats_from_records
@@ -274,12 +276,14 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md = {}
+        views = {}
         expected: dict[str, int] = {}
         for wr_list in results:
             for wr in wr_list:
                 storage_md[wr.index] = wr.storage_data
-                rec = wr.storage_data
-                expected[rec["file"]] = max(expected.get(rec["file"], 0), rec["offset"] + rec["length"])
+                rec = record_view(wr.storage_data)
+                views[wr.index] = rec
+                expected[rec.file] = max(expected.get(rec.file, 0), rec.end)
         for name, size in expected.items() if self.check_sizes else ():
             actual = self.storage.size(name)
             if actual != size:
@@ -297,7 +301,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             # The lock file goes only after a commit: a save that failed leaves it (unlocked) so
             # that a save which opened it meanwhile and one that would create it again never both run.
             self._release(committed=committed)
-        self.last_stats = stats_from_records((i.fqn, r) for i, r in storage_md.items())
+        self.last_stats = stats_from_records((i.fqn, r) for i, r in views.items())
         if self._replacing:
             for name in self.storage.listdir():
                 if name.endswith(DATA_SUFFIX) and name not in expected:
@@ -309,12 +313,13 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     # -- encoding -------------------------------------------------------------------
 
     def _item_source(self, item: WriteItem, planner: SavePlanner) -> tuple[Any, dict]:
-        """Resolve one item to (uint8 array, keep-alive, record fields)."""
+        """Resolve one item to (uint8 array, keep-alive, :class:`ItemRecord` fields)."""
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             raw, extra = encode_object(item, data, planner, self.safe_globals, self.storage.url)
             arr = np.frombuffer(raw, dtype=np.uint8)
-            return (arr, raw), {"kind": KIND_BYTES, "itemsize": 1, "filter": filter_for(False, 1), **extra}
+            return (arr, raw), {"kind": KIND_BYTES, "itemsize": 1, "filter_name": filter_for(False, 1),
+                                "object_kind": extra.get(OBJECT_FIELD)}
         if not isinstance(data, torch.Tensor):
             raise ConfigError(f"planner resolved tensor item {item.index.fqn!r} to {type(data).__name__}, not a tensor")
         arr, keep = tensor_bytes(data)
@@ -322,7 +327,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         fields = {
             "kind": KIND_TENSOR,
             "itemsize": keep.element_size(),
-            "filter": filter_for(keep.dtype.is_floating_point, keep.element_size(), self.byte_group and self.codec != "none"),
+            "filter_name": filter_for(keep.dtype.is_floating_point, keep.element_size(),
+                                      self.byte_group and get_codec(self.codec).compresses),
             "dtype": dtype_name(keep.dtype),
             "orig_dtype": dtype_name(orig),
             "shape": tuple(int(d) for d in keep.shape),
@@ -340,10 +346,10 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         def jobs(pool: ThreadPoolExecutor):
             for item in ordered:
                 (arr, keep), fields = self._item_source(item, planner)
-                key = (fields["filter"], fields["itemsize"])
+                key = (fields["filter_name"], fields["itemsize"])
                 fc = codecs.get(key) or codecs.setdefault(key, FrameCodec(self.codec, *key))
-                fields["frame"] = record_frame_size(arr.nbytes, self.frame_size)
-                bounds = frame_bounds(arr.nbytes, fields["frame"], fields["itemsize"])
+                fields["frame_size"] = record_frame_size(arr.nbytes, self.frame_size)
+                bounds = frame_bounds(arr.nbytes, fields["frame_size"], fields["itemsize"])
                 yield ("start", item, fields, arr.nbytes, len(bounds))
                 for s, e in bounds:
                     yield ("frame", pool.submit(fc.encode, arr[s:e]), keep)
@@ -393,18 +399,10 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         return results
 
     def _result(self, file_name: str, cur: dict) -> WriteResult:
-        fields = cur["fields"]
-        record = {
-            "fmt": FORMAT_VERSION,
-            "file": file_name,
-            "offset": cur["start"],
-            "length": sum(cur["frames"]),
-            "raw": cur["raw"],
-            "codec": self.codec,
-            "frames": tuple(cur["frames"]),
-            "sums": tuple(cur["sums"]),
-            "checksum": CHECKSUM_ALGORITHM,
-            **fields,
-        }
-        return WriteResult(index=cur["item"].index, size_in_bytes=record["length"], storage_data=record)
+        record = ItemRecord(
+            version=FORMAT_VERSION, file=file_name, offset=cur["start"], length=sum(cur["frames"]), raw_length=cur["raw"],
+            codec=self.codec, frame_lengths=tuple(cur["frames"]), frame_sums=tuple(cur["sums"]),
+            checksum=CHECKSUM_ALGORITHM, **cur["fields"],
+        )
+        return WriteResult(index=cur["item"].index, size_in_bytes=record.length, storage_data=record.to_builtin())
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
+from dcp_tiered.dcp.format import METADATA_FILE, record_view
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
@@ -92,14 +92,10 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
         info.keys = frozenset(md.state_dict_metadata)
         needed: dict[str, int] = {}
         codecs = set()
-        for rec in md.storage_data.values():
-            if is_native_record(rec):
-                needed[rec["file"]] = max(needed.get(rec["file"], 0), rec["offset"] + rec["length"])
-                codecs.add(rec["codec"])
-            else:
-                path = getattr(rec, "relative_path", "")
-                needed[path] = max(needed.get(path, 0), rec.offset + rec.length)
-                codecs.add("stock")
+        for value in md.storage_data.values():
+            item = record_view(value)
+            needed[item.file] = max(needed.get(item.file, 0), item.end)
+            codecs.add(item.codec if item.native else "stock")
         info.codec = ",".join(sorted(codecs)) or None
         missing = [f for f, size in needed.items() if files.get(f, -1) < size]
         info.complete = not missing

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
-from dcp_tiered.codecs import FrameCodec, frame_bounds, verify_frame
+from dcp_tiered.codecs import FrameCodec, get_codec, verify_frame
 from dcp_tiered.codecs.bytegroup import FILTER_NONE
+from dcp_tiered.dcp.format import record_view
 from dcp_tiered.errors import CorruptCheckpointError
 from dcp_tiered.storage import Storage
 
@@ -32,20 +31,21 @@ def copy_file(src: Storage, dst: Storage, name: str) -> int:
 def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[object, dict]], codec: str) -> tuple[int, list[tuple[object, dict]]]:
     """Decode every item of ``name`` (verifying checksums) and write it re-encoded with ``codec``.
 
-    Returns the bytes written and the new records (same keys, new offsets/lengths/frames).
+    ``records`` are validated native records (plain builtins) of ``name``.  Returns the bytes
+    written and the new records (same keys, new offsets/lengths/frames), as plain builtins.
     """
     out_records = []
     offset = 0
+    target = get_codec(codec)
     with dst.open_write(name) as f:
-        for key, rec in sorted(records, key=lambda kr: kr[1]["offset"]):
-            old = FrameCodec(rec["codec"], rec["filter"], rec["itemsize"])
-            new_filter = rec["filter"] if codec != "none" else FILTER_NONE
-            new = FrameCodec(codec, new_filter, rec["itemsize"])
-            starts = list(itertools.accumulate(rec["frames"], initial=rec["offset"]))
+        for key, rec in sorted(((k, record_view(r)) for k, r in records), key=lambda kr: kr[1].offset):
+            old = FrameCodec(rec.codec, rec.filter_name, rec.itemsize)
+            new_filter = rec.filter_name if target.compresses else FILTER_NONE
+            new = FrameCodec(target, new_filter, rec.itemsize)
             frames, sums = [], []
-            for i, (s, e) in enumerate(frame_bounds(rec["raw"], rec["frame"], rec["itemsize"])):
-                stored = src.read_range(rec["file"], starts[i], starts[i] + rec["frames"][i])
-                if len(stored) != rec["frames"][i] or not verify_frame(stored, rec["sums"][i]):
+            for i, at, stored_len, s, e in rec.frame_slices():
+                stored = src.read_range(rec.file, at, at + stored_len)
+                if len(stored) != stored_len or not verify_frame(stored, rec.frame_sums[i]):
                     raise CorruptCheckpointError(f"frame {i} of {key!r} in {src.url_of(name)} fails its checksum; not promoting it")
                 raw = np.empty(e - s, dtype=np.uint8)
                 old.decode(stored, raw)
@@ -54,8 +54,7 @@ def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[obj
                     f.write(piece)
                 frames.append(enc.stored_len)
                 sums.append(enc.digest)
-            length = sum(frames)
-            out_records.append((key, {**rec, "offset": offset, "length": length, "codec": str(new.codec),
-                                      "filter": new_filter, "frames": tuple(frames), "sums": tuple(sums)}))
-            offset += length
+            moved = rec.reencoded(target.spec, new_filter, offset, frames, sums)
+            out_records.append((key, moved.to_builtin()))
+            offset += moved.length
     return offset, out_records

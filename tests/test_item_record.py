@@ -1,0 +1,222 @@
+"""ItemRecord: the typed view of a format-1 item record, and StockRecord for stock DCP records."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from dcp_tiered import CompressedWriter
+from dcp_tiered.codecs import FILTERS
+from dcp_tiered.codecs.frames import stored_frame_bounds
+from dcp_tiered.dcp.format import (
+    KIND_BYTES,
+    KIND_TENSOR,
+    METADATA_FILE,
+    ItemRecord,
+    StockRecord,
+    check_record,
+    dtype_from_name,
+    native_files,
+    record_view,
+    records_in_file,
+)
+from dcp_tiered.dcp.metadata_io import decode_metadata
+from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
+
+GOLDEN = Path(__file__).parent / "golden" / "v1"
+_DTYPES = ["float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"]
+
+
+@st.composite
+def records(draw: st.DrawFn) -> dict:
+    """A valid native record of plain builtins, in the writer's field order."""
+    codec = draw(st.sampled_from(["none", "lz4", "zstd:1", "zstd:3"]))
+    frame = draw(st.integers(4096, 3 * 4096 + 5))
+    if draw(st.booleans()):
+        kind, dtype = KIND_TENSOR, draw(st.sampled_from(_DTYPES))
+        itemsize = dtype_from_name(dtype).itemsize
+        filt = draw(st.sampled_from(FILTERS)) if itemsize in (2, 4, 8) else "none"
+        shape = (*draw(st.lists(st.integers(0, 6), max_size=2)), draw(st.integers(0, 4000)))
+        raw = itemsize
+        for d in shape:
+            raw *= d
+    else:
+        kind, itemsize, filt, dtype, shape = KIND_BYTES, 1, "none", None, None
+        raw = draw(st.integers(0, 40000))
+    step = frame - frame % itemsize
+    seed = draw(st.integers(0, 2**64 - 1))
+    frames, sums = [], []
+    for i in range(-(-raw // step)):
+        lo, hi = stored_frame_bounds(codec, filt, itemsize, min(step, raw - i * step))
+        frames.append(lo + (seed + 7919 * i) % (hi - lo + 1))
+        sums.append((seed * (i + 3)) % 2**64)
+    rec = {"fmt": 1, "file": "__0_0.distcp", "offset": draw(st.integers(0, 1 << 40)), "length": sum(frames),
+           "raw": raw, "codec": codec, "frames": tuple(frames), "sums": tuple(sums)}
+    if draw(st.booleans()):
+        rec["checksum"] = "xxh3_64"
+    rec.update(kind=kind, itemsize=itemsize, filter=filt)
+    if kind == KIND_TENSOR:
+        rec.update(dtype=dtype, orig_dtype=draw(st.sampled_from([dtype, "float32", "float64"])), shape=shape)
+    elif draw(st.booleans()):
+        rec["object"] = "bytesio"
+    rec["frame"] = frame
+    return rec
+
+
+@settings(max_examples=200, deadline=None)
+@given(records())
+def test_builtin_and_json_round_trip(rec: dict) -> None:
+    item = ItemRecord.from_builtin(rec, "w", "ckpt")
+    assert check_record(rec, "w", "ckpt") is rec
+    back = item.to_builtin()
+    assert back == rec and list(back) == list(rec)  # same fields, same order: .metadata bytes unchanged
+    assert ItemRecord.from_json(json.loads(json.dumps(item.to_json())), "w", "intent") == item
+    assert record_view(rec) == item and record_view(item) is item
+    assert item.native and item.end == rec["offset"] + rec["length"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(records(), st.sampled_from(["none", "lz4", "zstd:7"]), st.integers(0, 1 << 40))
+def test_same_item_whatever_its_encoding(rec: dict, codec: str, offset: int) -> None:
+    item = ItemRecord.from_checked(rec)
+    moved = item.reencoded(codec, "none", offset, (5,) * len(rec["frames"]), (1,) * len(rec["frames"]))
+    assert moved.same_item_as(item) and item.same_item_as(moved) and item.same_item_as(item)
+    assert moved.length == 5 * len(rec["frames"]) and moved.frame_starts()[0] == offset
+    other = ItemRecord.from_checked({**rec, "raw": rec["raw"] + 1, "file": "__1_0.distcp"})
+    assert not other.same_item_as(item)
+    data = {"a": rec, "b": {**rec, "file": "__1_0.distcp"}, "c": _StorageInfo("__0_0.distcp", 0, 1)}
+    assert records_in_file(data, "__0_0.distcp") == {"a": rec}
+    assert native_files(data) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_unknown_fields_are_kept() -> None:
+    rec = {"fmt": 1, "file": "a.distcp", "offset": 0, "length": 0, "raw": 0, "codec": "zstd:3", "frames": (),
+           "sums": (), "kind": KIND_BYTES, "itemsize": 1, "filter": "none", "frame": 4096, "future": [1, 2]}
+    item = ItemRecord.from_builtin(rec, "k", "ckpt")
+    assert item.extra == (("future", [1, 2]),)
+    assert item.to_builtin() == rec
+    assert item.reencoded("lz4", "none", 10, (), ()).to_builtin() == {**rec, "codec": "lz4", "offset": 10}
+
+
+@settings(max_examples=300, deadline=None)
+@given(records(), st.data())
+def test_frame_range_covers_exactly_the_requested_bytes(rec: dict, data: st.DataObject) -> None:
+    item = ItemRecord.from_checked(rec)
+    start = data.draw(st.integers(0, item.raw_length))
+    end = data.draw(st.integers(start, item.raw_length))
+    frames = item.frame_range(start, end)
+    lo, hi = item.raw_span(frames)
+    if start == end:
+        assert not frames and lo == hi
+        return
+    assert lo <= start and end <= hi <= item.raw_length
+    spans = [(s, e) for _, _, _, s, e in item.frame_slices(frames)]
+    assert spans[0][0] == lo and spans[-1][1] == hi
+    assert all(s < end and e > start for s, e in spans)  # no frame that the request does not touch
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(records(), st.integers(1, 40000))
+def test_frames_tile_the_item_and_batches_tile_the_frames(rec: dict, limit: int) -> None:
+    item = ItemRecord.from_checked(rec)
+    slices = list(item.frame_slices())
+    assert [i for i, *_ in slices] == list(range(len(rec["frames"])))
+    assert [(at, n) for _, at, n, _, _ in slices] == [
+        (rec["offset"] + sum(rec["frames"][:i]), n) for i, n in enumerate(rec["frames"])]
+    raw_edges = [(s, e) for *_, s, e in slices]
+    assert all(a[1] == b[0] for a, b in zip(raw_edges, raw_edges[1:]))
+    assert (raw_edges[0][0], raw_edges[-1][1]) == (0, rec["raw"]) if slices else rec["raw"] == 0
+    assert all(e - s == item.frame_step for s, e in raw_edges[:-1])
+    starts = item.frame_starts()
+    batches = list(item.read_batches(limit))
+    assert [i for b in batches for i in b] == list(range(len(rec["frames"])))
+    assert all(len(b) == 1 or starts[b.stop] - starts[b.start] <= limit for b in batches)
+
+
+_BAD = [  # (mutation, expected error)
+    (lambda r: r.update(fmt=2), UnsupportedFormatError),
+    (lambda r: r.update(fmt="1"), UnsupportedFormatError),
+    (lambda r: r.pop("fmt"), UnsupportedFormatError),
+    (lambda r: r.pop("sums"), CorruptCheckpointError),
+    (lambda r: r.update(kind="blob"), UnsupportedFormatError),
+    (lambda r: r.update(filter="rle"), UnsupportedFormatError),
+    (lambda r: r.update(codec="brotli"), UnsupportedFormatError),
+    (lambda r: r.update(codec=3), CorruptCheckpointError),
+    (lambda r: r.update(offset=-1), CorruptCheckpointError),
+    (lambda r: r.update(offset=True), CorruptCheckpointError),
+    (lambda r: r.update(raw=1 << 62), CorruptCheckpointError),
+    (lambda r: r.update(frame=100), CorruptCheckpointError),
+    (lambda r: r.update(itemsize=3), CorruptCheckpointError),
+    (lambda r: r.update(frames=list(r["frames"])), CorruptCheckpointError),
+    (lambda r: r.update(sums=r["sums"] + (1,)), CorruptCheckpointError),
+    (lambda r: r.update(length=r["length"] + 1), CorruptCheckpointError),
+    (lambda r: r.update(frames=r["frames"] + (0,), sums=r["sums"] + (0,)), CorruptCheckpointError),
+]
+_BAD_TENSOR = [
+    (lambda r: r.update(dtype="float128"), UnsupportedFormatError),
+    (lambda r: r.update(orig_dtype="nope"), UnsupportedFormatError),
+    (lambda r: r.update(shape=list(r["shape"])), CorruptCheckpointError),
+    (lambda r: r.update(shape=(*r["shape"], 2)), CorruptCheckpointError),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(records(), st.data())
+def test_invalid_records_raise_this_packages_errors(rec: dict, data: st.DataObject) -> None:
+    mutate, error = data.draw(st.sampled_from(_BAD + (_BAD_TENSOR if rec["kind"] == KIND_TENSOR and rec["raw"] else [])))
+    bad = dict(rec)
+    mutate(bad)
+    for parse in (lambda: ItemRecord.from_builtin(bad, "w", "ckpt"), lambda: check_record(bad, "w", "ckpt")):
+        with pytest.raises((CorruptCheckpointError, UnsupportedFormatError)) as info:
+            parse()
+        assert info.type is error and "'w'" in str(info.value) and "ckpt" in str(info.value), (bad, info.value)
+
+
+def test_bytes_item_size_cap() -> None:
+    rec = {"fmt": 1, "file": "a.distcp", "offset": 0, "length": 8204, "raw": 8192, "codec": "none",
+           "frames": (4102, 4102), "sums": (1, 2), "kind": KIND_BYTES, "itemsize": 1, "filter": "none", "frame": 4096}
+    ItemRecord.from_builtin(rec, "k", "ckpt")
+    with pytest.raises(CorruptCheckpointError, match="max_object_bytes"):
+        ItemRecord.from_builtin(rec, "k", "ckpt", max_object_bytes=4096)
+    ItemRecord.from_json(rec, "k", "intent", max_object_bytes=None)
+
+
+def test_stock_records_have_the_same_view(tmp_path: Path) -> None:
+    info = _StorageInfo(relative_path="__0_0.distcp", offset=5, length=10, transform_descriptors=["stream.zstd/1"])
+    view = record_view(info)
+    assert view == StockRecord("__0_0.distcp", 5, 10, ("stream.zstd/1",))
+    assert (view.file, view.offset, view.length, view.end, view.native) == ("__0_0.distcp", 5, 10, 15, False)
+    dcp.save({"w": torch.arange(100.0), "step": 3}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    md = decode_metadata((tmp_path / METADATA_FILE).read_bytes(), "stock")
+    views = [record_view(r) for r in md.storage_data.values()]
+    assert views and all(not v.native and v.end <= (tmp_path / v.file).stat().st_size for v in views)
+
+
+_HEAD = ["fmt", "file", "offset", "length", "raw", "codec", "frames", "sums", "checksum", "kind", "itemsize", "filter"]
+#: The field order of records written today (pickled into .metadata as is).
+_WRITTEN = {"w": [*_HEAD, "dtype", "orig_dtype", "shape", "frame"], "step": [*_HEAD, "frame"],
+            "b": [*_HEAD, "object", "frame"]}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in GOLDEN.iterdir()))
+def test_golden_records_round_trip(name: str) -> None:
+    md = decode_metadata((GOLDEN / name / METADATA_FILE).read_bytes(), name)
+    for index, rec in md.storage_data.items():
+        item = ItemRecord.from_builtin(rec, index.fqn, name)
+        assert item.to_builtin() == rec and record_view(rec) == item
+
+
+def test_writer_records_keep_their_fields_and_order(tmp_path: Path) -> None:
+    state = {"w": torch.arange(5000.0), "step": 3, "b": io.BytesIO(b"abc")}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path), no_dist=True)
+    md = decode_metadata((tmp_path / METADATA_FILE).read_bytes(), "new")
+    assert {i.fqn: list(r) for i, r in md.storage_data.items()} == _WRITTEN
