@@ -113,7 +113,7 @@ class _Scan:
     Plain ints and arrays, so the scan allocates no objects the garbage collector has to walk.
     :meth:`run` handles the commonest opcodes inline (a call per opcode would slow the scan
     down); the other opcode families have one method each (``_on_*``, found through
-    ``_handlers``), returning the number of objects they create.  ``fresh`` in :meth:`run`: the
+    ``_HANDLERS``), returning the number of objects they create.  ``fresh`` in :meth:`run`: the
     top of the stack was just pushed by an opcode that creates a memoizable object.
     """
 
@@ -128,17 +128,10 @@ class _Scan:
         self.memo: dict[int, int] = {}
         self.depths = [0]
         self.was_placed = bytearray(1)
-        self._handlers: list[Any] = [None] * 15
-        for kind, handler in (
-            (_FROM_MARK, self._on_from_mark), (_MUTATE, self._on_mutate),
-            (_MUTATE_MARK, self._on_mutate_mark), (_POP, self._on_pop), (_POP_MARK, self._on_pop_mark),
-            (_DUP, self._on_dup), (_POP1_PUSH, self._on_persid), (_MEMOIZE, self._on_put), (_GET, self._on_get),
-        ):
-            self._handlers[kind] = handler
 
     def run(self, start: int) -> int:
         """Scan the pickle at ``start``; the offset just past its STOP."""
-        data, end, ops, handlers = self.data, len(self.data), _OPS, self._handlers
+        data, end, ops, handlers = self.data, len(self.data), _OPS, _HANDLERS
         stack, memo, marks, depths, was_placed = self.stack, self.memo, self.marks, self.depths, self.was_placed
         append, max_depth, max_objects = stack.append, self.max_depth, self.max_objects
         objects, fresh, i = 0, False, start
@@ -213,7 +206,7 @@ class _Scan:
             elif kind == _STOP:
                 return self._on_stop(i)
             else:
-                objects += handlers[kind](entry, at, i, was_fresh)
+                objects += handlers[kind](self, entry, at, i, was_fresh)
             if objects > max_objects:
                 raise self.too_many("creates", "objects")
 
@@ -345,6 +338,17 @@ class _Scan:
             raise pickle.UnpicklingError(f"{entry[5]} on an empty stack")
         self.stack[-1] = self.node(self.placed(self.stack[-1:]) + 1)
         return 0
+
+
+# opcode class -> the _Scan method applying it (the classes run() does not handle inline)
+_HANDLERS: list[Any] = [None] * 15
+for _kind, _handler in (
+    (_FROM_MARK, _Scan._on_from_mark), (_MUTATE, _Scan._on_mutate), (_MUTATE_MARK, _Scan._on_mutate_mark),
+    (_POP, _Scan._on_pop), (_POP_MARK, _Scan._on_pop_mark), (_DUP, _Scan._on_dup), (_POP1_PUSH, _Scan._on_persid),
+    (_MEMOIZE, _Scan._on_put), (_GET, _Scan._on_get),
+):
+    _HANDLERS[_kind] = _handler
+del _kind, _handler
 
 
 def _arg_end(data: bytes, at: int, layout: int, width: int, name: str) -> int:
