@@ -66,3 +66,8 @@ class RestoreError(DcpTieredError, RuntimeError):
 
     def __reduce__(self):  # picklable across processes with its candidates
         return (type(self), (str(self), self.candidates))
+
+
+class LeaderLoadError(DcpTieredError, RuntimeError):
+    """Raised on the receivers of a ``load_and_broadcast`` group whose leader failed to load
+    (its error is in the message)."""
