@@ -79,3 +79,8 @@ class MissingFileError(StorageError, FileNotFoundError):
 class PromotionIOError(PromotionError, StorageError):
     """A :class:`PromotionError` whose every failure is a storage failure (unreachable URL, I/O error, full
     disk) that outlasted its retries; also an ``OSError``, with the first failure as ``__cause__``."""
+
+
+class LeaderLoadError(DcpTieredError, RuntimeError):
+    """Raised on the receivers of a ``load_and_broadcast`` group whose leader failed to load
+    (its error is in the message)."""

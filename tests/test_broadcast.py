@@ -31,7 +31,8 @@ from dcp_tiered import (
     CompressedWriter,
     ConfigError,
 )
-from dcp_tiered.dcp.broadcast import LeaderLoadError, _plan_buckets, load_and_broadcast
+from dcp_tiered.dcp.broadcast import LeaderLoadError, load_and_broadcast
+from dcp_tiered.dcp.bucket_broadcast import plan_buckets
 
 SPAWN_TIMEOUT = 240.0
 WS = 4
@@ -436,10 +437,10 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_bucket_plan() -> None:
-    plan = _plan_buckets([10, 0, 30, 100, 5, 5], 40)
+    plan = plan_buckets([10, 0, 30, 100, 5, 5], 40)
     assert plan == [[(0, 0, 10), (2, 0, 30)], [(3, 0, 40)], [(3, 40, 80)], [(3, 80, 100)], [(4, 0, 5), (5, 0, 5)]]
     for sizes in ([1] * 100, [39, 2, 41, 0, 80]):
-        plan = _plan_buckets(sizes, 40)
+        plan = plan_buckets(sizes, 40)
         assert all(sum(e - s for _, s, e in b) <= 40 for b in plan)
         covered: dict[int, int] = {}
         for b in plan:

@@ -502,7 +502,7 @@ def test_structure_scan_refusals_and_real_pickles():
 
     from dcp_tiered import CorruptCheckpointError as Corrupt
     from dcp_tiered import UnsafeCheckpointError as Unsafe
-    from dcp_tiered.dcp.safe_pickle import check_pickle_structure, check_torch_payload
+    from dcp_tiered.dcp.pickle_scan import check_pickle_structure, check_torch_payload
 
     def refused(data: bytes, needle: str, cls: type = Unsafe) -> None:
         with pytest.raises(cls, match=needle):

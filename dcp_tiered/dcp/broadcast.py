@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -26,19 +26,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.storage import StorageReader
 
+from dcp_tiered.dcp.bucket_broadcast import broadcast_tensors
 from dcp_tiered.dcp.objects import normalize_safe_globals
-from dcp_tiered.dcp.statedict import expand_stateful
-from dcp_tiered.errors import ConfigError, DcpTieredError
+from dcp_tiered.dcp.statedict import Path_, expand_stateful, leaves_by_path, set_leaf
+from dcp_tiered.errors import ConfigError, LeaderLoadError
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "BroadcastStats", "LeaderLoadError", "load_and_broadcast"]
 
 #: Default bucket size: bounds the extra memory a broadcast needs on every rank.
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 ReaderSource = Union[StorageReader, "str", "os.PathLike[str]", Callable[[], StorageReader]]
-Path_ = tuple  # a path of mapping keys and list indices from the state dict root
-
-
-class LeaderLoadError(DcpTieredError, RuntimeError):
-    """Raised on the receivers of a group whose leader failed to load (its error is in the message)."""
 
 
 @dataclass
@@ -55,42 +53,7 @@ class BroadcastStats:
     broadcast_s: float = 0.0
 
 
-# -- state dict traversal ----------------------------------------------------------------------
-
-
-def _is_container(value: Any) -> bool:
-    """DCP's traversal rule: mappings are traversed; a list is traversed when it holds (at any
-    depth) a tensor or a mapping; everything else (tuples too) is a leaf."""
-    if isinstance(value, Mapping):
-        return True
-    if not isinstance(value, list):
-        return False
-    return any(isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and _is_container(v)) for v in value)
-
-
-def _leaves(state_dict: Mapping[str, Any]) -> dict[Path_, Any]:
-    out: dict[Path_, Any] = {}
-
-    def walk(path: Path_, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(path + (k,), v)
-        elif _is_container(value):
-            for i, v in enumerate(value):
-                walk(path + (i,), v)
-        else:
-            out[path] = value
-
-    for k, v in state_dict.items():
-        walk((k,), v)
-    return out
-
-
-def _set(state_dict: Any, path: Path_, value: Any) -> None:
-    parent = state_dict
-    for k in path[:-1]:
-        parent = parent[k]
-    parent[path[-1]] = value
+# -- structure: what the leader describes and every receiver checks --------------------------------
 
 
 def _name(path: Path_) -> str:
@@ -214,45 +177,6 @@ def _reader(source: ReaderSource, storage_options: dict | None, threads: int | N
     )
 
 
-# -- buckets ---------------------------------------------------------------------------------------
-
-
-def _plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
-    """Buckets of (tensor index, byte start, byte end) segments, each at most ``bucket_bytes``.
-
-    Small tensors are packed together and never split; a tensor of ``bucket_bytes`` or more
-    starts a bucket of its own and is sent in whole-bucket slices (straight from and into the
-    tensor when it is contiguous on the communication device).
-    """
-    buckets: list[list[tuple[int, int, int]]] = []
-    cur: list[tuple[int, int, int]] = []
-    used = 0
-    for i, n in enumerate(sizes):
-        if n == 0:
-            continue
-        if n >= bucket_bytes:
-            if cur:
-                buckets.append(cur)
-                cur, used = [], 0
-            for s in range(0, n, bucket_bytes):
-                buckets.append([(i, s, min(n, s + bucket_bytes))])
-            continue
-        if used + n > bucket_bytes:
-            buckets.append(cur)
-            cur, used = [], 0
-        cur.append((i, 0, n))
-        used += n
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes."""
-    flat = t.detach().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
 def load_and_broadcast(
     state_dict: dict[str, Any],
     storage_reader: ReaderSource,
@@ -301,138 +225,123 @@ def load_and_broadcast(
     # Every rank expands its own Stateful objects; finish() calls their load_state_dict at the end.
     state_dict, finish = expand_stateful(state_dict, nested=False)  # as dcp.load does
 
-    def load_alone(ranks: list[int]) -> BroadcastStats:
-        _describe(_leaves(state_dict))  # same refusal of sharded state as with a group
-        t0 = time.perf_counter()
-        reader = _reader(storage_reader, storage_options, threads, safe_globals)
+    def load(reader_threads: int | None) -> None:
+        reader = _reader(storage_reader, storage_options, reader_threads, safe_globals)
         dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
-        finish()
-        return BroadcastStats(True, ranks, ranks[0], load_s=time.perf_counter() - t0)
 
     if not (dist.is_available() and dist.is_initialized()):
-        return load_alone([0])
-
+        return _load_alone(state_dict, load, threads, finish, [0])
     group = _my_group(process_group)
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     if not 0 <= src < len(ranks):
         raise ConfigError(f"load_and_broadcast: src={src} is not a rank of a group of {len(ranks)} ranks")
     if len(ranks) == 1:
-        return load_alone(list(ranks))
-    leader = ranks[src]
-    me = dist.get_rank()
-    stats = BroadcastStats(me == leader, list(ranks), leader)
-    device = _comm_device(group)
-
-    # 1. The leader loads; the header carries its outcome, structure and non-tensor values.
-    header: dict[str, Any]
+        return _load_alone(state_dict, load, threads, finish, list(ranks))
+    g = _Group(group, list(ranks), ranks[src], _comm_device(group))
+    stats = BroadcastStats(dist.get_rank() == g.leader, list(ranks), g.leader)
     if stats.leader:
-        t0 = time.perf_counter()
-        failure: BaseException | None = None
-        try:
-            _describe(_leaves(state_dict))  # refuse sharded state before reading anything
-            reader = _reader(storage_reader, storage_options, threads or _leader_threads(len(ranks)), safe_globals)
-            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
-        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException;
-            failure = exc  # every failure is reported to the receivers first (else they would wait), then re-raised
-        stats.load_s = time.perf_counter() - t0
-        if failure is not None:
-            header = {"error": f"{type(failure).__name__}: {failure}", "config": isinstance(failure, ConfigError)}
-        else:
-            leaves = _leaves(state_dict)
-            desc = _describe(leaves)
-            header = {
-                "error": None,
-                "desc": desc,
-                "objects": {p: leaves[p] for p, dtype, _ in desc if dtype is None},
-            }
-        box: list[Any] = [header]
-        dist.broadcast_object_list(box, src=leader, group=group, device=device)
-        if failure is not None:
-            raise failure
+        header = _leader_load(state_dict, lambda: load(threads or _leader_threads(len(g.ranks))), g, stats)
     else:
-        box = [None]
-        dist.broadcast_object_list(box, src=leader, group=group, device=device)
-        header = box[0]
-        if header["error"] is not None:
-            if header["config"]:  # e.g. sharded state: the same mistake on every rank
-                raise ConfigError(f"the leader (rank {leader}) of this rank's group refused: {header['error']}")
-            raise LeaderLoadError(f"the leader (rank {leader}) of this rank's group failed to load: {header['error']}")
+        header = _receive_header(g)
+    mine = leaves_by_path(state_dict)
+    _agree_on_structure(header["desc"], mine, stats.leader, g)
+    _deliver(state_dict, header, mine, bucket_bytes, stats, g)
+    finish()  # Stateful objects take their loaded state, on every rank
+    return stats
 
-    # 2. Every rank checks its structure against the leader's; all of the group agree first.
-    desc = header["desc"]
-    mine = _leaves(state_dict)
+
+@dataclass(frozen=True)
+class _Group:
+    """This rank's broadcast group: the process group (None: the default one), its global
+    ranks, the global rank of its leader, and the device collectives run on."""
+
+    group: Any
+    ranks: list[int]
+    leader: int
+    device: torch.device
+
+
+def _load_alone(state_dict: dict[str, Any], load: Callable[[int | None], None], threads: int | None,
+                finish: Callable[[], None], ranks: list[int]) -> BroadcastStats:
+    """No one to broadcast to: a plain load (sharded state refused as with a group)."""
+    _describe(leaves_by_path(state_dict))
+    t0 = time.perf_counter()
+    load(threads)
+    finish()
+    return BroadcastStats(True, ranks, ranks[0], load_s=time.perf_counter() - t0)
+
+
+def _leader_load(state_dict: dict[str, Any], load: Callable[[], None], g: _Group, stats: BroadcastStats) -> dict:
+    """The leader loads, then broadcasts the header: its outcome, structure and non-tensor values.
+
+    Every failure is reported to the receivers first (else they would wait), then re-raised.
+    """
+    t0 = time.perf_counter()
+    failure: BaseException | None = None
+    try:
+        _describe(leaves_by_path(state_dict))  # refuse sharded state before reading anything
+        load()
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        failure = exc
+    stats.load_s = time.perf_counter() - t0
+    if failure is not None:
+        header = {"error": f"{type(failure).__name__}: {failure}", "config": isinstance(failure, ConfigError)}
+    else:
+        leaves = leaves_by_path(state_dict)
+        desc = _describe(leaves)
+        header = {
+            "error": None,
+            "desc": desc,
+            "objects": {p: leaves[p] for p, dtype, _ in desc if dtype is None},
+        }
+    box: list[Any] = [header]
+    dist.broadcast_object_list(box, src=g.leader, group=g.group, device=g.device)
+    if failure is not None:
+        raise failure
+    return header
+
+
+def _receive_header(g: _Group) -> dict:
+    """A receiver gets the leader's header; raises when the leader failed."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=g.leader, group=g.group, device=g.device)
+    header = box[0]
+    if header["error"] is not None:
+        if header["config"]:  # e.g. sharded state: the same mistake on every rank
+            raise ConfigError(f"the leader (rank {g.leader}) of this rank's group refused: {header['error']}")
+        raise LeaderLoadError(f"the leader (rank {g.leader}) of this rank's group failed to load: {header['error']}")
+    return header
+
+
+def _agree_on_structure(desc: list, mine: dict[Path_, Any], leader: bool, g: _Group) -> None:
+    """Every rank checks its structure against the leader's; all of the group agree before any
+    tensor moves, and all raise :class:`ConfigError` naming every rank that differs."""
     problem = None
-    if not stats.leader:
+    if not leader:
         try:
             _describe(mine)
             problem = _mismatch(desc, mine)
         except ConfigError as exc:
             problem = str(exc)
-    problems: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(problems, problem, group=group)
-    bad = {r: p for r, p in zip(ranks, problems) if p is not None}
+    problems: list[Any] = [None] * len(g.ranks)
+    dist.all_gather_object(problems, problem, group=g.group)
+    bad = {r: p for r, p in zip(g.ranks, problems) if p is not None}
     if bad:
         detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items()))
-        raise ConfigError(f"load_and_broadcast: state dicts differ from the leader's (rank {leader}): {detail}")
+        raise ConfigError(f"load_and_broadcast: state dicts differ from the leader's (rank {g.leader}): {detail}")
 
-    # 3. Non-tensor values: replaced by the leader's.
+
+def _deliver(state_dict: dict[str, Any], header: dict, mine: dict[Path_, Any], bucket_bytes: int,
+             stats: BroadcastStats, g: _Group) -> None:
+    """Receivers take the leader's non-tensor values; the tensors go from the leader in buckets."""
     if not stats.leader:
         for path, value in header["objects"].items():
-            _set(state_dict, path, value)
-
-    # 4. Tensors, in buckets.
+            set_leaf(state_dict, path, value)
     t0 = time.perf_counter()
-    tensors = [mine[p] for p, dtype, _ in desc if dtype is not None]
+    tensors = [mine[p] for p, dtype, _ in header["desc"] if dtype is not None]
     sizes = [t.numel() * t.element_size() for t in tensors]
-    buckets = _plan_buckets(sizes, bucket_bytes)
-    staging: dict[int, torch.Tensor] = {}  # receivers: contiguous stand-ins for tensors that are not
-
-    def source_bytes(i: int) -> torch.Tensor:
-        t = tensors[i]
-        if not (t.is_contiguous() and t.device == device):
-            t = staging.get(i) if i in staging else staging.setdefault(i, t.detach().to(device).contiguous())
-        return _byte_view(t)
-
-    def dest_bytes(i: int) -> torch.Tensor:
-        t = tensors[i]
-        if t.is_contiguous() and t.device == device:
-            return _byte_view(t)
-        if i not in staging:
-            staging[i] = torch.empty(t.shape, dtype=t.dtype, device=device)
-        return _byte_view(staging[i])
-
-    buf: torch.Tensor | None = None
-    with torch.no_grad():
-        for bucket in buckets:
-            if len(bucket) == 1:
-                i, s, e = bucket[0]
-                view = (source_bytes(i) if stats.leader else dest_bytes(i))[s:e]
-                dist.broadcast(view, src=leader, group=group)
-            else:
-                n = sum(e - s for _, s, e in bucket)
-                if buf is None:
-                    buf = torch.empty(min(bucket_bytes, sum(sizes)), dtype=torch.uint8, device=device)
-                flat = buf[:n]
-                if stats.leader:
-                    off = 0
-                    for i, s, e in bucket:
-                        flat[off:off + e - s].copy_(source_bytes(i)[s:e])
-                        off += e - s
-                dist.broadcast(flat, src=leader, group=group)
-                if not stats.leader:
-                    off = 0
-                    for i, s, e in bucket:
-                        dest_bytes(i)[s:e].copy_(flat[off:off + e - s])
-                        off += e - s
-            for i, _, e in bucket:
-                # a staged tensor is complete once its last byte went out or arrived
-                if i in staging and e == sizes[i]:
-                    done = staging.pop(i)
-                    if not stats.leader:
-                        tensors[i].copy_(done)
+    stats.buckets = broadcast_tensors(tensors, sizes, bucket_bytes, leader=stats.leader, src=g.leader,
+                                      group=g.group, device=g.device)
     stats.tensors = len(tensors)
     stats.bytes_sent = sum(sizes)
-    stats.buckets = len(buckets)
     stats.broadcast_s = time.perf_counter() - t0
-    finish()  # Stateful objects take their loaded state, on every rank
-    return stats

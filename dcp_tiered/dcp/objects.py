@@ -31,7 +31,7 @@ from typing import Any, Union
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem, SavePlanner, WriteItem
 
-from dcp_tiered.dcp.safe_pickle import check_torch_payload
+from dcp_tiered.dcp.pickle_scan import check_torch_payload
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError, UnsafeObjectError, UnsupportedFormatError
 
 #: Record field telling how a bytes item's raw bytes encode its value (absent: ``torch.save``).

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+Path_ = tuple  # a path of mapping keys and list indices from the state dict root
+
 
 def is_stateful(value: Any) -> bool:
     """Whether DCP treats ``value`` as a ``Stateful`` (it calls ``state_dict()``/``load_state_dict()``)."""
@@ -59,6 +61,34 @@ def flatten_keys(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
     for k, v in state_dict.items():
         walk(f"{prefix}{k}", v)
     return out
+
+
+def leaves_by_path(state_dict: Mapping[str, Any]) -> dict[Path_, Any]:
+    """Every leaf of ``state_dict`` by its path, traversed as DCP does (``Stateful`` objects are
+    not expanded: see :func:`expand_stateful`)."""
+    out: dict[Path_, Any] = {}
+
+    def walk(path: Path_, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(path + (k,), v)
+        elif not _is_leaf(value):
+            for i, v in enumerate(value):
+                walk(path + (i,), v)
+        else:
+            out[path] = value
+
+    for k, v in state_dict.items():
+        walk((k,), v)
+    return out
+
+
+def set_leaf(state_dict: Any, path: Path_, value: Any) -> None:
+    """Replace the leaf at ``path`` (as :func:`leaves_by_path` names it) with ``value``."""
+    parent = state_dict
+    for k in path[:-1]:
+        parent = parent[k]
+    parent[path[-1]] = value
 
 
 def expand_stateful(state_dict: Mapping[str, Any], *, nested: bool = True) -> tuple[Mapping[str, Any], Callable[[], None]]:
