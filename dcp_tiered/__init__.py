@@ -24,6 +24,8 @@ from dcp_tiered.errors import (
     UnsafeObjectError,
     RestoreError,
     PromotionIOError,
+    LeaderLoadError,
+    MissingFileError,
 )
 
 __version__ = "0.1.0"
@@ -31,6 +33,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "CompressedWriter": "dcp_tiered.dcp.writer",
     "CompressedReader": "dcp_tiered.dcp.reader",
+    "CheckpointerOptions": "dcp_tiered.tiers.options",
+    "Codec": "dcp_tiered.codecs",
+    "register_codec": "dcp_tiered.codecs",
+    "get_codec": "dcp_tiered.codecs",
     "DowncastSavePlanner": "dcp_tiered.dcp.planners",
     "DowncastReport": "dcp_tiered.dcp.planners",
     "SaveStats": "dcp_tiered.dcp.report",
@@ -40,7 +46,6 @@ _LAZY = {
     "SaveReport": "dcp_tiered.tiers.report",
     "CheckpointInfo": "dcp_tiered.tiers.catalog",
     "load_and_broadcast": "dcp_tiered.dcp.broadcast",
-    "LeaderLoadError": "dcp_tiered.dcp.broadcast",
     "numpy_safe_globals": "dcp_tiered.dcp.objects",
 }
 
@@ -55,6 +60,7 @@ __all__ = [
     "DowncastReport",
     "DowncastSavePlanner",
     "LeaderLoadError",
+    "MissingFileError",
     "load_and_broadcast",
     "PromotionError",
     "SaveError",
@@ -73,6 +79,10 @@ __all__ = [
     "numpy_safe_globals",
     "RestoreError",
     "PromotionIOError",
+    "CheckpointerOptions",
+    "Codec",
+    "register_codec",
+    "get_codec",
 ]
 
 

@@ -36,7 +36,7 @@ from dcp_tiered.dcp.format import (
 )
 from dcp_tiered.dcp.metadata_io import check_metadata, load_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
-from dcp_tiered.dcp.safe_pickle import check_torch_payload
+from dcp_tiered.dcp.pickle_scan import check_torch_payload
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
 from dcp_tiered.dcp.writer import default_threads
