@@ -422,7 +422,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         problems = result.problems
         verified.append({"tier": t.name, "step": newest.step, "ok": not problems, "problems": problems, **result.counts()})
         print(f"{t.name:<8} step {newest.step}: {'OK' if not problems else 'PROBLEMS: ' + '; '.join(problems)} "
-              f"({result.frames} frames checksummed)", file=out, flush=True)
+              f"({result.counts_text(human_bytes)})", file=out, flush=True)
     check = summary.get("resume_check") or {}
     ok = bool(check.get("equal")) and all(v["ok"] for v in verified)
     result = {"ok": ok, "dir": root, "seconds": round(time.perf_counter() - t0, 1), "crash_step": preset["crash"],
