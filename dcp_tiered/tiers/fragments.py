@@ -53,7 +53,8 @@ def changed_items(file: str, new: dict, old: dict) -> list:
         return unreadable
     if all(news[i].codec == o.codec and news[i].filter_name == o.filter_name for i, o in olds.items()):
         return [i for i in olds if new[i] != old[i]]  # copied byte for byte
-    bad = [i for i, o in olds.items() if not o.same_item_as(news[i])]
+    # same item, and no field written as null (to_builtin leaves unset fields out)
+    bad = [i for i, o in olds.items() if not o.same_item_as(news[i]) or news[i].to_builtin() != new[i]]
     sized = [i for i, o in olds.items() if o.length]  # empty items hold no bytes: their place does not matter
     by_old = sorted(sized, key=lambda i: olds[i].offset)
     by_new = sorted(sized, key=lambda i: news[i].offset if isinstance(news[i].offset, int) else -1)
