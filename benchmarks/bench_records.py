@@ -39,11 +39,11 @@ def build(items: int) -> Metadata:
         fqn = f"model.layers.{i}.weight"
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([numel]),
                                          [ChunkStorageMetadata(torch.Size([0]), torch.Size([numel]))])
-        storage[MetadataIndex(fqn, torch.Size([0]), 0)] = {
-            "fmt": 1, "file": "__0_0.distcp", "offset": offset, "length": sum(frames), "raw": raw, "codec": "zstd:3",
-            "frames": frames, "sums": tuple(rng.getrandbits(64) for _ in frames), "checksum": "xxh3_64",
-            "kind": "tensor", "itemsize": 4, "filter": "bytegroup-signswap", "dtype": "float32",
-            "orig_dtype": "float32", "shape": (numel,), "frame": frame}
+        storage[MetadataIndex(fqn, torch.Size([0]), 0)] = ItemRecord(
+            version=1, kind="tensor", file="__0_0.distcp", offset=offset, length=sum(frames), raw_length=raw,
+            codec="zstd:3", filter_name="bytegroup-signswap", itemsize=4, frame_size=frame, frame_lengths=frames,
+            frame_sums=tuple(rng.getrandbits(64) for _ in frames), checksum="xxh3_64", dtype="float32",
+            orig_dtype="float32", shape=(numel,)).to_builtin()
         offset += sum(frames)
     return Metadata(sdm, storage_data=storage)
 

@@ -906,13 +906,14 @@ def _hostile_fixtures(work: Path) -> dict[str, Any]:
     # step 2 committed on the fast tier only, with the intent its promotion would have written
     dcp.save(sd, storage_writer=CompressedWriter(tiers_root / "local" / "step_000000002", codec="lz4", frame_size=4096, threads=1,
                                                  sync_files=False), no_dist=True)
+    from dcp_tiered.dcp.format import record_view
     from dcp_tiered.dcp.metadata_io import decode_metadata
     from dcp_tiered.tiers.intents import index_to_json
 
     step2 = tiers_root / "local" / "step_000000002"
     md = decode_metadata((step2 / ".metadata").read_bytes(), "x")
     intent = {"name": "step_000000002", "source": "local", "data_file": "__0_0.distcp",
-              "records": [[index_to_json(i), r] for i, r in md.storage_data.items()], "targets": ["durable"], "meta": ["durable"],
+              "records": [[index_to_json(i), record_view(r).to_json()] for i, r in md.storage_data.items()], "targets": ["durable"], "meta": ["durable"],
               "save_id": getattr(md.storage_meta, "save_id", None)}
     snapshot = work / "tiers-pristine"
     shutil.copytree(tiers_root, snapshot)

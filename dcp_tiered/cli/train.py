@@ -356,6 +356,26 @@ def _prepare_demo_dir(path: str) -> None:
         f.write("created by `dcp-tiered demo`; the demo deletes and recreates this folder\n")
 
 
+def _verify_newest(ls_args: argparse.Namespace, out: Any) -> list[dict]:
+    """Verify the newest committed checkpoint of every tier, printing one line per tier to ``out``."""
+    from dcp_tiered import inspect
+    from dcp_tiered.tiers.catalog import list_tiers
+
+    tiers, _ = tiers_from_args(ls_args)
+    verified = []
+    for t in tiers:
+        newest = next((i for i in list_tiers([t]) if i.committed), None)
+        if newest is None:
+            verified.append({"tier": t.name, "step": None, "ok": False, "problems": ["no committed checkpoint"]})
+            continue
+        result = inspect.verify(newest.url)
+        problems = result.problems
+        verified.append({"tier": t.name, "step": newest.step, "ok": not problems, "problems": problems, **result.counts()})
+        print(f"{t.name:<8} step {newest.step}: {'OK' if not problems else 'PROBLEMS: ' + '; '.join(problems)} "
+              f"({result.counts_text(human_bytes)})", file=out, flush=True)
+    return verified
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     preset = PRESETS["quick" if args.quick else "full"]
     root = os.path.abspath(args.dir)
@@ -408,21 +428,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summary = json.load(f)
 
     banner("4/4 verify the newest checkpoint of every tier")
-    from dcp_tiered import inspect
-    from dcp_tiered.tiers.catalog import list_tiers
-
-    tiers, _ = tiers_from_args(ls_args)
-    verified = []
-    for t in tiers:
-        newest = next((i for i in list_tiers([t]) if i.committed), None)
-        if newest is None:
-            verified.append({"tier": t.name, "step": None, "ok": False, "problems": ["no committed checkpoint"]})
-            continue
-        result = inspect.verify(newest.url)
-        problems = result.problems
-        verified.append({"tier": t.name, "step": newest.step, "ok": not problems, "problems": problems, **result.counts()})
-        print(f"{t.name:<8} step {newest.step}: {'OK' if not problems else 'PROBLEMS: ' + '; '.join(problems)} "
-              f"({result.frames} frames checksummed)", file=out, flush=True)
+    verified = _verify_newest(ls_args, out)
     check = summary.get("resume_check") or {}
     ok = bool(check.get("equal")) and all(v["ok"] for v in verified)
     result = {"ok": ok, "dir": root, "seconds": round(time.perf_counter() - t0, 1), "crash_step": preset["crash"],

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import os
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
-from dcp_tiered.inspect.records import StoredItem, stored_item, untrusted
+from dcp_tiered.inspect.records import untrusted
 from dcp_tiered.inspect.sources import reader_for
 from dcp_tiered.inspect.summary import describe
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from dcp_tiered.dcp.format import ItemRecord
     from dcp_tiered.dcp.reader import CompressedReader
     from dcp_tiered.storage import Storage
 
@@ -64,6 +64,7 @@ def verify(source: str | os.PathLike[str] | CompressedReader, storage_options: d
 
 
 def _verify_items(storage: Storage, path: str, md: Metadata, on_bytes: Callable[[int], None]) -> VerifyResult:
+    from dcp_tiered.dcp.format import record_view
     from dcp_tiered.storage import MissingFileError
 
     result = VerifyResult(path)
@@ -78,12 +79,12 @@ def _verify_items(storage: Storage, path: str, md: Metadata, on_bytes: Callable[
                 result.problems.append(f"missing file {storage.url_of(name)}")
         return sizes[name]
 
-    items = sorted(((index.fqn, stored_item(rec)) for index, rec in md.storage_data.items()),
+    items = sorted(((index.fqn, record_view(rec)) for index, rec in md.storage_data.items()),
                    key=lambda ki: (ki[1].file, ki[1].offset))
     for key, item in items:
         result.items += 1
         size = size_of(item.file)
-        end = item.offset + item.length
+        end = item.end
         if size is None:
             continue
         if size < end:
@@ -100,35 +101,28 @@ def _verify_items(storage: Storage, path: str, md: Metadata, on_bytes: Callable[
     return result
 
 
-def _check_frames(storage: Storage, key: str, item: StoredItem,
+def _check_frames(storage: Storage, key: str, item: ItemRecord,
                   on_bytes: Callable[[int], None]) -> tuple[list[str], int, int]:
     """Checksum every stored frame of one native item, reading up to ``READ_STEP`` at a time.
 
-    Returns (problems, frames checked, bytes read).  To be replaced by a public method of
-    ``CompressedReader`` that reuses its frame planning and collects mismatches instead of raising.
+    Returns (problems, frames checked, bytes read).
     """
     from dcp_tiered.codecs import verify_frame
     from dcp_tiered.errors import DcpTieredError
 
     problems: list[str] = []
-    frames = item.frames
-    starts = list(itertools.accumulate(frames, initial=item.offset))
-    checked = read = i = 0
+    starts = item.frame_starts()
+    checked = read = 0
     try:
-        while i < len(frames):
-            j, span = i, 0
-            while j < len(frames) and (j == i or span + frames[j] <= READ_STEP):
-                span += frames[j]
-                j += 1
-            data = memoryview(storage.read_range(item.file, starts[i], starts[j]))
-            for k in range(i, j):
-                off = starts[k] - starts[i]
+        for run in item.read_batches(READ_STEP):
+            data = memoryview(storage.read_range(item.file, starts[run.start], starts[run.stop]))
+            for k in run:
+                off = starts[k] - starts[run.start]
                 checked += 1
-                if not verify_frame(data[off: off + frames[k]], item.sums[k]):
+                if not verify_frame(data[off: off + item.frame_lengths[k]], item.frame_sums[k]):
                     problems.append(f"checksum mismatch in frame {k} of {key!r} in {storage.url_of(item.file)}")
             read += len(data)
             on_bytes(len(data))
-            i = j
     except DcpTieredError as exc:
         problems.append(f"cannot read {key!r} from {storage.url_of(item.file)}: {exc}")
     return problems, checked, read

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.inspect.records import stored_item, untrusted
+from dcp_tiered.inspect.records import untrusted
 from dcp_tiered.inspect.sources import reader_for
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _rows(md: Metadata) -> dict[str, ItemRow]:
 
 
 def _describe(path: str, md: Metadata) -> Description:
-    from dcp_tiered.dcp.format import FORMAT_VERSION
+    from dcp_tiered.dcp.format import FORMAT_VERSION, record_view
 
     rows = _rows(md)
     formats, codecs = set(), set()
@@ -124,16 +124,16 @@ def _describe(path: str, md: Metadata) -> Description:
         row = rows.get(index.fqn)
         if row is None:
             continue
-        item = stored_item(rec)
+        item = record_view(rec)
         row.stored_bytes += item.length
         if item.native:
-            formats.add(f"dcp_tiered v{item.fmt}")
-            codec = item.codec + ("+" + item.filter if item.filter != "none" else "")
+            formats.add(f"dcp_tiered v{item.version}")
+            codec = item.codec + ("+" + item.filter_name if item.filter_name != "none" else "")
             codecs.add(item.codec)
             if item.kind == "tensor":
                 row.stored_dtype = item.dtype
             else:
-                row.raw_bytes = (row.raw_bytes or 0) + item.raw
+                row.raw_bytes = (row.raw_bytes or 0) + item.raw_length
         else:
             formats.add("stock DCP")
             codec = "+".join(item.transforms) if item.transforms else "stock (torch.save)"

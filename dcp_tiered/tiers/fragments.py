@@ -15,11 +15,11 @@ import logging
 import re
 from dataclasses import dataclass, field
 
-from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
+from dcp_tiered.dcp.format import METADATA_FILE, ItemRecord, builtin_from_json, native_files, record_view, records_in_file
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata, read_metadata_bytes
 from dcp_tiered.errors import DcpTieredError, PromotionError
 from dcp_tiered.storage import MissingFileError, Storage
-from dcp_tiered.tiers.intents import committed_save_id, index_from_json, index_to_json, record_from_json
+from dcp_tiered.tiers.intents import committed_save_id, index_from_json, index_to_json
 from dcp_tiered.tiers.layout import fragment_name, read_small_file
 from dcp_tiered.tiers.reencode import copy_file, reencode_file
 from dcp_tiered.tiers.spec import Tier
@@ -33,24 +33,31 @@ FRAGMENT_WAIT_CAP = 1800.0
 FRAGMENT_WAIT_DEFAULT = 600.0
 _DATA_RANK = re.compile(r"^__(\d+)_")
 
-#: Record fields a re-encoding promotion rewrites; every other field must equal the source's.
-_REENCODED = frozenset({"offset", "length", "codec", "filter", "frames", "sums"})
+
+def _untrusted_view(record: object) -> ItemRecord | None:
+    """The typed view of a promoted record read back from a fragment, or None if it lacks a field."""
+    try:
+        return ItemRecord.from_checked(record)  # type: ignore[arg-type]
+    except (KeyError, AttributeError, TypeError):
+        return None
 
 
 def changed_items(file: str, new: dict, old: dict) -> list:
     """Items of the data file ``file`` whose promoted record (``new``) does not describe the source item
     (``old``): a byte-for-byte copy keeps every record as it is; a re-encoded file keeps every field
     but the encoding, and the items in the source's order (:func:`~dcp_tiered.tiers.reencode.reencode_file`)."""
-    keys = [i for i, r in old.items() if is_native_record(r) and r["file"] == file]
-    if any(not isinstance(new.get(i), dict) for i in keys):
-        return [i for i in keys if not isinstance(new.get(i), dict)]
-    if all(new[i].get("codec") == old[i]["codec"] and new[i].get("filter") == old[i]["filter"] for i in keys):
-        return [i for i in keys if new[i] != old[i]]  # copied byte for byte
-    bad = [i for i in keys if {k: v for k, v in new[i].items() if k not in _REENCODED}
-           != {k: v for k, v in old[i].items() if k not in _REENCODED}]
-    sized = [i for i in keys if old[i]["length"]]  # empty items hold no bytes: their place does not matter
-    by_old = sorted(sized, key=lambda i: old[i]["offset"])
-    by_new = sorted(sized, key=lambda i: new[i].get("offset", -1) if isinstance(new[i].get("offset"), int) else -1)
+    olds = {i: record_view(r) for i, r in records_in_file(old, file).items()}
+    news = {i: _untrusted_view(new.get(i)) for i in olds}
+    unreadable = [i for i, v in news.items() if v is None]
+    if unreadable:
+        return unreadable
+    if all(news[i].codec == o.codec and news[i].filter_name == o.filter_name for i, o in olds.items()):
+        return [i for i in olds if new[i] != old[i]]  # copied byte for byte
+    # same item, and no field written as null (to_builtin leaves unset fields out)
+    bad = [i for i, o in olds.items() if not o.same_item_as(news[i]) or news[i].to_builtin() != new[i]]
+    sized = [i for i, o in olds.items() if o.length]  # empty items hold no bytes: their place does not matter
+    by_old = sorted(sized, key=lambda i: olds[i].offset)
+    by_new = sorted(sized, key=lambda i: news[i].offset if isinstance(news[i].offset, int) else -1)
     return bad or [a for a, b in zip(by_old, by_new) if a != b]
 
 
@@ -65,7 +72,7 @@ def copy_with_fragment(src: Storage, dst: Storage, data_file: str, records: list
         # an older checkpoint of the same step is being replaced: un-commit it before its
         # data files change, so no .metadata ever describes files that are being rewritten
         dst.remove(METADATA_FILE)
-    if all(r["codec"] == target.codec for _, r in records):
+    if all(record_view(r).codec == target.codec for _, r in records):
         n = copy_file(src, dst, data_file)
         new_records = records
     else:
@@ -104,7 +111,7 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
     not describe the source's items, or a file has the wrong size.  Returns the bytes of ``.metadata``."""
     raw = read_metadata_bytes(src)
     md = decode_metadata(raw, src.url_of(METADATA_FILE))
-    files = sorted({r["file"] for r in md.storage_data.values() if is_native_record(r)})
+    files = native_files(md.storage_data)
     present = dst.file_sizes()
     if save_id and committed_save_id(dst) == save_id:
         return 0  # another process committed this very save (and removed the fragments)
@@ -118,7 +125,7 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
     try:
         for f in files:
             for i, r in fragments[f]["records"]:  # type: ignore[index]
-                new_data[index_from_json(i)] = record_from_json(r)
+                new_data[index_from_json(i)] = builtin_from_json(r)
     except (TypeError, ValueError) as exc:
         raise PromotionError(f"{dst.url}: a promotion fragment is malformed ({exc}); not committing") from None
     if set(new_data) != set(md.storage_data):
@@ -127,8 +134,8 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
     changed = [i.fqn for f in files for i in changed_items(f, new_data, md.storage_data)]
     try:  # the records each copy read (its intent's): exactly the source's records of that file
         for f in files:
-            used = {index_from_json(i): record_from_json(r) for i, r in fragments[f].get("source", ())}  # type: ignore[union-attr]
-            want = {i: r for i, r in md.storage_data.items() if is_native_record(r) and r["file"] == f}
+            used = {index_from_json(i): builtin_from_json(r) for i, r in fragments[f].get("source", ())}  # type: ignore[union-attr]
+            want = records_in_file(md.storage_data, f)
             if "source" in fragments[f] and used != want:  # type: ignore[operator]
                 changed += sorted({i.fqn for i in set(used) ^ set(want)} | {i.fqn for i in want if used.get(i) != want[i]})
     except (TypeError, ValueError) as exc:
@@ -137,7 +144,7 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
         raise PromotionError(f"{dst.url}: promoted records of {changed[:3]} do not describe the source checkpoint's "
                              "items (a damaged or crafted promotion fragment); not committing")
     for f in files:
-        size = max(r["offset"] + r["length"] for r in new_data.values() if r["file"] == f)
+        size = max(record_view(r).end for r in records_in_file(new_data, f).values())
         if present.get(f, -1) != size:
             raise PromotionError(f"{dst.url_of(f)} has {present.get(f)} bytes, expected {size}")
     md.storage_data = new_data

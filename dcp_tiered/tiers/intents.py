@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_tiered.dcp.format import METADATA_FILE, is_native_record
+from dcp_tiered.dcp.format import METADATA_FILE, builtin_from_json, records_in_file
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import MissingFileError, Storage
@@ -38,10 +38,6 @@ def index_to_json(index: MetadataIndex) -> list:
 def index_from_json(data: list) -> MetadataIndex:
     fqn, offset, idx = data
     return MetadataIndex(fqn, torch.Size(offset) if offset is not None else None, idx)
-
-
-def record_from_json(rec: dict) -> dict:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in rec.items()}
 
 
 @dataclass
@@ -116,11 +112,11 @@ def intent_mismatch(src: Storage, intent: PromotionIntent) -> str | None:
         return f"cannot read {src.url_of(METADATA_FILE)} to check the promotion intent: {exc}"
     if intent.save_id is not None and (getattr(md.storage_meta, "save_id", None) or "") != intent.save_id:
         return STALE
-    want = {(i.fqn, tuple(i.offset) if i.offset is not None else None): r for i, r in md.storage_data.items()
-            if is_native_record(r) and r["file"] == intent.data_file}
+    want = {(i.fqn, tuple(i.offset) if i.offset is not None else None): r
+            for i, r in records_in_file(md.storage_data, intent.data_file).items()}
     got: dict = {}
     for i, r in intent.records:
-        got[(i[0], tuple(i[1]) if i[1] is not None else None)] = record_from_json(r)
+        got[(i[0], tuple(i[1]) if i[1] is not None else None)] = builtin_from_json(r)
     if got.keys() != want.keys():
         return (f"the promotion intent in {src.url} lists other items of {intent.data_file} than its .metadata; "
                 "not promoting it (left for `dcp-tiered gc`)")

@@ -73,7 +73,7 @@ def _tier_list(doc: dict, key: str, where: str, source: str, tiers: "Collection[
 
 
 def _check_records(doc: dict, where: str) -> None:
-    from dcp_tiered.dcp.format import check_record
+    from dcp_tiered.dcp.format import ItemRecord
 
     records = doc["records"]
     if not isinstance(records, list) or len(records) > _MAX_ITEMS:
@@ -94,11 +94,11 @@ def _check_records(doc: dict, where: str) -> None:
             if not isinstance(k, str) or not all(x is None or isinstance(x, (str, int, float)) for x in flat):
                 raise _bad(where, f"the record of {fqn!r} holds a field of the wrong type")
         try:
-            check_record({k: tuple(v) if isinstance(v, list) else v for k, v in rec.items()}, fqn, where)
+            item = ItemRecord.from_json(rec, fqn, where)
         except (ValueError, TypeError) as exc:
             raise _bad(where, str(exc)) from None
-        if rec["file"] != doc["data_file"]:
-            raise _bad(where, f"the record of {fqn!r} names file {rec['file']!r}, not the intent's {doc['data_file']!r}")
+        if item.file != doc["data_file"]:
+            raise _bad(where, f"the record of {fqn!r} names file {item.file!r}, not the intent's {doc['data_file']!r}")
 
 
 def parse_intent(data: bytes, where: str, *, file_name: "str | None" = None, dir_name: "str | None" = None,

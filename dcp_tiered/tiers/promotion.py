@@ -26,7 +26,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_tiered.dcp.format import is_native_record
+from dcp_tiered.dcp.format import builtin_from_json, native_files
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
@@ -37,7 +37,7 @@ from dcp_tiered.tiers.fragments import (
     fragment_wait_bound,
 )
 from dcp_tiered.tiers.intents import (
-    STALE, PromotionIntent, committed_save_id, index_from_json, index_to_json, intent_mismatch, record_from_json,
+    STALE, PromotionIntent, committed_save_id, index_from_json, index_to_json, intent_mismatch,
 )
 from dcp_tiered.tiers.jobs import Job, JobRunner
 from dcp_tiered.tiers.layout import intent_name, parse_step, read_intent
@@ -337,7 +337,7 @@ class Promoter:
                 return None
         if target.name in intent.targets:
             job.state = f"copying {intent.data_file}"
-            records = [(index_from_json(i), record_from_json(r)) for i, r in intent.records]
+            records = [(index_from_json(i), builtin_from_json(r)) for i, r in intent.records]
             report = PromotionReport(step, source.name, target.name, "data")
             self._attempt(f"promote {intent.data_file} of {intent.name} to {target.name}",
                           lambda: copy_with_fragment(src, dst, intent.data_file, records, target, intent.save_id), report,
@@ -399,7 +399,7 @@ class Promoter:
                             src.url, target.name)
                 self._drop(intent, target.name)
                 return None
-            files = sorted({r["file"] for r in load_metadata(src).storage_data.values() if is_native_record(r)})
+            files = native_files(load_metadata(src).storage_data)
             wait = job.data["wait"] = FragmentWait(files, intent.save_id, now, now, missing=files)
         if not wait.poll(dst, now, f"promotion of {intent.name} to {target.name}"):
             job.state = "committing"

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_tiered.dcp.format import METADATA_FILE
+from dcp_tiered.dcp.format import METADATA_FILE, record_view
 from dcp_tiered.dcp.report import SaveStats
 from dcp_tiered.dcp.writer import (
     CompressedWriter,
@@ -225,7 +225,7 @@ class TieredWriter(StorageWriter):
         if targets:
             results = fut.value()  # CompressedWriter completes synchronously; raises its failure
             records = [(r.index, r.storage_data) for r in results]
-            data_file = records[0][1]["file"] if records else None
+            data_file = record_view(records[0][1]).file if records else None
             promoter = self._promoter()
             self._intent = promoter.record_intent(self.name, primary, targets, data_file, records, self.is_coordinator,
                                                   tp.save_id or None)
