@@ -45,7 +45,6 @@ from dcp_tiered.dcp.pickle_allowlist import (ALLOWED_GLOBALS, BUILDABLE, MAX_CON
                                              TORCH_DTYPE_NAMES, TORCH_MISC_NAMES, field_state_ok, index_key_ok,
                                              tensor_properties_state_ok)
 from dcp_tiered.dcp.pickle_scan import check_pickle_structure
-from dcp_tiered.dcp.pickle_scan import check_torch_payload  # noqa: F401 - imported from here by reader and CLI
 from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError, UnsafeCheckpointError
 
 _STR = frozenset({str})

@@ -51,7 +51,7 @@ def _load_torch_file(path: str, storage_options: dict[str, Any] | None, safe_glo
     import torch
 
     from dcp_tiered.dcp.objects import allowing, normalize_safe_globals
-    from dcp_tiered.dcp.safe_pickle import check_torch_payload
+    from dcp_tiered.dcp.pickle_scan import check_torch_payload
     from dcp_tiered.errors import CheckpointNotFoundError, ConfigError
 
     try:
