@@ -1,6 +1,6 @@
 """Metrics from checkpoint events: per-tier totals, and a Prometheus exporter (optional extra).
 
-Both consume the event dicts that :class:`~dcp_tiered.tiers.report.EventLog` fans out
+Both consume the event dicts that :class:`~dcp_tiered.tiers.events.EventLog` fans out
 (``SaveReport.as_dict()``, promotion reports, restores)::
 
     from dcp_tiered.metrics import PrometheusExporter

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from isolated import run_isolated
 
 from dcp_tiered import CompressedWriter
-from dcp_tiered.cli import common
+from dcp_tiered.cli import output as common
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "dcp_tiered.cli"]

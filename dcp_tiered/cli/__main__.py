@@ -9,7 +9,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from dcp_tiered.cli.common import (
+from dcp_tiered.cli.output import (
     EXIT_CODES_HELP,
     EXIT_INTERRUPTED,
     EXIT_USAGE,

@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import Any
 
-from dcp_tiered.cli.common import EXIT_OK, CliError, Progress, add_storage_args, human_bytes, print_json, storage_options_for, table
+from dcp_tiered.cli.args import add_storage_args, storage_options_for
+from dcp_tiered.cli.output import EXIT_OK, CliError, Progress, human_bytes, print_json, table
 
 BENCH_EXAMPLES = """\
 examples:
@@ -75,7 +76,7 @@ def _run_one(sd: dict, codec: str, dtype_name: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from dcp_tiered.cli.common import parse_dtype
+    from dcp_tiered.cli.args import parse_dtype
     from dcp_tiered.dcp.planners import DowncastSavePlanner
     from dcp_tiered.dcp.reader import CompressedReader
     from dcp_tiered.dcp.writer import CompressedWriter

@@ -10,20 +10,18 @@ import sys
 import time
 from typing import Any
 
-from dcp_tiered.cli.common import (
+from dcp_tiered.cli.args import add_storage_args, parse_dtype, storage_options_for
+from dcp_tiered.cli.output import (
     EXIT_OK,
     EXIT_PROBLEMS,
     CliError,
     Progress,
-    add_storage_args,
     debug_enabled,
     error_line,
     exit_code_for,
     human_bytes,
     one_line,
-    parse_dtype,
     print_json,
-    storage_options_for,
     table,
     unwrap_error,
 )

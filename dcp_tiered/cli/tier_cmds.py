@@ -5,16 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dcp_tiered.cli.common import (
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    CliError,
-    add_tier_args,
-    human_bytes,
-    print_json,
-    table,
-    tiers_from_args,
-)
+from dcp_tiered.cli.args import add_tier_args, tiers_from_args
+from dcp_tiered.cli.output import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes, print_json, table
 
 LS_EXAMPLES = """\
 examples:
@@ -143,7 +135,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from dcp_tiered.tiers.promotion import Promoter
-    from dcp_tiered.tiers.report import EventLog
+    from dcp_tiered.tiers.events import EventLog
 
     tiers, _ = tiers_from_args(args)
     pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)}

@@ -21,16 +21,8 @@ import time
 from typing import Any
 
 from dcp_tiered.cli.train_model import batch_for_step, build_model, check_resume, fp32_bytes
-from dcp_tiered.cli.common import (
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    CliError,
-    add_tier_args,
-    human_bytes,
-    print_json,
-    table,
-    tiers_from_args,
-)
+from dcp_tiered.cli.args import add_tier_args, tiers_from_args
+from dcp_tiered.cli.output import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes, print_json, table
 
 TRAIN_EXAMPLES = """\
 examples:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dcp_tiered.cli.common import CliError, human_bytes
+from dcp_tiered.cli.output import CliError, human_bytes
 
 
 def build_model(vocab: int, seq_len: int, d_model: int, layers: int, heads: int) -> Any:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_tiered.dcp.common import UrlCheckpointId, completed
+from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.codecs import FrameCodec, verify_frame
 from dcp_tiered.dcp.format import (
     KIND_BYTES,

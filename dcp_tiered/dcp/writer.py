@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_tiered.dcp.common import UrlCheckpointId, completed, lower_thread_priority
+from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
+from dcp_tiered.thread_priority import lower_thread_priority
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, get_codec, parse_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size
 from dcp_tiered.dcp.format import (
@@ -30,7 +31,7 @@ from dcp_tiered.dcp.format import (
 )
 from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
-from dcp_tiered.dcp.report import SaveStats, stats_from_records
+from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
 from dcp_tiered.storage import FileLock, Storage

@@ -3,7 +3,7 @@
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
 from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
-from dcp_tiered.tiers.report import SaveReport
+from dcp_tiered.tiers.events import SaveReport
 from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, parse_duration
 from dcp_tiered.tiers.writer import TieredWriter
 

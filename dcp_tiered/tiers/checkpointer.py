@@ -31,7 +31,7 @@ from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
-from dcp_tiered.tiers.report import EventLog, SaveReport, describe_error, root_cause
+from dcp_tiered.tiers.events import EventLog, SaveReport, describe_error, root_cause
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.spec import Tier, check_step, load_tiers_yaml, validate_tiers

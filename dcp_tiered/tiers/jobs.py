@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from dcp_tiered.dcp.common import lower_thread_priority
+from dcp_tiered.thread_priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.policy import restore_order
 from dcp_tiered.tiers.promotion import Promoter
-from dcp_tiered.tiers.report import EventLog, describe_error
+from dcp_tiered.tiers.events import EventLog, describe_error
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_tiered.dcp.format import METADATA_FILE, record_view
-from dcp_tiered.dcp.report import SaveStats
+from dcp_tiered.dcp.save_stats import SaveStats
 from dcp_tiered.dcp.writer import (
     CompressedWriter,
     RankFilePrefix,

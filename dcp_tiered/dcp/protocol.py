@@ -1,9 +1,8 @@
-"""Small pieces shared by the storage writer and reader."""
+"""Pieces of DCP's storage protocol that CompressedWriter and CompressedReader share: finished futures, checkpoint ids."""
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -36,17 +35,3 @@ class UrlCheckpointId:
     @property
     def checkpoint_id(self) -> str:
         return self.storage.url
-
-
-def lower_thread_priority(nice: int | None) -> None:
-    """Give the calling thread a lower CPU priority (Linux applies nice values per thread).
-
-    Background encoding and promotion then yield the cores to the training loop first.
-    Does nothing where the platform does not support it.
-    """
-    if not nice:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    except (AttributeError, OSError):
-        pass

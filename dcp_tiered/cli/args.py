@@ -1,0 +1,137 @@
+"""The flags commands share: storage options, tiers from a YAML file or flags, dtypes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from dcp_tiered.cli.output import CliError
+
+# -- storage options ---------------------------------------------------------------------
+
+
+def storage_options_for(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """fsspec options for ``url`` from ``--s3-endpoint-url`` and the AWS_* environment."""
+    if not str(url).startswith(("s3://", "s3a://")):
+        return {}
+    opts: dict[str, Any] = {}
+    endpoint = getattr(args, "s3_endpoint_url", None)
+    if endpoint:
+        opts["client_kwargs"] = {"endpoint_url": endpoint, "region_name": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
+        opts["skip_instance_cache"] = True
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
+        opts["key"], opts["secret"] = key, secret
+    return opts
+
+
+def add_storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--s3-endpoint-url", metavar="URL",
+                   help="S3-compatible endpoint for s3:// paths (credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+
+
+# -- tiers from a YAML file or flags ---------------------------------------------------------
+
+TIER_NAMES = ("local", "shared", "durable")
+DEFAULT_CODECS = {"local": "lz4", "shared": "zstd", "durable": "zstd:3"}
+DEFAULT_KEEP = {"local": 2, "shared": 4, "durable": 24}
+
+
+def add_tier_args(p: argparse.ArgumentParser, schedule: bool = False) -> None:
+    g = p.add_argument_group("tiers (a YAML file, or one flag per tier)")
+    g.add_argument("--tiers", metavar="YAML", help="tier spec file (a 'tiers:' list with the fields of Tier)")
+    g.add_argument("--local-path", metavar="PATH", help="fast node-local tier (e.g. /nvme/ckpt)")
+    g.add_argument("--shared-path", metavar="PATH", help="shared filesystem tier (e.g. /fsx/run/ckpt)")
+    g.add_argument("--durable-path", metavar="URL", help="durable tier, any fsspec URL (e.g. s3://bucket/run)")
+    for name in TIER_NAMES:
+        g.add_argument(f"--keep-{name}", type=int, metavar="N", help=f"checkpoints kept on the {name} tier (default {DEFAULT_KEEP[name]})")
+    g.add_argument("--compression", metavar="CODEC", help="codec for every tier: none, lz4, zstd, zstd:N (default lz4 local, zstd shared, zstd:3 durable)")
+    g.add_argument("--checkpoint-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="store floating weights in 16 bits (optimizer state stays fp32); default fp32")
+    if schedule:
+        s = p.add_argument_group("schedules (minutes, seconds for short runs, or steps)")
+        s.add_argument("--checkpoint-interval-min", type=float, metavar="MIN", help="local tier interval in minutes")
+        s.add_argument("--shared-interval-min", type=float, metavar="MIN", help="shared tier interval in minutes")
+        s.add_argument("--durable-interval-min", type=float, metavar="MIN", help="durable tier interval in minutes")
+        s.add_argument("--checkpoint-interval-s", type=float, metavar="S", help="local tier interval in seconds")
+        s.add_argument("--shared-interval-s", type=float, metavar="S", help="shared tier interval in seconds")
+        s.add_argument("--durable-interval-s", type=float, metavar="S", help="durable tier interval in seconds")
+        s.add_argument("--checkpoint-every-steps", type=int, metavar="N", help="local tier: at most every N steps")
+        s.add_argument("--shared-every-steps", type=int, metavar="N", help="shared tier: at most every N steps")
+        s.add_argument("--durable-every-steps", type=int, metavar="N", help="durable tier: at most every N steps")
+        s.add_argument("--max-durable-hourly", type=int, metavar="N", help="cap on durable saves per rolling hour")
+    add_storage_args(p)
+
+
+def _interval(args: argparse.Namespace, name: str) -> float | None:
+    prefix = "checkpoint" if name == "local" else name
+    minutes = getattr(args, f"{prefix}_interval_min", None)
+    seconds = getattr(args, f"{prefix}_interval_s", None)
+    if minutes is not None and seconds is not None:
+        raise CliError(f"give --{prefix}-interval-min or --{prefix}-interval-s, not both")
+    value = minutes * 60 if minutes is not None else seconds
+    if value is not None and value <= 0:
+        raise CliError(f"--{prefix}-interval-* must be positive, got {value}")
+    return value
+
+
+def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[list[Any], dict[str, Any]]:
+    """Build the tier list (fastest first) and checkpointer options from ``--tiers`` or the path flags."""
+    from dcp_tiered.errors import ConfigError
+    from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, validate_tiers
+
+    paths = {n: getattr(args, f"{n}_path", None) for n in TIER_NAMES}
+    dtype = None if getattr(args, "checkpoint_dtype", "fp32") in (None, "fp32") else args.checkpoint_dtype
+    if getattr(args, "tiers", None):
+        if any(paths.values()):
+            raise CliError("give either --tiers YAML or --local-path/--shared-path/--durable-path, not both")
+        tiers, options = load_tiers_yaml(args.tiers)
+        out = []
+        for t in tiers:
+            opts = dict(t.storage_options) or storage_options_for(t.url, args)
+            changes: dict[str, Any] = {"storage_options": opts}
+            keep = getattr(args, f"keep_{t.name}", None)
+            if keep is not None:
+                changes["keep"] = keep
+            if getattr(args, "compression", None):
+                changes["codec"] = args.compression
+            if dtype:
+                changes["dtype"] = dtype
+            out.append(Tier(**{**_tier_fields(t), **changes}))
+        return out, options
+    tiers = []
+    for name in TIER_NAMES:
+        url = paths[name]
+        if not url:
+            continue
+        every = _interval(args, name) if hasattr(args, "shared_interval_min") else None
+        prefix = "checkpoint" if name == "local" else name
+        every_steps = getattr(args, f"{prefix}_every_steps", None)
+        max_per_hour = getattr(args, "max_durable_hourly", None) if name == "durable" else None
+        keep = getattr(args, f"keep_{name}", None)
+        try:
+            tiers.append(Tier(
+                name, url, every=every, every_steps=every_steps, max_per_hour=max_per_hour,
+                keep=keep if keep is not None else DEFAULT_KEEP[name],
+                codec=getattr(args, "compression", None) or DEFAULT_CODECS[name],
+                storage_options=storage_options_for(url, args), dtype=dtype,
+            ))
+        except ConfigError as exc:
+            raise CliError(str(exc)) from exc
+    if not tiers and required:
+        raise CliError("no tiers: give --tiers tiers.yaml or at least one of --local-path/--shared-path/--durable-path")
+    # the structure only (a regular file or FIFO given as a tier is refused); reading commands create nothing
+    return validate_tiers(tiers, probe=False) if tiers else tiers, {}
+
+
+def _tier_fields(t: Any) -> dict[str, Any]:
+    from dataclasses import fields
+
+    return {f.name: getattr(t, f.name) for f in fields(t)}
+
+
+def parse_dtype(name: str | None) -> Any:
+    import torch
+
+    return {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
