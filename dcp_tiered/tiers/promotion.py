@@ -17,7 +17,6 @@ commit and its bounded wait, :func:`fragment_wait_bound`), and
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,13 +57,6 @@ def promotion_error(message: str, causes: list[BaseException | None]) -> Promoti
         exc.__cause__ = causes[0]
         return exc
     return PromotionError(message)
-
-
-def _same_place(a: Storage, b: Storage) -> bool:
-    """Whether two storages are one directory (symlinks and trailing slashes resolved where local)."""
-    if a.is_local and b.is_local:
-        return os.path.realpath(a.root) == os.path.realpath(b.root)
-    return type(a.fs) is type(b.fs) and a.root.rstrip("/") == b.root.rstrip("/")
 
 
 @dataclass
@@ -353,7 +345,7 @@ class Promoter:
     def _may_promote(self, intent: PromotionIntent, target: Tier, src: Storage, dst: Storage, step: int) -> bool:
         """Checks before a job's first run: not onto its source, never through links, and for a resumed
         (untrusted) intent: its records are the committed source's, the target holds no other save."""
-        if _same_place(src, dst):
+        if src.same_place(dst):
             log.warning("promotion of %s: target tier %s is the source directory itself; skipping it",
                         src.url, target.name)
             self._drop(intent, target.name)
