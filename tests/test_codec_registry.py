@@ -280,3 +280,59 @@ def test_unregistered_toy_codec_is_refused_by_writer_and_reader(tmp_path: Path) 
         CompressedReader(str(tmp_path / "ckpt"))
     assert "rle:16" in str(err.value)
     assert "register_codec" in str(err.value.__cause__)
+
+
+# -- plugin codecs that misbehave (hostile review of issue 13) ------------------------------
+class _Zlib(Codec):
+    """A plugin codec whose decode fails in the ways third-party code does."""
+
+    codec_id = "zlib-test"
+    max_ratio = 1100
+    failure: Any = None
+
+    def compress(self, data: object) -> bytes:
+        import zlib
+
+        return zlib.compress(bytes(memoryview(data).cast("B")))
+
+    def decompress(self, data: object, raw_len: int) -> Any:
+        import zlib
+
+        if isinstance(self.failure, BaseException):
+            raise self.failure
+        if self.failure is not None:
+            return self.failure
+        return zlib.decompress(bytes(memoryview(data).cast("B")))
+
+
+@pytest.mark.parametrize("failure", [
+    __import__("struct").error("bad"), __import__("zlib").error("bad"), RuntimeError("boom"), AssertionError(),
+    RecursionError(), object(), "not bytes", [0, 1],
+], ids=lambda f: type(f).__name__)
+def test_plugin_decode_failures_are_corruption(failure: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    register_codec(_Zlib)
+    try:
+        fc = FrameCodec("zlib-test")
+        raw = np.zeros(8192, dtype=np.uint8)
+        stored = b"".join(bytes(memoryview(p).cast("B")) for p in fc.encode(raw).pieces)
+        monkeypatch.setattr(_Zlib, "failure", failure)
+        with pytest.raises(CorruptCheckpointError, match="zlib-test"):
+            fc.decode(stored, np.empty_like(raw))
+    finally:
+        unregister_codec("zlib-test")
+
+
+def test_plugin_codec_beating_its_declared_bound_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compressing codec that keeps the default max_ratio=1 would commit checkpoints every
+    reader refuses as crafted (and retention would then delete the last readable one)."""
+    monkeypatch.setattr(_Zlib, "max_ratio", 1)
+    register_codec(_Zlib)
+    try:
+        with pytest.raises(CodecError, match="smallest block"):
+            FrameCodec("zlib-test").encode(np.zeros(8192, dtype=np.uint8))
+        with pytest.raises(BaseException) as err:  # DCP wraps it in its CheckpointException
+            _save(tmp_path / "ckpt", "zlib-test")
+        assert "smallest block" in str(err.value)
+        assert not (tmp_path / "ckpt" / ".metadata").exists()
+    finally:
+        unregister_codec("zlib-test")

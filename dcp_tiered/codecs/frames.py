@@ -22,7 +22,7 @@ from dcp_tiered.codecs.bytegroup import FILTER_NONE, FILTERS, merge_planes, plan
 from dcp_tiered.codecs.checksum import checksum
 from dcp_tiered.codecs.compressors import make_compressor
 from dcp_tiered.codecs.registry import Codec, check_block_len, get_codec
-from dcp_tiered.errors import ConfigError, CorruptCheckpointError, DcpTieredError, UnsupportedFormatError
+from dcp_tiered.errors import CodecError, ConfigError, CorruptCheckpointError, DcpTieredError, UnsupportedFormatError
 
 DEFAULT_FRAME_SIZE = 4 << 20
 #: Smallest and largest frame sizes a checkpoint may declare (the writer refuses smaller ones).
@@ -115,6 +115,10 @@ class FrameCodec:
                 mode, payload = MODE_RAW, plane
             else:
                 packed = self._compressor.compress(plane)
+                if len(packed) < self.codec.min_stored_size(plane.nbytes):
+                    # Readers refuse such a frame as crafted: fail the save, never commit it.
+                    raise CodecError(f"codec {self.codec.spec} compressed {plane.nbytes} bytes to {len(packed)}, below "
+                                     "its declared smallest block (set max_ratio or min_stored_size)")
                 if len(packed) <= plane.nbytes * (1 - _MIN_SAVING):
                     mode, payload = MODE_COMPRESSED, packed
                 else:
@@ -159,14 +163,15 @@ class FrameCodec:
 
     def _decompress(self, payload: memoryview, plane_len: int) -> object:
         # Registered codecs may come from plugins: whatever a hostile block makes them
-        # raise, or a wrong length, is reported as corruption.
+        # raise, or a wrong length, is reported as corruption
+        # (struct.error, zlib.error, RuntimeError, a non-buffer result...); only an
+        # out-of-memory error passes through as itself.
         try:
-            out = self._compressor.decompress(payload, plane_len)
-        except DcpTieredError:
+            return check_block_len(self._compressor.decompress(payload, plane_len), plane_len, self.codec)
+        except (DcpTieredError, MemoryError):
             raise
-        except (ValueError, TypeError, IndexError, KeyError, OverflowError, ArithmeticError) as exc:
-            raise CorruptCheckpointError(f"{self.codec.spec} block does not decode: {exc}") from exc
-        return check_block_len(out, plane_len, self.codec)
+        except Exception as exc:  # noqa: BLE001 - plugin code on untrusted bytes
+            raise CorruptCheckpointError(f"{self.codec.spec} block does not decode: {type(exc).__name__}: {exc}") from exc
 
 
 def verify_frame(stored: object, expected: int) -> bool:
