@@ -79,6 +79,9 @@ def test_leftover_grace_zero_and_seconds():
     assert CheckpointerOptions(leftover_grace="0").leftover_grace == 0.0
     assert CheckpointerOptions(leftover_grace=90).leftover_grace == 90.0
     assert "leftover_grace" in config_error(CheckpointerOptions, leftover_grace=False)
+    # None (YAML "leftover_grace:" left empty) used to pass and make every retention job fail
+    # with a TypeError, so no checkpoint was ever deleted.
+    assert "leftover_grace" in config_error(CheckpointerOptions, leftover_grace=None)
 
 
 # --------------------------------------------------------------------------- unknown and mistyped keys
@@ -137,6 +140,7 @@ def _yaml(tmp_path: Path, options: str) -> Path:
     ('async_save: "false"\n', "async_save"),
     ("via_fastest: 'no'\n", "via_fastest"),
     ("leftover_grace: soon\n", "leftover_grace"),
+    ("leftover_grace:\n", "leftover_grace"),
     ("threads: '4'\n", "threads"),
     ("asyncsave: true\n", "asyncsave"),
 ])

@@ -41,6 +41,8 @@ def _grace(value: object, name: str) -> float:
     """A duration (``"1h"``, ``"1h30m"``, seconds) or 0 (remove leftovers at once), in seconds."""
     if value in (0, "0") and not isinstance(value, bool):
         return 0.0
+    if value is None:  # YAML "leftover_grace:" with no value; retention would fail on every run
+        raise ConfigError(f"{name} must be a duration such as '1h' or 0, got None")
     return parse_duration(value, name)  # type: ignore[arg-type, return-value]
 
 
