@@ -147,3 +147,29 @@ def test_pinned_and_own_steps_are_honoured_by_the_one_facts_builder(tmp_path: Pa
     assert before - on_disk(tiers) == {("local", s) for s in (0, 1, 2, 4)}
     fresh = Retention(tiers, leftover_grace=HOUR).plan(tiers[0])  # another process: no pins, no own steps
     assert {i.step for i in fresh.victims} == {3}
+
+
+@pytest.mark.parametrize("options", ["", "optimizer_keys: [opt_state]\n"])
+def test_gc_keeps_the_newest_checkpoint_with_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                             options: str) -> None:
+    """With ``optimizer_every > 1`` the checkpointer keeps the newest checkpoint holding the
+    optimizer state beyond ``keep``; ``gc`` on the same YAML must keep it too (it used to
+    delete it, leaving only model-only checkpoints to resume from)."""
+    key = "opt_state" if options else "optim"
+    root = tmp_path / "local"
+    for step in (1, 2, 3):
+        state = {"model": torch.arange(64.0) + step}
+        if step == 1:
+            state[key] = torch.zeros(64)
+        dcp.save(state, storage_writer=CompressedWriter(root / step_name(step)), no_dist=True)
+    yaml_path = tmp_path / "tiers.yaml"
+    yaml_path.write_text(f"tiers:\n  - {{name: local, url: '{root}', keep: 2}}\noptimizer_every: 3\n{options}")
+    tiers = [Tier("local", str(root), keep=2)]
+    promoter = Promoter(tiers, leftover_grace=0.0, optimizer_keys=(key,))  # what TieredCheckpointer runs
+    try:
+        assert promoter.keeper.plan(tiers[0]).victims == []
+    finally:
+        promoter.close(wait=False)
+    assert gc(yaml_path, "0", capsys, dry_run=True) == set()
+    assert gc(yaml_path, "0", capsys, dry_run=False) == set()
+    assert on_disk(tiers) == {("local", 1), ("local", 2), ("local", 3)}

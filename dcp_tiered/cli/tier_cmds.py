@@ -183,11 +183,15 @@ def _grace(text: str) -> float:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from dcp_tiered.tiers.options import CheckpointerOptions
     from dcp_tiered.tiers.retention import Retention
 
-    tiers, _ = tiers_from_args(args)
+    tiers, options = tiers_from_args(args)
     _check_reachable(tiers)
-    retention = Retention(tiers, leftover_grace=_grace(args.leftover_grace))
+    # The checkpointer's optimizer_keys (from the YAML, else its defaults): retention keeps the
+    # newest checkpoint holding them, and gc must not delete what it keeps.
+    keys = CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None)).optimizer_keys
+    retention = Retention(tiers, leftover_grace=_grace(args.leftover_grace), optimizer_keys=keys)
     plans = [retention.plan(t) for t in tiers]  # what the promoter's retention job would delete now
     if args.dry_run:
         rows = [row for plan in plans for row in plan.as_rows()]
