@@ -361,3 +361,32 @@ def test_a_save_that_failed_on_this_rank_lets_a_retry_claim_the_path(tmp_path: P
         dcp.save(sd, storage_writer=writer, no_dist=True)  # refused at save: numpy needs the opt-in
     dcp.save(sd, storage_writer=CompressedWriter(tmp_path / "a", safe_globals=numpy_safe_globals()), no_dist=True)
     assert (tmp_path / "a" / ".metadata").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
+def test_load_any_and_convert_of_a_special_pt_file_do_not_block(tmp_path, kind):
+    """``inspect.load_any``/``convert`` of a ``.pt`` path that is a FIFO (blocked forever in
+    open), a link to /dev/zero (read until memory runs out) or a directory: a clear
+    UnsafeCheckpointError instead."""
+    pt = tmp_path / "model.pt"
+    if kind == "fifo":
+        os.mkfifo(pt)
+    elif kind == "dev-zero":
+        pt.symlink_to("/dev/zero")
+    else:
+        pt.mkdir()
+    code = f"""
+from dcp_tiered import inspect as ckpt
+out = {{}}
+for what, fn in (("load_any", lambda: ckpt.load_any({str(pt)!r})),
+                 ("convert", lambda: ckpt.convert({str(pt)!r}, {str(tmp_path / 'out')!r}))):
+    try:
+        fn()
+        out[what] = "ok"
+    except BaseException as exc:
+        out[what] = type(exc).__name__
+emit(out)
+"""
+    res = run_isolated(code, timeout=HANG_S, memory_mb=2000)
+    assert not res.timed_out and not res.crashed and res.returncode == 0, res.describe()
+    assert res.result == {"load_any": "UnsafeCheckpointError", "convert": "UnsafeCheckpointError"}

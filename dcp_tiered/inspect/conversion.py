@@ -52,10 +52,14 @@ def _load_torch_file(path: str, storage_options: dict[str, Any] | None, safe_glo
 
     from dcp_tiered.dcp.objects import allowing, normalize_safe_globals
     from dcp_tiered.dcp.pickle_scan import check_torch_payload
-    from dcp_tiered.errors import CheckpointNotFoundError, ConfigError
+    from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, UnsafeCheckpointError
 
     try:
-        with fsspec.open(path, "rb", **(storage_options or {})) as f, allowing(normalize_safe_globals(safe_globals, "load")):
+        fs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        kind = fs.info(p).get("type")
+        if kind != "file":  # a FIFO blocks the open forever, /dev/zero never ends, a directory is no file
+            raise UnsafeCheckpointError(f"{path} is not a regular file ({kind}); refusing to read it")
+        with fs.open(p, "rb") as f, allowing(normalize_safe_globals(safe_globals, "load")):
             check_torch_payload(f, str(path))  # depth/size of the pickle, before torch.load
             sd = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
