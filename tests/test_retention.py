@@ -173,3 +173,17 @@ def test_gc_keeps_the_newest_checkpoint_with_optimizer_state(tmp_path: Path, cap
     assert gc(yaml_path, "0", capsys, dry_run=True) == set()
     assert gc(yaml_path, "0", capsys, dry_run=False) == set()
     assert on_disk(tiers) == {("local", 1), ("local", 2), ("local", 3)}
+
+
+def test_an_unreadable_checkpoint_does_not_stand_in_for_the_optimizer_state(tmp_path: Path) -> None:
+    """Retention keeps the newest committed checkpoint holding the optimizer state; one whose
+    ``.metadata`` cannot be read is not known to hold it and must not count as that checkpoint
+    (it did: the readable full one was deleted and the unreadable one kept in its place)."""
+    root = tmp_path / "local"
+    for step, keys in ((1, ("model", "optim")), (2, ("model", "optim")), (3, ("model",))):
+        dcp.save({k: torch.arange(64.0) + step for k in keys}, storage_writer=CompressedWriter(root / step_name(step)),
+                 no_dist=True)
+    (root / step_name(2) / ".metadata").write_bytes(b"\x80\x04damaged")
+    tiers = [Tier("local", str(root), keep=1)]
+    retention = Retention(tiers, leftover_grace=0.0, optimizer_keys=("optim",))
+    assert 1 not in {i.step for i in retention.plan(tiers[0]).victims}

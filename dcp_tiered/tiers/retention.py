@@ -75,7 +75,9 @@ def checkpoint_facts(info: CheckpointInfo, *, ages: dict[str, float], busy: Coll
     incoming = any(f.endswith(FRAGMENT_SUFFIX) for f in info.files)
     file_ages = [a for n, a in ages.items() if n.startswith(info.name + "/")]
     age = float("inf") if info.step in own else (min(file_ages) if file_ages else None)
-    full = info.keys is None or not optimizer_keys or info.has_prefix(optimizer_keys)
+    # Unreadable metadata (keys None) is not known to hold the optimizer state: it never stands in
+    # for the newest checkpoint that does.
+    full = not optimizer_keys or (info.keys is not None and info.has_prefix(optimizer_keys))
     busy_now = info.step in busy or intents or (incoming and not committed)
     return CheckpointFacts(info.step, committed, busy=busy_now, full=full, age=age)
 
