@@ -285,3 +285,15 @@ def test_a_registered_backend_is_picked_for_its_filesystem() -> None:
         assert store.read_bytes(".metadata") == b"ok"
     finally:
         storage_base._BACKENDS.remove(ToyStorage)
+
+
+@pytest.mark.xfail(strict=True, reason="same_place ignores the endpoint: validate_tiers accepts one bucket path on two "
+                   "endpoints as two tiers, and the promoter then skips every promotion between them as 'onto itself'")
+def test_same_place_agrees_with_validate_tiers_on_endpoints() -> None:
+    from dcp_tiered.tiers.spec import Tier, validate_tiers
+
+    one = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
+    two = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:2"}}
+    validate_tiers([Tier("cache", "s3://b/run", storage_options=one), Tier("durable", "s3://b/run", storage_options=two)],
+                   probe=False)  # accepted: two places
+    assert not Storage("s3://b/run", one).same_place(Storage("s3://b/run", two))
