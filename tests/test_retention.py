@@ -187,3 +187,24 @@ def test_an_unreadable_checkpoint_does_not_stand_in_for_the_optimizer_state(tmp_
     tiers = [Tier("local", str(root), keep=1)]
     retention = Retention(tiers, leftover_grace=0.0, optimizer_keys=("optim",))
     assert 1 not in {i.step for i in retention.plan(tiers[0]).victims}
+
+
+@pytest.mark.xfail(strict=True, reason="a non-coordinator rank cannot tell which node-local step holds the optimizer "
+                   "state (no .metadata on its node), so it deletes the files of the full step the coordinator keeps")
+def test_node_local_ranks_keep_the_step_the_coordinator_keeps_for_the_optimizer(tmp_path: Path) -> None:
+    """keep=1, ``optimizer_every=2``: step 1 holds the optimizer state, step 2 the model only.
+    The coordinator keeps both (step 1 as the newest full one); every other rank must keep its
+    files of step 1 too, or step 1 is whole on no node and a resume loses the optimizer state."""
+    local = tmp_path / "local"
+    for step, keys in ((1, ("model", "optim")), (2, ("model",))):
+        dcp.save({k: torch.arange(64.0) + step for k in keys}, storage_writer=CompressedWriter(local / "0" / step_name(step)),
+                 no_dist=True)
+        shutil.copytree(local / "0" / step_name(step), local / "1" / step_name(step))
+        (local / "1" / step_name(step) / ".metadata").unlink()  # only the coordinator's node holds it
+    tier = Tier("local", str(local / "{rank}"), keep=1)
+    kept = {}
+    for rank in (0, 1):
+        retention = Retention([tier], rank=rank, is_coordinator=rank == 0, leftover_grace=0.0, optimizer_keys=("optim",))
+        kept[rank] = {1, 2} - {i.step for i in retention.plan(tier).victims}
+    assert kept[0] == {1, 2}
+    assert kept[1] == kept[0]
