@@ -208,3 +208,19 @@ def test_node_local_ranks_keep_the_step_the_coordinator_keeps_for_the_optimizer(
         kept[rank] = {1, 2} - {i.step for i in retention.plan(tier).victims}
     assert kept[0] == {1, 2}
     assert kept[1] == kept[0]
+
+
+def test_promote_keeps_the_newest_checkpoint_with_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``dcp-tiered promote`` runs the target's retention after each commit; like the checkpointer's
+    it must keep the newest checkpoint holding the optimizer state (it deleted it)."""
+    root = tmp_path / "a"
+    for tier, step, keys in (("shared", 1, ("model", "optim")), ("shared", 3, ("model",)), ("local", 4, ("model",))):
+        dcp.save({k: torch.arange(64.0) + step for k in keys}, storage_writer=CompressedWriter(root / tier / step_name(step)),
+                 no_dist=True)
+    _intent(root / "local" / step_name(4), "local", "shared")
+    yaml_path = root / "tiers.yaml"
+    yaml_path.write_text(f"tiers:\n  - {{name: local, url: '{root / 'local'}', keep: 2}}\n"
+                         f"  - {{name: shared, url: '{root / 'shared'}', keep: 1}}\n")
+    assert cli_main(["promote", "--tiers", str(yaml_path), "--json"]) == 0
+    tiers = [Tier("local", str(root / "local"), keep=2), Tier("shared", str(root / "shared"), keep=1)]
+    assert {s for t, s in on_disk(tiers) if t == "shared"} == {1, 4}

@@ -137,7 +137,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from dcp_tiered.tiers.promotion import Promoter
     from dcp_tiered.tiers.events import EventLog
 
-    tiers, _ = tiers_from_args(args)
+    tiers, options = tiers_from_args(args)
+    keys = _optimizer_keys(args, options)
     pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)}
                for i in _catalog(tiers) if i.pending_promotions]
     if args.dry_run:
@@ -150,7 +151,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
             print("no pending promotions")
         return EXIT_OK
     events = EventLog(args.event_log)
-    promoter = Promoter(tiers, on_report=lambda r: events.emit({"event": "promotion", **r.as_dict()}))
+    promoter = Promoter(tiers, on_report=lambda r: events.emit({"event": "promotion", **r.as_dict()}), optimizer_keys=keys)
     failed = None
     try:
         n = promoter.resume()
@@ -176,6 +177,14 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return EXIT_OK if failed is None else EXIT_PROBLEMS
 
 
+def _optimizer_keys(args: argparse.Namespace, options: dict) -> tuple[str, ...]:
+    """The checkpointer's ``optimizer_keys`` (the ``--tiers`` YAML's, else the default): retention
+    keeps the newest checkpoint holding them, and ``gc``/``promote`` must not delete what it keeps."""
+    from dcp_tiered.tiers.options import CheckpointerOptions
+
+    return CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None)).optimizer_keys
+
+
 def _grace(text: str) -> float:
     from dcp_tiered.tiers.spec import parse_duration
 
@@ -183,15 +192,11 @@ def _grace(text: str) -> float:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from dcp_tiered.tiers.options import CheckpointerOptions
     from dcp_tiered.tiers.retention import Retention
 
     tiers, options = tiers_from_args(args)
     _check_reachable(tiers)
-    # The checkpointer's optimizer_keys (from the YAML, else its defaults): retention keeps the
-    # newest checkpoint holding them, and gc must not delete what it keeps.
-    keys = CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None)).optimizer_keys
-    retention = Retention(tiers, leftover_grace=_grace(args.leftover_grace), optimizer_keys=keys)
+    retention = Retention(tiers, leftover_grace=_grace(args.leftover_grace), optimizer_keys=_optimizer_keys(args, options))
     plans = [retention.plan(t) for t in tiers]  # what the promoter's retention job would delete now
     if args.dry_run:
         rows = [row for plan in plans for row in plan.as_rows()]
