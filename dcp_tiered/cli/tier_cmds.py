@@ -57,9 +57,10 @@ def add_parsers(sub: Any) -> None:
                        epilog=GC_EXAMPLES)
     add_tier_args(p)
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
-    p.add_argument("--leftover-grace", default="1h", metavar="DURATION",
+    p.add_argument("--leftover-grace", default=None, metavar="DURATION",
                    help="remove an uncommitted leftover only once untouched this long (another process may be "
-                        "writing it); 0 removes leftovers at once (default: 1h)")
+                        "writing it); 0 removes leftovers at once (default: the --tiers file's leftover_grace, "
+                        "else 1h)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gc)
 
@@ -185,9 +186,13 @@ def _grace(text: str) -> float:
 def cmd_gc(args: argparse.Namespace) -> int:
     from dcp_tiered.tiers.retention import Retention
 
-    tiers, _ = tiers_from_args(args)
+    from dcp_tiered.tiers.options import CheckpointerOptions
+
+    tiers, options = tiers_from_args(args)
     _check_reachable(tiers)
-    retention = Retention(tiers, leftover_grace=_grace(args.leftover_grace))
+    grace = (_grace(args.leftover_grace) if args.leftover_grace is not None  # else the YAML's, as the checkpointer's
+             else CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None)).leftover_grace)
+    retention = Retention(tiers, leftover_grace=grace)
     plans = [retention.plan(t) for t in tiers]  # what the promoter's retention job would delete now
     if args.dry_run:
         rows = [row for plan in plans for row in plan.as_rows()]
