@@ -57,9 +57,10 @@ def add_parsers(sub: Any) -> None:
                        epilog=GC_EXAMPLES)
     add_tier_args(p)
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
-    p.add_argument("--leftover-grace", default="1h", metavar="DURATION",
+    p.add_argument("--leftover-grace", default=None, metavar="DURATION",
                    help="remove an uncommitted leftover only once untouched this long (another process may be "
-                        "writing it); 0 removes leftovers at once (default: 1h)")
+                        "writing it); 0 removes leftovers at once (default: the --tiers file's leftover_grace, "
+                        "else 1h)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gc)
 
@@ -138,7 +139,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from dcp_tiered.tiers.events import EventLog
 
     tiers, options = tiers_from_args(args)
-    keys = _optimizer_keys(args, options)
+    keys = _file_options(args, options).optimizer_keys
     pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)}
                for i in _catalog(tiers) if i.pending_promotions]
     if args.dry_run:
@@ -177,12 +178,12 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return EXIT_OK if failed is None else EXIT_PROBLEMS
 
 
-def _optimizer_keys(args: argparse.Namespace, options: dict) -> tuple[str, ...]:
-    """The checkpointer's ``optimizer_keys`` (the ``--tiers`` YAML's, else the default): retention
-    keeps the newest checkpoint holding them, and ``gc``/``promote`` must not delete what it keeps."""
+def _file_options(args: argparse.Namespace, options: dict) -> Any:
+    """The checkpointer options of the ``--tiers`` YAML (defaults without one): ``gc`` and ``promote``
+    apply retention as the checkpointer does (its ``optimizer_keys``: keep the newest checkpoint holding them)."""
     from dcp_tiered.tiers.options import CheckpointerOptions
 
-    return CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None)).optimizer_keys
+    return CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None))
 
 
 def _grace(text: str) -> float:
@@ -196,7 +197,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     tiers, options = tiers_from_args(args)
     _check_reachable(tiers)
-    retention = Retention(tiers, leftover_grace=_grace(args.leftover_grace), optimizer_keys=_optimizer_keys(args, options))
+    opts = _file_options(args, options)  # what the checkpointer built from the same YAML uses
+    grace = _grace(args.leftover_grace) if args.leftover_grace is not None else opts.leftover_grace
+    retention = Retention(tiers, leftover_grace=grace, optimizer_keys=opts.optimizer_keys)
     plans = [retention.plan(t) for t in tiers]  # what the promoter's retention job would delete now
     if args.dry_run:
         rows = [row for plan in plans for row in plan.as_rows()]

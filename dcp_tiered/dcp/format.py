@@ -85,7 +85,7 @@ def _check_fields(record: dict, where: str) -> None:
     try:
         stored_frame_bounds(record["codec"], record["filter"], 1, 0)  # validates the codec (cached)
     except ValueError as exc:
-        raise UnsupportedFormatError(f"{where} uses codec {record['codec']!r}, which this version cannot read") from exc
+        raise UnsupportedFormatError(f"{where} uses codec {record['codec']!r}, which this version cannot read: {exc}") from exc
 
 
 def _check_sizes(record: dict, where: str) -> None:

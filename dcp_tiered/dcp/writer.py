@@ -139,7 +139,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
 
     Args:
         path: checkpoint directory: a local path or any fsspec URL (``s3://bucket/run/step_100``).
-        codec: ``"none"``, ``"lz4"``, ``"zstd"`` or ``"zstd:N"``.
+        codec: ``"none"``, ``"lz4"``, ``"zstd"``, ``"zstd:N"``, or the spec of a codec registered
+            with :func:`~dcp_tiered.codecs.register_codec` (see docs/architecture.md).
         storage_options: passed to fsspec (``endpoint_url``, credentials, ...).
         byte_group: regroup float bytes into planes before compressing (on by default).
         frame_size: raw bytes per frame; frames are compressed in parallel and read independently.

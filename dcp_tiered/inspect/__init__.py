@@ -1,7 +1,8 @@
 """Whole-checkpoint operations: describe, verify, load and convert one checkpoint.
 
 Works on checkpoints of this package, of stock DCP (``FileSystemWriter``/``FsspecWriter``)
-and on single ``torch.save`` files (paths ending in ``.pt``, ``.pth``, ``.bin``, ``.ckpt``).
+and, for ``load_any``, ``save_any`` and ``convert``, on single ``torch.save`` files (paths ending
+in ``.pt``, ``.pth``, ``.bin``, ``.ckpt``); ``describe`` and ``verify`` take checkpoint directories.
 The ``dcp-tiered`` commands ``inspect``, ``verify`` and ``convert`` only print what these
 functions return::
 

@@ -188,7 +188,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], codec: str
             overwrite: bool = False, safe_globals: Any = None, progress: ProgressFactory | None = None) -> ConvertResult:
     """Load ``src`` completely (:func:`load_any`) and write it to ``dst`` (:func:`save_any`).
 
-    ``codec``: ``none``, ``lz4``, ``zstd``, ``zstd:N`` or ``"stock"``; checked before anything is read.
+    ``codec``: ``none``, ``lz4``, ``zstd``, ``zstd:N``, a registered codec's spec, or ``"stock"``; checked before
+    anything is read.
     Errors raised inside ``dcp.load``/``dcp.save`` arrive wrapped in DCP's ``CheckpointException``
     (the original in ``exc.failures[rank]``).
     """

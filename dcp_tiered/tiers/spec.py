@@ -72,7 +72,7 @@ class Tier:
         every_steps: minimum steps between saves to this tier.
         max_per_hour: cap on saves per rolling hour (for object stores billed per request).
         keep: committed checkpoints kept by retention (at least 1).
-        codec: ``"none"``, ``"lz4"``, ``"zstd"``, ``"zstd:N"``.
+        codec: ``"none"``, ``"lz4"``, ``"zstd"``, ``"zstd:N"``, or a registered codec's spec.
         storage_options: passed to fsspec.
         dtype: ``"bf16"`` or ``"fp16"`` to store floating tensors in 16 bits (safe downcast).
 
