@@ -170,6 +170,13 @@ def test_from_yaml_reads_every_option(tmp_path):
         assert ck.events.path == str(tmp_path / "e.jsonl")
 
 
+def test_from_yaml_takes_an_options_object_as_the_base_the_file_applies_to(tmp_path):
+    p = _yaml(tmp_path, "optimizer_every: 2\n")
+    base = CheckpointerOptions(on_busy="skip", optimizer_every=5)
+    with TieredCheckpointer.from_yaml(p, options=base, threads=2) as ck:
+        assert (ck.options.on_busy, ck.options.optimizer_every, ck.options.threads) == ("skip", 2, 2)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "dcp_tiered.cli", *args], capture_output=True, text=True, env=env,

@@ -132,9 +132,11 @@ class TieredCheckpointer:
     @classmethod
     def from_yaml(cls, path: "str | os.PathLike[str]", **overrides: Any) -> "TieredCheckpointer":
         """Build from a YAML file with ``tiers:`` and optional :class:`CheckpointerOptions` fields
-        (``async_save: true``, ...); ``overrides`` are keyword arguments of the constructor."""
+        (``async_save: true``, ...); ``overrides`` are keyword arguments of the constructor. An
+        ``options=`` override is the base the file's options apply to."""
         tiers, options = load_tiers_yaml(path)
-        return cls(tiers, options=CheckpointerOptions.from_mapping(options, where=os.fspath(path)), **overrides)
+        base = overrides.pop("options", None)
+        return cls(tiers, options=CheckpointerOptions.from_mapping(options, where=os.fspath(path), base=base), **overrides)
 
     # -- saving ---------------------------------------------------------------------
 
