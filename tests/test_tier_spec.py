@@ -92,6 +92,13 @@ def test_prop_parse_duration_positive_numbers_are_seconds(x):
     assert parse_duration(x) == float(x)
 
 
+@pytest.mark.parametrize("text", ["0\x1f", "1h\x1f", "\x1c5m", "\u0663", "5\u2003m"])
+def test_parse_duration_refuses_control_and_non_ascii_characters(text):
+    """Python's regex \\s and str.strip() also take \\x1c-\\x1f; float() does not (found by Hypothesis)."""
+    with pytest.raises(ConfigError):
+        parse_duration(text)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.text(max_size=12))
 def test_prop_parse_duration_text_is_float_or_config_error(text):

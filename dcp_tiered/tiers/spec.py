@@ -16,8 +16,10 @@ from dcp_tiered.dcp.writer import check_count
 from dcp_tiered.errors import CodecError, ConfigError
 
 # One "number unit" part of a duration; longer unit names first so "ms" is not read as "m".
-_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|sec|min|hr|s|m|h|d)", re.IGNORECASE)
-_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
+# ASCII only: Python's \s also matches control characters such as \x1f, which float() refuses.
+_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|sec|min|hr|s|m|h|d)", re.IGNORECASE | re.ASCII)
+_NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)\s*", re.ASCII)
+_SPACE = " \t\n\r\f\v"
 _UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
 DTYPES = ("bf16", "fp16")
 
@@ -25,10 +27,11 @@ DTYPES = ("bf16", "fp16")
 def _duration_seconds(text: str) -> float | None:
     """Seconds of ``"90"``, ``"5m"`` or a compound ``"1h30m"``/``"1d 2h"`` (units from the largest
     down, each once); None when ``text`` is not such a duration."""
-    if _NUMBER.match(text):
-        return float(text)
+    number = _NUMBER.fullmatch(text)
+    if number:
+        return float(number.group(1))
     pos, total, last = 0, 0.0, float("inf")
-    text = text.strip()
+    text = text.strip(_SPACE)
     while pos < len(text):
         m = _PART.match(text, pos)
         if not m:
@@ -38,7 +41,7 @@ def _duration_seconds(text: str) -> float | None:
             return None
         total, last = total + float(m.group(1)) * unit, unit
         pos = m.end()
-        while pos < len(text) and text[pos].isspace():
+        while pos < len(text) and text[pos] in _SPACE:
             pos += 1
     return total if text else None
 
