@@ -77,6 +77,8 @@ def test_bad_compound_durations(text):
 def test_leftover_grace_zero_and_seconds():
     assert CheckpointerOptions(leftover_grace=0).leftover_grace == 0.0
     assert CheckpointerOptions(leftover_grace="0").leftover_grace == 0.0
+    assert CheckpointerOptions(leftover_grace="0s").leftover_grace == 0.0  # as `gc --leftover-grace 0s`
+    assert CheckpointerOptions(leftover_grace=0.0).leftover_grace == 0.0
     assert CheckpointerOptions(leftover_grace=90).leftover_grace == 90.0
     assert "leftover_grace" in config_error(CheckpointerOptions, leftover_grace=False)
     # None (YAML "leftover_grace:" left empty) used to pass and make every retention job fail

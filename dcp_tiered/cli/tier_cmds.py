@@ -186,19 +186,14 @@ def _file_options(args: argparse.Namespace, options: dict) -> Any:
     return CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None))
 
 
-def _grace(text: str) -> float:
-    from dcp_tiered.tiers.spec import parse_duration
-
-    return 0.0 if str(text).strip() in ("0", "0s") else float(parse_duration(text, "--leftover-grace") or 0.0)
-
-
 def cmd_gc(args: argparse.Namespace) -> int:
+    from dcp_tiered.tiers.options import parse_grace
     from dcp_tiered.tiers.retention import Retention
 
     tiers, options = tiers_from_args(args)
     _check_reachable(tiers)
     opts = _file_options(args, options)  # what the checkpointer built from the same YAML uses
-    grace = _grace(args.leftover_grace) if args.leftover_grace is not None else opts.leftover_grace
+    grace = parse_grace(args.leftover_grace, "--leftover-grace") if args.leftover_grace is not None else opts.leftover_grace
     retention = Retention(tiers, leftover_grace=grace, optimizer_keys=opts.optimizer_keys)
     plans = [retention.plan(t) for t in tiers]  # what the promoter's retention job would delete now
     if args.dry_run:

@@ -37,9 +37,9 @@ def _on_busy(value: object, name: str) -> str:
     return str(value)
 
 
-def _grace(value: object, name: str) -> float:
-    """A duration (``"1h"``, ``"1h30m"``, seconds) or 0 (remove leftovers at once), in seconds."""
-    if value in (0, "0") and not isinstance(value, bool):
+def parse_grace(value: object, name: str = "leftover_grace") -> float:
+    """A duration (``"1h"``, ``"1h30m"``, seconds) or 0 (``0``, ``"0"``, ``"0s"``: remove leftovers at once), in seconds."""
+    if not isinstance(value, bool) and (value == 0 or (isinstance(value, str) and value.strip() in ("0", "0s"))):
         return 0.0
     if value is None:  # YAML "leftover_grace:" with no value; retention would fail on every run
         raise ConfigError(f"{name} must be a duration such as '1h' or 0, got None")
@@ -95,7 +95,7 @@ class CheckpointerOptions:
     frame_size: int | None = _field(None, lambda v, n: check_frame_size(v, optional=True))
     resume_promotions: bool = _field(True, _flag)
     via_fastest: bool = _field(True, _flag)
-    leftover_grace: float = _field(3600.0, _grace)
+    leftover_grace: float = _field(3600.0, parse_grace)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
