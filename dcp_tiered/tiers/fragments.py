@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from dcp_tiered.dcp.format import METADATA_FILE, ItemRecord, builtin_from_json, native_files, record_view, records_in_file
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata, read_metadata_bytes
-from dcp_tiered.errors import DcpTieredError, PromotionError
+from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.tiers.intents import committed_save_id, index_from_json, index_to_json
 from dcp_tiered.tiers.layout import fragment_name, read_small_file
@@ -107,8 +107,10 @@ def missing_fragments(dst: Storage, files: list[str], present: dict[str, int], s
 def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None) -> int:
     """Commit ``dst``'s ``.metadata`` from the fragments of every data file of ``src`` (of save ``save_id``).
 
-    Raises :class:`~dcp_tiered.errors.PromotionError` when a fragment is missing, malformed, or does
-    not describe the source's items, or a file has the wrong size.  Returns the bytes of ``.metadata``."""
+    Raises :class:`~dcp_tiered.errors.PromotionError` when a fragment is malformed or does not describe
+    the source's items, and :class:`~dcp_tiered.errors.PromotionIOError` (retried like any storage
+    failure) when a fragment is missing or a file has the wrong size: another process promoting the
+    same save may not have finished its copy yet.  Returns the bytes of ``.metadata``."""
     raw = read_metadata_bytes(src)
     md = decode_metadata(raw, src.url_of(METADATA_FILE))
     files = native_files(md.storage_data)
@@ -120,7 +122,8 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
     fragments = {f: read_fragment(dst, f) for f in files}
     missing = [f for f, doc in fragments.items() if doc is None or doc.get("save_id") != save_id]
     if missing:
-        raise PromotionError(f"{dst.url}: promoted files {missing[:3]} vanished before the commit")
+        # transient when another process promotes the same save right now: retried (a StorageError)
+        raise PromotionIOError(f"{dst.url}: promoted files {missing[:3]} vanished before the commit")
     new_data = {}
     try:
         for f in files:
@@ -146,7 +149,8 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
     for f in files:
         size = max(record_view(r).end for r in records_in_file(new_data, f).values())
         if present.get(f, -1) != size:
-            raise PromotionError(f"{dst.url_of(f)} has {present.get(f)} bytes, expected {size}")
+            # transient when another process is still copying the same file: retried (a StorageError)
+            raise PromotionIOError(f"{dst.url_of(f)} has {present.get(f)} bytes, expected {size}")
     md.storage_data = new_data
     if md.storage_meta is not None:
         md.storage_meta.checkpoint_id = dst.url
