@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dcp_tiered.dcp.format import METADATA_FILE, record_view
@@ -38,6 +38,8 @@ class CheckpointInfo:
     #: its ``.metadata`` is a symbolic link (or not a regular file).  Never ``committed`` nor
     #: ``complete``; ``problem`` says why, so that a restore names it instead of starting from scratch.
     unusable: bool = False
+    #: The id of the save that committed it (``.metadata``'s ``storage_meta.save_id``; None if unread).
+    save_id: str | None = None
 
     def has_keys(self, required: Iterable[str]) -> bool:
         """Whether the checkpoint holds every key in ``required`` (flattened, dot-joined)."""
@@ -55,8 +57,10 @@ def tier_storage(tier: Tier, rank: int = 0, node: int = 0) -> Storage:
     return Storage(tier.resolved_url(rank, node), tier.storage_options)
 
 
-def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with_metadata: bool = True) -> CheckpointInfo:
-    """Describe one checkpoint directory ``name`` of ``tier``."""
+def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with_metadata: bool = True,
+                       holds: Callable[[str], bool] | None = None) -> CheckpointInfo:
+    """Describe one checkpoint directory ``name`` of ``tier``; ``holds``: which data files the
+    directory must hold to be ``complete`` (a node-local directory: its ranks' files), default all."""
     step = parse_step(name)
     child = storage.child(name)
     if child.is_link():  # never followed: not listed (nor deleted, nor written) through the link
@@ -90,6 +94,7 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
     try:
         md = load_metadata(child)
         info.keys = frozenset(md.state_dict_metadata)
+        info.save_id = getattr(md.storage_meta, "save_id", None) or ""
         needed: dict[str, int] = {}
         codecs = set()
         for value in md.storage_data.values():
@@ -97,7 +102,7 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
             needed[item.file] = max(needed.get(item.file, 0), item.end)
             codecs.add(item.codec if item.native else "stock")
         info.codec = ",".join(sorted(codecs)) or None
-        missing = [f for f, size in needed.items() if files.get(f, -1) < size]
+        missing = [f for f, size in needed.items() if files.get(f, -1) < size and (holds is None or holds(f))]
         info.complete = not missing
         if missing:
             info.problem = f"files missing or short: {missing[:3]}"
@@ -106,11 +111,12 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
     return info
 
 
-def list_tier(tier: Tier, index: int = 0, rank: int = 0, node: int = 0, with_metadata: bool = True) -> list[CheckpointInfo]:
-    """Every checkpoint directory of ``tier`` (newest step first)."""
+def list_tier(tier: Tier, index: int = 0, rank: int = 0, node: int = 0, with_metadata: bool = True,
+              holds: Callable[[str], bool] | None = None) -> list[CheckpointInfo]:
+    """Every checkpoint directory of ``tier`` (newest step first); ``holds`` as for :func:`inspect_checkpoint`."""
     storage = tier_storage(tier, rank, node)
     names = [n for n in storage.listdir() if parse_step(n) is not None]
-    infos = [inspect_checkpoint(storage, tier, index, n, with_metadata) for n in names]
+    infos = [inspect_checkpoint(storage, tier, index, n, with_metadata, holds) for n in names]
     return sorted(infos, key=lambda i: i.step, reverse=True)
 
 

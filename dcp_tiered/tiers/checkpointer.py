@@ -28,6 +28,7 @@ from dcp_tiered.errors import ConfigError, SaveError
 from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
 from dcp_tiered.tiers.layout import step_name
+from dcp_tiered.tiers.node_commit import commit_after_save
 from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
@@ -251,7 +252,7 @@ class TieredCheckpointer:
             self.reports.append(report)
             return report
         try:
-            dcp.save(sd, **kwargs)
+            metadata = dcp.save(sd, **kwargs)  # the committed Metadata, on every rank
         except BaseException as exc:
             self.promoter.set_writing(due, step, False)
             if isinstance(exc, KeyboardInterrupt):
@@ -266,7 +267,7 @@ class TieredCheckpointer:
         self.promoter.set_writing(due, step, False)
         report.total_s = time.perf_counter() - t0
         report.blocked_s = waited + report.total_s
-        self._complete(report, writer, planner)
+        self._complete(report, writer, planner, metadata)
         self.reports.append(report)
         return report
 
@@ -286,7 +287,8 @@ class TieredCheckpointer:
                         opts.optimizer_every, list(opts.optimizer_keys), sorted(state_dict)[:8])
         return (dict(state_dict) if with_optim else sd), with_optim and found
 
-    def _complete(self, report: SaveReport, writer: TieredWriter, planner: DowncastSavePlanner | None) -> None:
+    def _complete(self, report: SaveReport, writer: TieredWriter, planner: DowncastSavePlanner | None,
+                  metadata: Any = None) -> None:
         report.ok = True
         stats = writer.last_stats
         if stats is not None:
@@ -295,10 +297,11 @@ class TieredCheckpointer:
         if planner is not None:
             report.downcast_kept = dict(planner.report.kept)
         primary = next(t for t in self.tiers if t.name == report.tiers[0])
-        if primary.node_local and self.rank != 0:
-            # DCP runs finish() (which queues retention) on the coordinator only; other ranks
-            # clean their own node-local directories once they know the save committed.
-            self.promoter.retention(primary, protect=[report.step])
+        if primary.node_local:
+            # DCP commits (and queues retention) in the coordinator's directory only: the leader of
+            # every other node-local directory commits it, then queues its retention.
+            commit_after_save(primary, report.step, metadata, rank=self.rank, world=self.world,
+                              promoter=self.promoter, events=self.events)
         self.events.emit(report.as_dict())
 
     def _finish_inflight(self, wait: bool = False) -> None:
@@ -309,7 +312,7 @@ class TieredCheckpointer:
             return
         self._inflight = None
         try:
-            fut.result()
+            metadata = fut.result()  # the committed Metadata, on every rank
         except BaseException as exc:
             self.promoter.set_writing(report.tiers, report.step, False)
             if isinstance(exc, KeyboardInterrupt):
@@ -321,7 +324,7 @@ class TieredCheckpointer:
             return
         self.promoter.set_writing(report.tiers, report.step, False)
         report.total_s = time.perf_counter() - t0
-        self._complete(report, writer, planner)
+        self._complete(report, writer, planner, metadata)
 
     def _on_promotion(self, report: PromotionReport) -> None:
         self.events.emit({"event": "promotion", **report.as_dict()})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -20,8 +20,9 @@ from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
 from dcp_tiered.errors import DcpTieredError, RestoreError
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.catalog import list_tier
+from dcp_tiered.tiers.catalog import list_tier, tier_storage
 from dcp_tiered.tiers.layout import step_name
+from dcp_tiered.tiers.node_commit import holds_file, lacking_files
 from dcp_tiered.tiers.policy import restore_order
 from dcp_tiered.tiers.promotion import Promoter
 from dcp_tiered.tiers.events import EventLog, describe_error
@@ -30,6 +31,7 @@ from dcp_tiered.tiers.spec import Tier
 log = logging.getLogger(__name__)
 
 Candidate = tuple[int, int]  # (step, tier index)
+View = tuple[int, int, "str | None", "str | None"]  # (step, tier index, why unusable or None, save id)
 
 
 class Restorer:
@@ -60,7 +62,9 @@ class Restorer:
         None when no tier holds a committed checkpoint; raises :class:`RestoreError` when
         committed checkpoints exist but none could be restored, naming each and why.
         """
-        required = flatten_keys(expand_stateful(state_dict)[0])
+        plain = expand_stateful(state_dict)[0]
+        # A node-local candidate is refused up front where this rank's load would need another node's files.
+        precheck = plain if not self._broadcasting(broadcast) else None
         rejected: dict[Candidate, str] = {}
         tried: set[Candidate] = set()
         committed = False
@@ -68,7 +72,7 @@ class Restorer:
         unlisted: list[str] = []
         try:
             for _ in range(3):  # listed again after all failed: a resumed promotion may have committed
-                candidates, reasons, found = self._agree_candidates(required, step, pinned, unlisted)
+                candidates, reasons, found = self._agree_candidates(plain, step, pinned, unlisted, precheck)
                 committed = committed or found
                 for cand, why in reasons.items():
                     rejected.setdefault(cand, why)
@@ -98,17 +102,21 @@ class Restorer:
         return RestoreError(f"no committed checkpoint{wanted} could be restored ({len(listed)} candidate(s)): "
                             f"{lines}{more}", listed)
 
-    def _local_view(self, required: Sequence[str], pinned: set[Candidate], unlisted: list[str]
-                    ) -> list[tuple[int, int, str | None]]:
-        """``(step, tier index, why unusable or None)`` of each committed checkpoint this rank answers for:
-        the node-local tiers as this rank sees them, and the shared tiers on the coordinator.
+    def _local_view(self, plain: dict[str, Any], pinned: set[Candidate], unlisted: list[str],
+                    precheck: dict[str, Any] | None) -> list[View]:
+        """``(step, tier index, why unusable or None, save id)`` of each committed checkpoint this rank
+        answers for: the node-local tiers as this rank sees them (complete when the files of the
+        directory's own ranks are in; with ``precheck``, the state dict to load, unusable when its
+        load would need files only other nodes hold), and the shared tiers on the coordinator.
         Each one is pinned against retention at once; tiers that cannot be listed go to ``unlisted``."""
-        out: list[tuple[int, int, str | None]] = []
+        required = flatten_keys(plain)
+        out: list[View] = []
         for i, tier in enumerate(self.tiers):
             if not tier.node_local and self.rank != 0:
                 continue
+            holds = holds_file(tier, self.rank, self.world) if tier.node_local else None
             try:
-                infos = list_tier(tier, i, self.rank, self.node)
+                infos = list_tier(tier, i, self.rank, self.node, holds=holds)
             except DcpTieredError as exc:
                 log.warning("restore: cannot list tier %s: %s", tier.name, exc)
                 unlisted.append(f"tier {tier.name!r} cannot be listed: {describe_error(exc)}")
@@ -127,7 +135,9 @@ class Restorer:
                     if missing:
                         extra = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
                         why = f"lacks key(s) {missing[:3]}{extra} of the state dict"
-                out.append((info.step, i, why))
+                if why is None and holds is not None and precheck is not None:
+                    why = self._lacking(tier, info, precheck)
+                out.append((info.step, i, why, info.save_id))
         return out
 
     def _gather(self, value: Any) -> list[Any]:
@@ -138,25 +148,27 @@ class Restorer:
         dist.all_gather_object(out, value, group=self.list_group)
         return out
 
-    def _agree_candidates(self, required: Sequence[str], step: int | None, pinned: set[Candidate],
-                          unlisted: list[str]) -> tuple[list[Candidate], dict[Candidate, str], bool]:
+    def _agree_candidates(self, plain: dict[str, Any], step: int | None, pinned: set[Candidate], unlisted: list[str],
+                          precheck: dict[str, Any] | None) -> tuple[list[Candidate], dict[Candidate, str], bool]:
         """The candidate list every rank agrees on (one all-gather), the rejected ones with why,
         and whether any committed checkpoint exists; listing problems of any rank go to ``unlisted``."""
         problems: list[str] = []
         try:
-            view = self._local_view(required, pinned, problems)
+            view = self._local_view(plain, pinned, problems, precheck)
         except Exception as exc:  # noqa: BLE001 - this rank must still take part in the collective below
             problems.append(f"listing the tiers failed: {describe_error(exc)}")
             view = []
         views = self._gather((view, problems))
         seen: dict[Candidate, dict[int, str | None]] = {}
+        save_ids: dict[Candidate, set[str | None]] = {}
         for rank, (v, probs) in enumerate(views):
             for p in probs:
                 line = f"rank {rank}: {p}" if self.distributed else p
                 if line not in unlisted:
                     unlisted.append(line)
-            for s, i, why in v:
+            for s, i, why, save_id in v:
                 seen.setdefault((s, i), {})[rank] = why
+                save_ids.setdefault((s, i), set()).add(save_id)
         usable: list[Candidate] = []
         reasons: dict[Candidate, str] = {}
         for (s, i), by_rank in seen.items():
@@ -166,6 +178,8 @@ class Restorer:
             if self.tiers[i].node_local:
                 problems = [f"rank {r}: {by_rank[r]}" if r in by_rank else f"rank {r}: not committed there"
                             for r in range(len(views)) if by_rank.get(r, "") is not None]
+                if not problems and len(save_ids[(s, i)]) > 1:  # the nodes committed different saves of the step
+                    problems = [f"the nodes hold different saves of this step (save ids {sorted(map(str, save_ids[(s, i)]))})"]
             else:
                 problems = [by_rank[0]] if by_rank.get(0) is not None else []
             if problems:
@@ -174,36 +188,77 @@ class Restorer:
                 usable.append((s, i))
         return restore_order(usable), reasons, bool(seen)
 
-    def _load(self, url: str, tier: Tier, state_dict: dict[str, Any], broadcast: Any, bucket_bytes: int) -> None:
+    def _lacking(self, tier: Tier, info: Any, state_dict: dict[str, Any]) -> str | None:
+        """Why this rank cannot load the node-local checkpoint ``info`` from its own node, or None."""
+        try:
+            lacking = lacking_files(tier_storage(tier, self.rank, self.node).child(info.name), info.files, state_dict)
+        except DcpTieredError as exc:
+            return f"unreadable metadata: {describe_error(exc)}"
+        if not lacking:
+            return None
+        return (f"its load needs {lacking[:3]}{' ...' if len(lacking) > 3 else ''}, held by another node only "
+                "(items DCP stored once, e.g. replicated state); fetching them from peers is not supported yet")
+
+    def _broadcasting(self, broadcast: Any) -> bool:
+        return broadcast is not False and broadcast is not None and self.distributed
+
+    def _load(self, url: str, tier: Tier, state_dict: dict[str, Any], broadcast: Any, bucket_bytes: int,
+              reader: CompressedReader | None) -> None:
         plain, finish = expand_stateful(state_dict)
 
         def make_reader() -> CompressedReader:
             return CompressedReader(url, storage_options=tier.storage_options, **self.reader_options)
 
-        if broadcast is not False and broadcast is not None and self.distributed:
+        if self._broadcasting(broadcast):
             from dcp_tiered.dcp.broadcast import load_and_broadcast
 
             groups = self.load_group if broadcast is True else broadcast
             load_and_broadcast(plain, make_reader, process_group=groups, bucket_bytes=bucket_bytes)
         else:
             kwargs: dict[str, Any] = {"process_group": self.load_group} if self.distributed else {"no_dist": True}
-            dcp.load(plain, storage_reader=make_reader(), **kwargs)
+            dcp.load(plain, storage_reader=reader or make_reader(), **kwargs)
         finish()
 
-    def _attempt(self, cand: Candidate, state_dict: dict[str, Any], broadcast: Any, bucket_bytes: int) -> str | None:
-        """Load one candidate on every rank; None if every rank succeeded, else why (the same on every rank)."""
-        s, i = cand
-        tier = self.tiers[i]
-        t0 = time.perf_counter()
+    def _prepare(self, cand: Candidate, url: str) -> None:
+        """Make the files this rank needs of candidate ``cand`` reachable at ``url`` (every rank calls it).
+
+        The seam for fetching missing files from peers.  Today nothing is fetched: a node-local
+        directory holds its own ranks' files only, so a rank that needs another node's file (an
+        item DCP deduplicated into it, e.g. replicated DDP state) fails the load in
+        ``CompressedReader``'s check of the files of its read plan, before any data is read, and
+        every rank moves on to the next candidate together."""
+
+    def _everywhere(self, fn: Callable[[], None]) -> list[tuple[int, str]]:
+        """Run ``fn`` on every rank; the ``(rank, error)`` of each rank where it failed, the same on every rank."""
         error = None
         try:
-            url = Storage(tier.resolved_url(self.rank, self.node), tier.storage_options).child(step_name(s)).url
-            self._load(url, tier, state_dict, broadcast, bucket_bytes)
+            fn()
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             error = describe_error(exc)
-        failed = [(r, e) for r, e in enumerate(self._gather(error)) if e is not None]
+        return [(r, e) for r, e in enumerate(self._gather(error)) if e is not None]
+
+    def _attempt(self, cand: Candidate, state_dict: dict[str, Any], broadcast: Any, bucket_bytes: int) -> str | None:
+        """Load one candidate on every rank; None if every rank succeeded, else why (the same on every rank).
+
+        Every rank first opens the candidate (its ``.metadata``) and the ranks agree that all did,
+        so that a rank failing there never leaves the others waiting inside ``dcp.load``."""
+        s, i = cand
+        tier = self.tiers[i]
+        t0 = time.perf_counter()
+        opened: dict[str, Any] = {}
+
+        def open_candidate() -> None:
+            url = opened["url"] = Storage(tier.resolved_url(self.rank, self.node), tier.storage_options).child(step_name(s)).url
+            self._prepare(cand, url)
+            if not self._broadcasting(broadcast):  # with broadcast only each group's leader reads
+                opened["reader"] = CompressedReader(url, storage_options=tier.storage_options, **self.reader_options)
+
+        failed = self._everywhere(open_candidate)
+        if not failed:
+            failed = self._everywhere(lambda: self._load(opened["url"], tier, state_dict, broadcast, bucket_bytes,
+                                                         opened.get("reader")))
         if not failed:
             self.events.emit({"event": "restore", "step": s, "tier": tier.name, "seconds": time.perf_counter() - t0})
             return None

@@ -29,6 +29,7 @@ from dcp_tiered.dcp.writer import (
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
+from dcp_tiered.tiers.node_commit import NodeCommit, commit_node, node_of
 from dcp_tiered.tiers.promotion import Promoter
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.spec import Tier, validate_tiers
@@ -39,12 +40,6 @@ def _refuse_link(target: Storage) -> None:
     if target.is_link():
         raise UnsafeCheckpointError(f"{target.url} is a symbolic link; a save never writes through links (it could "
                                     "overwrite the checkpoint it points to): remove the link or save another step")
-
-
-def node_of(rank: int) -> int:
-    """Node index of ``rank`` from ``LOCAL_WORLD_SIZE`` (torchrun sets it); 0 when unknown."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    return rank // local if local > 0 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +158,10 @@ class TieredWriter(StorageWriter):
         _refuse_link(target)
         return target
 
+    def _coordinator_dir(self, tier: Tier) -> bool:
+        """Whether this rank writes into the coordinator's directory of node-local ``tier``."""
+        return tier.resolved_url(self.rank, node_of(self.rank)) == tier.resolved_url(0, node_of(0))
+
     # -- DCP protocol -------------------------------------------------------------
 
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
@@ -214,7 +213,13 @@ class TieredWriter(StorageWriter):
                                   "check_sizes": not primary.node_local, "nice": self.nice}
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
-        url = self._target(primary).url  # each rank: node-local tiers differ per node
+        target = self._target(primary)  # each rank: node-local tiers differ per node
+        if primary.node_local and not self._coordinator_dir(primary):
+            # Un-commit a directory that an earlier save of this step committed before rewriting its
+            # files (the coordinator's is un-committed in prepare_global_plan); the save's node
+            # commit (:mod:`~dcp_tiered.tiers.node_commit`) commits it again once its files are in.
+            target.remove(METADATA_FILE)
+        url = target.url
         inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
                                  save_id=tp.save_id or None, **kwargs)
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
@@ -248,6 +253,16 @@ class TieredWriter(StorageWriter):
             promoter.submit(self._intent)
         step = parse_step(self.name or "")
         promoter.retention(self.by_name[self._plan_tiers[0]], protect=[step] if step is not None else [])
+
+    def commit_node(self, metadata: Metadata, world: int) -> NodeCommit | None:
+        """After ``dcp.save`` returned ``metadata`` on this rank: commit this rank's directory of a
+        node-local tier saved to, where this rank leads it (see :mod:`~dcp_tiered.tiers.node_commit`).
+        ``TieredCheckpointer`` does this itself; call it on every rank when using this writer alone."""
+        primary = self.by_name.get(self._plan_tiers[0]) if self._plan_tiers else None
+        if primary is None or self.name is None:
+            return None
+        return commit_node(primary, self.name, metadata, rank=self.rank, world=world, overwrite=self.overwrite,
+                           step=parse_step(self.name))
 
     def storage_meta(self) -> StorageMeta | None:
         return None
