@@ -522,24 +522,26 @@ def test_promotion_reencodes_and_keeps_optimizer_split(main, root: Path, mode: s
 
 @pytest.mark.parametrize("mode", MODES)
 def test_node_local_tier_holds_each_ranks_own_files(main, root: Path, mode: str) -> None:
-    """Rank 0's local directory commits (``.metadata``) over its own data file only; rank 1's
-    holds its data file only; no promotion intents or temp files are left after wait()."""
+    """Each rank's local directory holds its own data file and is committed (``.metadata``: the
+    coordinator's by the save, rank 1's by rank 1 once its file is in); no promotion intents or
+    temp files are left after wait()."""
     read_records(main[0], f"save[{mode}]", WS, main[1])
     local = root / "main" / mode / "local"
-    for rank, want in ((0, {".metadata", "__0_0.distcp"}), (1, {"__1_0.distcp"})):
+    for rank, want in ((0, {".metadata", "__0_0.distcp"}), (1, {".metadata", "__1_0.distcp"})):
         dirs = sorted((local / str(rank)).glob("step_*"))
         assert dirs, f"no checkpoint in {local / str(rank)}"
         for d in dirs:
             assert {p.name for p in d.iterdir()} == want, f"{d}: {sorted(p.name for p in d.iterdir())}"
     assert STEPS[-1] in committed_steps(local / "0")
-    assert STEPS[-1] in step_dirs(local / "1")
+    assert STEPS[-1] in committed_steps(local / "1")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_restore_takes_newest_complete_checkpoint_from_shared(main, mode: str) -> None:
-    """The node-local tier is never fully visible from one rank (rank 0 sees ``.metadata`` but not
-    rank 1's file; rank 1 sees no ``.metadata``), so restore skips local steps 9 (with optimizer)
-    and 10 without trying them, and reads ``shared``: step 7 (the newest there with optimizer
+    """The node-local tier is committed in each rank's directory, but each holds its own rank's file
+    only, and ``model.b`` and ``optim.step`` (replicated) sit in one of them: every rank's load would
+    need the other's file, so restore skips local steps 9 (with optimizer) and 10 without trying
+    them, and reads ``shared``: step 7 (the newest there with optimizer
     state; 10 lacks it) for model+optim, step 10 for the model alone."""
     read_records(main[0], f"restore[{mode}]", WS, main[1])
     facts = _read_facts(main[0], f"restore[{mode}]", WS)
