@@ -223,8 +223,9 @@ class Restorer:
         """Make the files this rank needs of candidate ``cand`` reachable at ``url`` (every rank calls it).
 
         The seam for fetching missing files from peers.  Today nothing is fetched: a node-local
-        directory holds its own ranks' files only, so a rank that needs another node's file (an
-        item DCP deduplicated into it, e.g. replicated DDP state) fails the load in
+        directory holds its own ranks' files only, so a candidate where a rank's load needs
+        another node's file (an item DCP deduplicated into it, e.g. replicated DDP state) is
+        refused when listing (:meth:`_lacking`); a file lost after the listing fails the load in
         ``CompressedReader``'s check of the files of its read plan, before any data is read, and
         every rank moves on to the next candidate together."""
 
