@@ -245,6 +245,10 @@ def _restore_rng(accelerator: Any, tier: Any, url: str | None, step: int) -> Non
     saved = sorted(int(m.group(1)) for k in reader.read_metadata().state_dict_metadata
                    if (m := _RNG_KEY.fullmatch(k)))
     now = accelerator.num_processes
+    if not saved:
+        log.warning("checkpoint %s holds no random states (saved without them, e.g. by an earlier version): "
+                    "random states are left as they are", url)
+        return
     if key not in {f"rng_{i}" for i in saved}:
         log.warning("checkpoint %s holds no random state for process %d (saved by %d process(es), restored on %d): "
                     "this process's random states are left as they are", url, accelerator.process_index,
