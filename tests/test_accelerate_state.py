@@ -3,6 +3,7 @@ save/load hooks, random states per process, and ``ProjectConfiguration`` (real a
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import random
@@ -18,8 +19,9 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
-from dcp_tiered import ConfigError, Tier, TieredCheckpointer  # noqa: E402
+from dcp_tiered import CompressedReader, ConfigError, Tier, TieredCheckpointer  # noqa: E402
 from dcp_tiered.integrations import accelerate as integration  # noqa: E402
+from dcp_tiered.integrations._common import rng_state, set_rng_state  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gloo_ranks import read_records, record, run_ranks_recording  # noqa: E402
@@ -106,6 +108,16 @@ def test_random_states_are_restored_as_after_the_save(tmp_path: Path) -> None:
         assert accelerator.step == 3  # accelerate's gradient-accumulation counter, saved with the random states
 
 
+def test_random_states_load_with_weights_only() -> None:
+    buf = io.BytesIO()
+    torch.save(rng_state(), buf)
+    want = _draws()
+    _draws()
+    buf.seek(0)
+    set_rng_state(torch.load(buf, weights_only=True))  # no safe_globals: tensors and builtins only
+    assert _draws() == want
+
+
 def test_project_configuration_naming_total_limit_and_iteration(tmp_path: Path) -> None:
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
     accelerator = Accelerator(cpu=True, project_config=config)
@@ -165,6 +177,8 @@ def test_random_states_per_process_with_two_gloo_ranks_and_a_world_size_change(
     read_records(out, "rng", 2, err)
     draws = [eval((out / f"draws.rank{r}").read_text()) for r in range(2)]
     assert draws[0] != draws[1]  # each process got its own random states back
+    keys = CompressedReader(str(root / "step_000000001")).read_metadata().state_dict_metadata
+    assert {"rng_0", "rng_1"} <= set(keys)  # one entry per process, none deduplicated away
 
     # one process restores a checkpoint of two: process 0's states, and a warning
     accelerator = Accelerator(cpu=True)
