@@ -165,6 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except BaseException as exc:
+        from dcp_tiered.checks import INSTALL_TORCH, is_missing_torch
+
+        if is_missing_torch(exc) or is_missing_torch(unwrap_error(exc)):  # only Tier, cost and ls work without torch
+            print(f"dcp-tiered {command}: {INSTALL_TORCH}; this command needs PyTorch ({exc})", file=sys.stderr)
+            return EXIT_USAGE
         return _report(command, exc, debug, path)
     finally:
         if saved is not None:
