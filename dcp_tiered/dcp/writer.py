@@ -25,7 +25,7 @@ from torch.futures import Future
 from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.thread_priority import lower_thread_priority
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, get_codec, parse_codec
-from dcp_tiered.codecs.frames import record_frame_size
+from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
 from dcp_tiered.dcp.dropin import check_stock_writer_args, positional_codec, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
