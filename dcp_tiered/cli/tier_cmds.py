@@ -243,7 +243,9 @@ def cmd_cost(args: argparse.Namespace) -> int:
         raise CliError("--fp32-gb needs --stored-gb")
     usages, measured = [], {}
     full = args.stored_gb is None and torch_available()  # without torch: stored sizes only, fp32 = stored
-    infos = (_catalog(tiers) if full else list_tiers(tiers, with_metadata=False)) if args.stored_gb is None else []
+    if args.stored_gb is None:
+        _check_reachable(tiers)
+    infos = list_tiers(tiers, with_metadata=full) if args.stored_gb is None else []
     for t in tiers:
         if args.stored_gb is not None:
             stored = int(args.stored_gb * (1 << 30))

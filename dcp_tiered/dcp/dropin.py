@@ -25,6 +25,8 @@ def positional_codec(args: tuple, codec: str) -> str:
     string (this package's former signature, deprecated) is a TypeError naming the keyword form.
     """
     if len(args) == 1 and isinstance(args[0], str):
+        if codec != "zstd":
+            raise TypeError(f"CompressedWriter() got the codec twice ({args[0]!r} and codec={codec!r})")
         warnings.warn(f"CompressedWriter(path, {args[0]!r}): pass the codec by keyword, "
                       f"CompressedWriter(path, codec={args[0]!r})", DeprecationWarning, stacklevel=3)
         return args[0]

@@ -6,8 +6,7 @@ without torch; the checkpointer, writer and promoter import it when first used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dcp_tiered.lazy import lazy_attributes
 
 _LAZY = {
     "CheckpointInfo": "dcp_tiered.tiers.catalog",
@@ -25,14 +24,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dcp_tiered.tiers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals(), __all__)
