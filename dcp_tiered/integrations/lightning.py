@@ -252,3 +252,12 @@ class TieredCheckpointCallback(pl.Callback):
             self._close()
         except Exception:  # noqa: BLE001 - the training error is the one to report
             pass
+
+# The CheckpointIO plugin lives in lightning_io; re-exported here, where the issue names it.
+from dcp_tiered.integrations.lightning_io import (  # noqa: E402
+    AsyncCompressedCheckpointIO,
+    CompressedCheckpointIO,
+    load_from_checkpoint,
+)
+
+__all__ += ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
