@@ -1,7 +1,7 @@
 """Child process of tests/test_lightning_io.py: train a small Lightning model with a checkpoint plugin.
 
 ``python tests/lightning_io_script.py '{"dir": ..., "io": "compressed"|"torch", "max_steps": 12,
-"kill_at": 7 | null, "ckpt_path": "last" | null, "out": FILE}'``: trains with
+"kill_at": 7 | null, "ckpt_path": "last" | null, "out": FILE, "devices": 1, "resume_to": null}'``: trains with
 ``ModelCheckpoint(every_n_train_steps=3, save_last=True, save_top_k=-1)``; ``kill_at`` SIGKILLs the
 process at the end of that step; at the end the final weights and optimizer state go to ``out``.
 """
@@ -67,9 +67,10 @@ def make_io(kind: str):
     return AsyncCompressedCheckpointIO() if kind == "async" else CompressedCheckpointIO()
 
 
-def trainer(dirpath: str, max_steps: int, kind: str, extra=()) -> L.Trainer:
+def trainer(dirpath: str, max_steps: int, kind: str, extra=(), devices: int = 1) -> L.Trainer:
     io = make_io(kind)
-    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+    ddp = {"strategy": "ddp", "num_nodes": 1} if devices > 1 else {}
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=devices, **ddp, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, deterministic=True, num_sanity_val_steps=0, limit_val_batches=0,
                      callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=3, save_last=True, save_top_k=-1),
                                 *extra],
@@ -81,8 +82,14 @@ def main(args: dict) -> None:
     L.seed_everything(0, verbose=False)
     model = Net()
     extra = [KillAt(args["kill_at"])] if args.get("kill_at") else []
-    tr = trainer(args["dir"], args["max_steps"], args["io"], extra)
+    tr = trainer(args["dir"], args["max_steps"], args["io"], extra, args.get("devices", 1))
     tr.fit(model, data(), ckpt_path=args.get("ckpt_path"))
+    if args.get("resume_to"):  # a second fit in the same processes (DDP: no second launch), a fresh model
+        model = Net()
+        tr = trainer(args["dir"], args["resume_to"], args["io"], (), args.get("devices", 1))
+        tr.fit(model, data(), ckpt_path="last")
+    if tr.global_rank != 0:
+        return
     torch.save({"model": model.state_dict(), "optim": tr.optimizers[0].state_dict(), "step": tr.global_step},
                args["out"])
 

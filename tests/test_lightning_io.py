@@ -73,6 +73,8 @@ def assert_same_final_state(a_file: Path, b_file: Path) -> None:
 
 
 def test_sigkill_and_resume_from_last_is_bit_exact(runs, tmp_path):
+    # 3 batches per epoch: every checkpoint ends an epoch (mid-epoch, Lightning replays the epoch's batches
+    # unless the dataloader is stateful, with any CheckpointIO)
     args = {"dir": str(tmp_path / "run"), "io": "compressed", "max_steps": 12, "out": str(tmp_path / "b.pt")}
     killed = run_child({**args, "kill_at": 7})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -221,3 +223,35 @@ def test_routes_into_tiered_checkpointer_single_process(tmp_path):
     (tmp_path / "old.ckpt").write_text(json.dumps({**ref, "step": 3}))
     with pytest.raises(CheckpointNotFoundError, match="no tier holds"):
         CompressedCheckpointIO(checkpointer=make()).load_checkpoint(tmp_path / "old.ckpt")
+
+
+def test_ddp_two_gloo_ranks_save_on_rank0_and_resume(tmp_path):
+    """Lightning saves on rank 0 only (dcp.save(no_dist=True)); both ranks load the checkpoint to resume."""
+    out = tmp_path / "ddp.pt"
+    proc = run_child({"dir": str(tmp_path / "run"), "io": "compressed", "max_steps": 6, "resume_to": 9, "devices": 2,
+                      "out": str(out)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Restored all states" in proc.stdout + proc.stderr
+    final = torch.load(out)
+    assert final["step"] == 9
+    # Adam's step counts 9: the optimizer state of step 6 was restored (a fresh one would count 3)
+    assert {float(s["step"]) for s in final["optim"]["state"].values()} == {9.0}
+    saved = CompressedCheckpointIO().load_checkpoint(tmp_path / "run" / "last.ckpt")
+    assert saved["global_step"] == 9
+    torch.testing.assert_close(saved["state_dict"], final["model"], rtol=0, atol=0)
+
+
+def test_routing_refuses_several_ranks_and_async(tmp_path, monkeypatch):
+    from dcp_tiered import Tier, TieredCheckpointer
+    from dcp_tiered.errors import ConfigError
+
+    ck = TieredCheckpointer([Tier("local", str(tmp_path / "tier"))], resume_promotions=False)
+    with pytest.raises(ConfigError, match="async_save"):
+        AsyncCompressedCheckpointIO(checkpointer=ck)
+    monkeypatch.setattr(ck, "distributed", True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    with pytest.raises(ConfigError, match="TieredCheckpointCallback"):
+        CompressedCheckpointIO(checkpointer=ck).save_checkpoint({"global_step": 3, "w": torch.ones(2)},
+                                                                tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()
+    ck.close()

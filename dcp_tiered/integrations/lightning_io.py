@@ -332,7 +332,12 @@ class AsyncCompressedCheckpointIO(AsyncCheckpointIO):
 
     def __init__(self, codec: str = "zstd", *, checkpoint_io: CompressedCheckpointIO | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(checkpoint_io or CompressedCheckpointIO(codec, **kwargs))
+        inner = checkpoint_io or CompressedCheckpointIO(codec, **kwargs)
+        if inner._source is not None:
+            raise ConfigError("AsyncCompressedCheckpointIO cannot route into a TieredCheckpointer (it would save from "
+                              "a second thread): use CompressedCheckpointIO(checkpointer=...) with the checkpointer's "
+                              "async_save option")
+        super().__init__(inner)
 
     def _drain(self) -> None:
         if self._executor is not None:
