@@ -255,3 +255,26 @@ def test_routing_refuses_several_ranks_and_async(tmp_path, monkeypatch):
                                                                 tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
     ck.close()
+
+
+def test_damaged_checkpoints_raise_named_errors(tmp_path):
+    from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
+    from dcp_tiered.integrations.lightning_io import join_checkpoint, split_checkpoint
+
+    io = CompressedCheckpointIO("none")
+    io.save_checkpoint({"w": torch.arange(64, dtype=torch.float32), "global_step": 2}, tmp_path / "c.ckpt")
+    data = tmp_path / "c.ckpt" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    i = raw.find(torch.arange(64, dtype=torch.float32).numpy().tobytes()[8:16])
+    assert i > 0
+    raw[i] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError):  # frame checksums are verified on load
+        io.load_checkpoint(tmp_path / "c.ckpt")
+
+    flat = split_checkpoint({"a": [torch.ones(1)]})
+    skel = flat["skeleton"][0]
+    with pytest.raises(CorruptCheckpointError, match="skeleton does not match"):
+        join_checkpoint({**flat, "skeleton": ({**skel, "tensors": [("a", 5)]},)}, "x.ckpt")
+    with pytest.raises(UnsupportedFormatError, match="x.ckpt"):
+        join_checkpoint({**flat, "skeleton": ({**skel, "format": "dcp_tiered.lightning/9"},)}, "x.ckpt")

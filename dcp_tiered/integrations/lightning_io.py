@@ -51,7 +51,8 @@ except ImportError:  # pragma: no cover - the standalone package
     from lightning_fabric.utilities.data import AttributeDict  # type: ignore[no-redef]
     from pytorch_lightning.plugins.io.async_plugin import AsyncCheckpointIO  # type: ignore[no-redef]
 
-from dcp_tiered.errors import CheckpointNotFoundError, ConfigError
+from dcp_tiered.dcp.statedict import set_leaf
+from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.integrations._common import CheckpointerSource, build_checkpointer, from_one_object, one_object
 
 __all__ = ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
@@ -94,29 +95,26 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _put(tree: Any, path: _Path, value: Any) -> None:
-    node = tree
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-
-
-def join_checkpoint(flat: Mapping[str, Any]) -> dict[str, Any]:
+def join_checkpoint(flat: Mapping[str, Any], where: str = "checkpoint") -> dict[str, Any]:
     """The checkpoint dict from what :func:`split_checkpoint` made, as loaded back."""
     skel = from_one_object(flat[SKELETON])
-    if not isinstance(skel, dict) or skel.get("format") != _FORMAT:
-        raise ConfigError(f"not a checkpoint written by CompressedCheckpointIO (skeleton format {skel.get('format')!r})"
-                          if isinstance(skel, dict) else "not a checkpoint written by CompressedCheckpointIO")
-    tree = skel["tree"]
-    for n, path in enumerate(skel["tensors"]):
-        _put(tree, tuple(path), flat[f"t.{n}"])
-    for path, kind in sorted(skel["kinds"], key=lambda pk: -len(pk[0])):
-        node = tree
-        for key in path:
-            node = node[key]
-        rebuilt = tuple(node) if kind == "tuple" else AttributeDict(node)
-        if path:
-            _put(tree, tuple(path), rebuilt)
+    found = skel.get("format") if isinstance(skel, dict) else type(skel).__name__
+    if found != _FORMAT:
+        raise UnsupportedFormatError(f"{where}: the skeleton is {found!r}, not {_FORMAT!r} of CompressedCheckpointIO "
+                                     "(written by a newer dcp-tiered, or not by this plugin)")
+    try:
+        tree = skel["tree"]
+        for n, path in enumerate(skel["tensors"]):
+            set_leaf(tree, tuple(path), flat[f"t.{n}"])
+        for path, kind in sorted(skel["kinds"], key=lambda pk: -len(pk[0])):
+            node = tree
+            for key in path:
+                node = node[key]
+            if path:
+                set_leaf(tree, tuple(path), tuple(node) if kind == "tuple" else AttributeDict(node))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{where}: the skeleton does not match the checkpoint's tensors ({exc!r}); "
+                                     "the checkpoint is damaged, restore another one") from exc
     return tree
 
 
@@ -239,7 +237,7 @@ class CompressedCheckpointIO(CheckpointIO):
         flat = template_from(reader)
         with _unwrapped():
             dcp.load(flat, storage_reader=reader, no_dist=True)
-        return _map(join_checkpoint(flat), map_location)
+        return _map(join_checkpoint(flat, path), map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         from dcp_tiered.dcp.format import METADATA_FILE
@@ -307,7 +305,7 @@ class CompressedCheckpointIO(CheckpointIO):
                                               safe_globals=self.safe_globals))
         if ck.restore(flat, step=step) != step:
             raise CheckpointNotFoundError(f"{path}: step {step} could not be restored from the tiers")
-        return join_checkpoint(flat)
+        return join_checkpoint(flat, f"{path} (step {step} of the tiers)")
 
 
 def _read_ref(path: str) -> dict[str, Any] | None:
