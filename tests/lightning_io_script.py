@@ -4,6 +4,7 @@
 "kill_at": 7 | null, "ckpt_path": "last" | null, "out": FILE, "devices": 1, "resume_to": null}'``: trains with
 ``ModelCheckpoint(every_n_train_steps=3, save_last=True, save_top_k=-1)``; ``kill_at`` SIGKILLs the
 process at the end of that step; at the end the final weights and optimizer state go to ``out``.
+``{"runs": [args, ...]}`` does several runs one after the other in this process.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def trainer(dirpath: str, max_steps: int, kind: str, extra=(), devices: int = 1)
 
 
 def main(args: dict) -> None:
+    if "runs" in args:  # several runs in one process: one Lightning import
+        for run in args["runs"]:
+            main(run)
+        return
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     model = Net()

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from fractions import Fraction
 from pathlib import Path
 
@@ -42,19 +43,13 @@ def run_child(args: dict, timeout: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
-def train(tmp: Path, name: str, io: str, **kw) -> Path:
-    out = tmp / f"{name}.pt"
-    proc = run_child({"dir": str(tmp / name), "io": io, "max_steps": 12, "out": str(out), **kw})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp / name
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """Two uninterrupted 12-step runs with checkpoints every 3 steps: the plugin's and stock TorchCheckpointIO's."""
     tmp = tmp_path_factory.mktemp("lightning_io")
-    train(tmp, "ours", "compressed")
-    train(tmp, "stock", "torch")
+    proc = run_child({"runs": [{"dir": str(tmp / name), "io": io, "max_steps": 12, "out": str(tmp / f"{name}.pt")}
+                               for name, io in (("ours", "compressed"), ("stock", "torch"))]})
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp
 
 
@@ -192,8 +187,16 @@ def test_async_variant_saves_and_joins_at_teardown(tmp_path):
 def test_async_variant_surfaces_errors_at_load_and_teardown(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     ckpt = {"w": torch.ones(4), "global_step": 1}
-    io = AsyncCompressedCheckpointIO()
+    started = threading.Event()
+
+    class Gated(CompressedCheckpointIO):  # the save fails only once the test has seen save_checkpoint return
+        def save_checkpoint(self, *args, **kwargs):
+            assert started.wait(60)
+            super().save_checkpoint(*args, **kwargs)
+
+    io = AsyncCompressedCheckpointIO(checkpoint_io=Gated())
     io.save_checkpoint(ckpt, tmp_path / "file" / "a.ckpt")  # returns at once; fails in the thread
+    started.set()
     with pytest.raises(StorageError, match="a.ckpt") as first:
         io.load_checkpoint(tmp_path / "ok.ckpt")  # waits for the save in flight, then raises its error
     with pytest.raises(type(first.value)):
