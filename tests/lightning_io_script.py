@@ -3,7 +3,7 @@
 ``python tests/lightning_io_script.py '{"dir": ..., "io": "compressed"|"torch", "max_steps": 12,
 "kill_at": 7 | null, "ckpt_path": "last" | null, "out": FILE, "devices": 1, "resume_to": null}'``: trains with
 ``ModelCheckpoint(every_n_train_steps=3, save_last=True, save_top_k=-1)``; ``kill_at`` SIGKILLs the
-process at the end of that step; at the end the final weights and optimizer state go to ``out``.
+process at the end of that step, ``kill_in_save: n`` inside the n-th save of last.ckpt; at the end the final weights and optimizer state go to ``out``.
 ``{"runs": [args, ...]}`` does several runs one after the other in this process.
 """
 
@@ -60,6 +60,22 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_in_save(n: int) -> None:
+    """SIGKILL the process in the n-th save of last.ckpt, with its data written and nothing committed."""
+    from dcp_tiered.dcp.writer import CompressedWriter
+
+    finish, count = CompressedWriter.finish, [0]
+
+    def killing_finish(self, *args, **kwargs):
+        if "last.ckpt" in self.storage.url:
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return finish(self, *args, **kwargs)
+
+    CompressedWriter.finish = killing_finish
+
+
 def make_io(kind: str):
     if kind == "torch":
         return None
@@ -84,6 +100,8 @@ def main(args: dict) -> None:
             main(run)
         return
     torch.set_num_threads(1)
+    if args.get("kill_in_save"):
+        kill_in_save(args["kill_in_save"])
     L.seed_everything(0, verbose=False)
     model = Net()
     extra = [KillAt(args["kill_at"])] if args.get("kill_at") else []

@@ -67,19 +67,25 @@ def assert_same_final_state(a_file: Path, b_file: Path) -> None:
     assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
 
 
-def test_sigkill_and_resume_from_last_is_bit_exact(runs, tmp_path):
+def test_sigkill_during_save_and_resume_from_last_is_bit_exact(runs, tmp_path):
     # 3 batches per epoch: every checkpoint ends an epoch (mid-epoch, Lightning replays the epoch's batches
     # unless the dataloader is stateful, with any CheckpointIO)
-    args = {"dir": str(tmp_path / "run"), "io": "compressed", "max_steps": 12, "out": str(tmp_path / "b.pt")}
-    killed = run_child({**args, "kill_at": 7})
+    run = tmp_path / "run"
+    args = {"dir": str(run), "io": "compressed", "max_steps": 12, "out": str(tmp_path / "b.pt")}
+    killed = run_child({**args, "kill_in_save": 3})  # in the re-save of last.ckpt at step 9, before its commit
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt",
-                                                                     "last.ckpt"]
-    assert (tmp_path / "run" / "last.ckpt" / ".metadata").is_file()  # a committed DCP directory, not a file
+    names = sorted(p.name for p in run.iterdir())
+    assert [n for n in names if not n.startswith(".")] == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt",
+                                                           "epoch=2-step=9.ckpt", "last.ckpt"]
+    (partial,) = [n for n in names if n.startswith(".last.ckpt.")]  # the killed save, never under its name
+    assert not (run / partial / ".metadata").exists()
+    assert (run / "last.ckpt" / ".metadata").is_file()  # the previous last.ckpt is whole
+    assert CompressedCheckpointIO().load_checkpoint(run / "last.ckpt")["global_step"] == 6
     resumed = run_child({**args, "ckpt_path": "last"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restored all states" in resumed.stdout + resumed.stderr
     assert_same_final_state(runs / "ours.pt", tmp_path / "b.pt")
+    assert not any(p.name.startswith(".") for p in run.iterdir())  # the next save of last.ckpt cleaned up
 
 
 def du(path: Path) -> int:

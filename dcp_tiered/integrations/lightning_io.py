@@ -29,9 +29,12 @@ every rank loads.  ``LightningModule.load_from_checkpoint`` does not use the plu
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import os
+import shutil
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -54,6 +57,7 @@ except ImportError:  # pragma: no cover - the standalone package
 from dcp_tiered.dcp.statedict import set_leaf
 from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.integrations._common import CheckpointerSource, build_checkpointer, from_one_object, one_object
+from dcp_tiered.storage.base import storage_errors
 
 __all__ = ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
 
@@ -208,14 +212,25 @@ class CompressedCheckpointIO(CheckpointIO):
         if self._source is not None:
             self._save_routed(checkpoint, flat, path)
             return
-        from dcp_tiered.dcp.writer import CompressedWriter
-
         path = os.fspath(path)
-        self._clear_non_dir(path)
-        writer = CompressedWriter(path, self.codec, storage_options=self.storage_options, threads=self.threads,
-                                  overwrite=True, safe_globals=self.safe_globals)
-        with _unwrapped():
-            dcp.save(flat, storage_writer=writer, no_dist=True)
+        if not _local(path):
+            self._write(flat, path, overwrite=True)  # replaced in place: un-committed while it is rewritten
+            return
+        parent, name = os.path.split(os.path.abspath(path))
+        with storage_errors(path, "prepare the checkpoint directory"):
+            os.makedirs(parent, exist_ok=True)
+            for leftover in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.*.partial")):
+                shutil.rmtree(leftover, ignore_errors=True)  # of a save that was killed
+        tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.partial")
+        self._write(flat, tmp, overwrite=False)
+        # Swap the committed directory in: the previous checkpoint at the path (last.ckpt is re-saved) stays
+        # whole until then, so a save killed at any point leaves the old checkpoint or the new one.
+        with storage_errors(path, f"move the committed checkpoint {tmp} to its name"):
+            old = self._move_aside(path)
+            os.rename(tmp, path)
+            _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -244,8 +259,11 @@ class CompressedCheckpointIO(CheckpointIO):
         from dcp_tiered.storage import Storage
 
         path = os.fspath(path)
-        if _local(path) and (os.path.islink(path) or os.path.isfile(path)):
-            os.unlink(path)
+        if _local(path):
+            with storage_errors(path, "remove"):
+                old = self._move_aside(path)  # gone from its name at once, then deleted
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             return
         storage = Storage(path, self.storage_options)
         if storage.exists(METADATA_FILE):
@@ -258,10 +276,25 @@ class CompressedCheckpointIO(CheckpointIO):
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _clear_non_dir(self, path: str) -> None:
-        # A link (save_last="link" before) or a stock .ckpt file at the path: Lightning overwrites those.
-        if _local(path) and (os.path.islink(path) or os.path.isfile(path)):
+    def _write(self, flat: dict[str, Any], path: str, overwrite: bool) -> None:
+        from dcp_tiered.dcp.writer import CompressedWriter
+
+        writer = CompressedWriter(path, self.codec, storage_options=self.storage_options, threads=self.threads,
+                                  overwrite=overwrite, safe_globals=self.safe_globals)
+        with _unwrapped():
+            dcp.save(flat, storage_writer=writer, no_dist=True)
+
+    @staticmethod
+    def _move_aside(path: str) -> str | None:
+        """Unlink a file or link at local ``path``, or rename a directory to a hidden name returned for deletion."""
+        if os.path.islink(path) or os.path.isfile(path):  # save_last="link", or a stock .ckpt file
             os.unlink(path)
+        elif os.path.isdir(path):
+            parent, name = os.path.split(os.path.abspath(path))
+            old = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.old")
+            os.rename(path, old)
+            return old
+        return None
 
     def _checkpointer(self) -> Any:
         if self._ck is None:
@@ -283,9 +316,7 @@ class CompressedCheckpointIO(CheckpointIO):
         path = os.fspath(path)
         if not _local(path):
             raise ConfigError(f"with checkpointer=..., Lightning's checkpoint path must be local, got {path}")
-        self._clear_non_dir(path)
-        if os.path.isdir(path):
-            self.remove_checkpoint(path)
+        self.remove_checkpoint(path)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
@@ -306,6 +337,14 @@ class CompressedCheckpointIO(CheckpointIO):
         if ck.restore(flat, step=step) != step:
             raise CheckpointNotFoundError(f"{path}: step {step} could not be restored from the tiers")
         return join_checkpoint(flat, f"{path} (step {step} of the tiers)")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _read_ref(path: str) -> dict[str, Any] | None:
