@@ -27,11 +27,11 @@ The state dict is built only on steps where a tier is due (``maybe_save`` with a
 Works with the ``lightning`` package and, failing that, ``pytorch_lightning``.  Importing
 this module imports Lightning; ``import dcp_tiered`` never does.
 
-Not a ``CheckpointIO`` plugin: Lightning's ``CheckpointIO`` receives one path per save
-from ``ModelCheckpoint`` and must load a checkpoint with no template, while a
-``TieredCheckpointer`` owns paths, schedules, retention and fallback across tiers and loads
-into a template.  Use this callback with ``enable_checkpointing=False`` (or alongside
-``ModelCheckpoint`` for best-k checkpoints kept by metric).
+The callback is not a ``CheckpointIO`` plugin: a ``TieredCheckpointer`` owns paths,
+schedules, retention and fallback across tiers.  Use it with ``enable_checkpointing=False`` (or
+alongside ``ModelCheckpoint`` for best-k checkpoints kept by metric).  For Lightning's own
+checkpoint paths compressed, use the plugin ``CompressedCheckpointIO`` (re-exported here from
+:mod:`dcp_tiered.integrations.lightning_io`; docs/integrations.md says when to use which).
 """
 
 from __future__ import annotations
@@ -252,3 +252,12 @@ class TieredCheckpointCallback(pl.Callback):
             self._close()
         except Exception:  # noqa: BLE001 - the training error is the one to report
             pass
+
+# The CheckpointIO plugin lives in lightning_io; re-exported here, where the issue names it.
+from dcp_tiered.integrations.lightning_io import (  # noqa: E402
+    AsyncCompressedCheckpointIO,
+    CompressedCheckpointIO,
+    load_from_checkpoint,
+)
+
+__all__ += ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
