@@ -26,7 +26,8 @@ Metric names (Prometheus conventions: base units, ``_total`` on counters):
   the tier (lower is better: 0.25 means a quarter of the raw size; 1 or more means no gain)
 - ``checkpoint_last_success_timestamp_seconds{tier}``: Unix time of the last checkpoint committed
   on the tier (a save or a promotion's commit)
-- ``checkpoint_last_step{tier}``: the step of that checkpoint
+- ``checkpoint_last_step{tier}``: the newest step committed on the tier (a resumed promotion of an
+  older step does not lower it)
 - ``checkpoint_save_interval_seconds{tier}``: the tier's ``every`` (only tiers that set it)
 - ``checkpoint_duration_seconds{tier,phase}``: histogram; phases ``blocked`` and ``total``
   for saves (tier = the tier written), ``promotion`` for promotions (tier = target)
@@ -75,8 +76,8 @@ class TierTotal:
     failures: int = 0
     last_stored_bytes: int = 0
     last_raw_bytes: int = 0
-    last_step: int | None = None  # of the last checkpoint committed on the tier
-    last_success_s: float | None = None  # Unix time of that commit
+    last_step: int | None = None  # the newest step committed on the tier
+    last_success_s: float | None = None  # Unix time of the last commit on the tier
     #: stored bytes of each committed checkpoint by step (the newest SIZES_REMEMBERED), for the cost
     sizes: dict[int, int] = field(default_factory=dict, repr=False)
 
@@ -94,7 +95,7 @@ class TierTotal:
             self.sizes[step] = stored
             while len(self.sizes) > SIZES_REMEMBERED:
                 del self.sizes[min(self.sizes)]
-            self.last_step = step
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.last_success_s = now
 
     def as_dict(self) -> dict[str, Any]:
@@ -266,7 +267,7 @@ class PrometheusExporter:
                               "on the tier (lower is better: 0.25 = a quarter of the raw size)", ["tier"], registry=r)
         self.last_success = pc.Gauge("checkpoint_last_success_timestamp_seconds", "Unix time of the last checkpoint "
                                      "committed on the tier (save or promotion)", ["tier"], registry=r)
-        self.last_step = pc.Gauge("checkpoint_last_step", "Step of the last checkpoint committed on the tier", ["tier"],
+        self.last_step = pc.Gauge("checkpoint_last_step", "Newest step committed on the tier", ["tier"],
                                   registry=r)
         self.interval = pc.Gauge("checkpoint_save_interval_seconds", "The tier's configured save interval (every)",
                                  ["tier"], registry=r)
