@@ -155,6 +155,8 @@ class TierTotals:
                 return [("save_failure", t.tier, 1)]
             return []  # an async save in flight
         raw, stored = int(event.get("raw_bytes") or 0), int(event.get("stored_bytes") or 0)
+        if not stored:  # sizes unknown (a rank whose writer did not commit the records): kept out of the ratio
+            raw = 0
         blocked, total = float(event.get("blocked_s") or 0.0), float(event.get("total_s") or 0.0)
         t.saves += 1
         t.written += 1
@@ -314,6 +316,8 @@ class PrometheusExporter:
 
         rank, node = getattr(checkpointer, "rank", 0), getattr(checkpointer, "node", 0)
         for index, tier in enumerate(checkpointer.tiers):
+            if rank != 0 and not getattr(tier, "node_local", False):
+                continue  # rank 0 reports the shared tiers (it commits there)
             try:
                 listing = [i for i in list_tier(tier, index, rank, node, with_metadata=False) if i.committed]
                 when = {}

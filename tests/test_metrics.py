@@ -296,3 +296,12 @@ def test_grafana_dashboard_is_json_over_exported_metrics(tmp_path: Path) -> None
                    "checkpoint_promotion_failures_total", "checkpoint_blocking_seconds_bucket"):
         assert needed in used, needed
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def test_a_save_without_known_stored_size_stays_out_of_the_ratio() -> None:
+    """A rank whose writer did not commit the records reports no stored size: its raw size must not drag the ratio."""
+    totals = TierTotals(["local"])
+    totals.observe({"event": "save", "step": 1, "tiers": ["local"], "ok": True, "raw_bytes": 1000, "stored_bytes": 0})
+    totals.observe({"event": "save", "step": 2, "tiers": ["local"], "ok": True, "raw_bytes": 1000, "stored_bytes": 600})
+    local = totals.tiers["local"]
+    assert (local.saves, local.raw_bytes, local.stored_bytes, local.ratio, local.last_step) == (2, 1000, 600, 0.6, 2)
