@@ -82,6 +82,35 @@ def split_planes(raw: np.ndarray, filter_name: str, itemsize: int, native: bool 
     return list(planes)
 
 
+#: The sample :func:`sample_entropy` looks at: this many evenly spaced runs of ``SAMPLE_RUN`` bytes (16 KiB).
+SAMPLE_RUNS = 64
+SAMPLE_RUN = 256
+
+
+def sample_entropy(plane: np.ndarray, native: bool = True) -> float:
+    """Order-0 entropy in bits per byte of a sample of ``plane`` (a contiguous uint8 array).
+
+    The sample is ``SAMPLE_RUNS`` evenly spaced runs of ``SAMPLE_RUN`` bytes, or the whole
+    plane when it is no longer than that.  It costs a few microseconds, against the ~0.15 ms
+    (zstd) to ~0.3 ms (lz4) that compressing a 1 MiB plane of random bytes costs to learn
+    that it does not shrink.  The C kernel and this numpy code count the same bytes.
+    """
+    if native and _native is not None:
+        return _native.entropy(plane, SAMPLE_RUNS, SAMPLE_RUN)
+    n = plane.size
+    if n == 0:
+        return 0.0
+    if n > SAMPLE_RUNS * SAMPLE_RUN:
+        stride = n // SAMPLE_RUNS
+        runs = np.lib.stride_tricks.as_strided(plane, (SAMPLE_RUNS, SAMPLE_RUN), (stride, 1), writeable=False)
+        sample = runs.ravel()
+    else:
+        sample = plane
+    counts = np.bincount(sample, minlength=256)
+    p = counts[counts > 0] / sample.size
+    return float(-(p * np.log2(p)).sum())
+
+
 def merge_planes(planes: Sequence[object], filter_name: str, itemsize: int, out: np.ndarray, native: bool = True) -> None:
     """Interleave decoded planes back into ``out`` (uint8, the frame's raw length)."""
     if filter_name == FILTER_NONE:
