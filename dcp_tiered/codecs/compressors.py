@@ -77,8 +77,8 @@ class ZstdCodec(Codec):
     ``for_planes`` (see :meth:`tuned_for_planes`) tunes match finding for byte-grouped
     planes; it changes only the compressed bytes, never how they decode.  Exponent planes
     are low-entropy byte streams with few useful matches: at the fast levels a tiny hash
-    table (``hash_log=6``) leaves them to the entropy coder, which is both faster (~2.5x)
-    and smaller (0.331 vs 0.364 on MiniLM exponents, entropy 0.333).  Higher levels find
+    table and 7-byte minimum matches (``_FAST_PLANES``) leave them to the entropy coder,
+    which is both faster (~2.5x) and smaller (0.331 vs 0.364 on MiniLM exponents, entropy 0.333).  Higher levels find
     more short, useless matches that cost the entropy coder more than they save (untuned
     zstd:3 stores MiniLM bf16 at 0.704 vs 0.664 for zstd:1), so they also get small tables
     and long minimum matches: every level is then at least as small as zstd:1, and zstd:15
