@@ -105,7 +105,7 @@ def test_random_float_mantissas_are_not_compressed() -> None:
 def test_native_entropy_matches_numpy_reference(n: int, alphabet: int, seed: int) -> None:
     from dcp_tiered.codecs import bytegroup
 
-    if bytegroup._native is None:
+    if bytegroup._native_entropy is None:
         pytest.skip("native kernel not built")
     plane = np.random.default_rng(seed).integers(0, alphabet, n).astype(np.uint8)
     assert sample_entropy(plane) == pytest.approx(sample_entropy(plane, native=False), abs=1e-9)
@@ -122,7 +122,7 @@ def test_entropy_of_known_planes() -> None:
 def test_native_entropy_rejects_bad_sample_shape() -> None:
     from dcp_tiered.codecs import bytegroup
 
-    if bytegroup._native is None:
+    if bytegroup._native_entropy is None:
         pytest.skip("native kernel not built")
     for runs, run in ((0, 256), (64, 0), (1 << 17, 256)):
         with pytest.raises(ValueError):
@@ -168,3 +168,18 @@ def test_zstd_plane_parameters_store_exponents_no_larger_than_level_1(minilm_pat
     for k, plane in enumerate(split_planes(raw, FILTER_BYTEGROUP_SIGNSWAP, 4)):
         assert len(new.compress(plane)) <= len(old.compress(plane)) * 1.001, k
         assert new.decompress(new.compress(plane), plane.nbytes) == plane.tobytes()
+
+
+def test_prediction_without_the_native_entropy_kernel(monkeypatch) -> None:
+    """A kernel built from an older C file (no entropy function) falls back to numpy, same decision."""
+    from dcp_tiered.codecs import bytegroup
+
+    monkeypatch.setattr(bytegroup, "_native_entropy", None)
+    raw = np.random.default_rng(2).integers(0, 256, 1 << 18, dtype=np.uint8)
+    fc = FrameCodec("zstd", FILTER_BYTEGROUP_SIGNSWAP, 4)
+    spy = fc._compressor = _Counting(fc._compressor)
+    enc = fc.encode(raw)
+    assert spy.calls == []
+    out = np.zeros_like(raw)
+    fc.decode(_stored(enc), out)
+    assert np.array_equal(out, raw)

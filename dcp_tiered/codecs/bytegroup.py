@@ -28,6 +28,8 @@ try:  # the optional C kernel (setup.py); the numpy code below is the reference
     from dcp_tiered.codecs import _bytegroup as _native
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
+# A kernel built from an older _bytegroup.c (an editable install not rebuilt) lacks entropy.
+_native_entropy = getattr(_native, "entropy", None)
 
 
 def _scratch_buffer(nbytes: int) -> np.ndarray:
@@ -95,8 +97,9 @@ def sample_entropy(plane: np.ndarray, native: bool = True) -> float:
     (zstd) to ~0.3 ms (lz4) that compressing a 1 MiB plane of random bytes costs to learn
     that it does not shrink.  The C kernel and this numpy code count the same bytes.
     """
-    if native and _native is not None:
-        return _native.entropy(plane, SAMPLE_RUNS, SAMPLE_RUN)
+    if native and _native_entropy is not None:
+        return _native_entropy(plane, SAMPLE_RUNS, SAMPLE_RUN)
+    plane = np.ascontiguousarray(plane).reshape(-1)
     n = plane.size
     if n == 0:
         return 0.0
