@@ -25,16 +25,6 @@ ZSTD_LEVELS = range(1, 23)
 _LZ4_MAX_INPUT = 0x7E000000
 
 
-#: zstd parameters for byte-grouped planes at levels 1 and 2: the fast strategy with a tiny
-#: hash table and 7-byte minimum matches.  Swept on MiniLM fp32/bf16, Adam state and random
-#: normal (4 MiB frames, 1 thread): same stored size on every plane to 4 digits as level 1
-#: with hash_log=6, and 1.2-2.4x faster on the planes that are not exponents (exponent planes
-#: are bound by Huffman coding, ~780 MB/s, either way).  Shorter minimum matches (4-6) cost
-#: up to 10% in size on exponent planes and run 2-3x slower there.
-_FAST_PLANES = {"strategy": zstandard.STRATEGY_FAST, "hash_log": 6, "chain_log": 6, "search_log": 1,
-                "min_match": 7, "target_length": 0}
-
-
 class NoneCodec(Codec):
     """Stores bytes as they are."""
 
@@ -77,8 +67,8 @@ class ZstdCodec(Codec):
     ``for_planes`` (see :meth:`tuned_for_planes`) tunes match finding for byte-grouped
     planes; it changes only the compressed bytes, never how they decode.  Exponent planes
     are low-entropy byte streams with few useful matches: at the fast levels a tiny hash
-    table and 7-byte minimum matches (``_FAST_PLANES``) leave them to the entropy coder,
-    which is both faster (~2.5x) and smaller (0.331 vs 0.364 on MiniLM exponents, entropy 0.333).  Higher levels find
+    table (``hash_log=6``) leaves them to the entropy coder, which is both faster (~2.5x)
+    and smaller (0.331 vs 0.364 on MiniLM exponents, entropy 0.333).  Higher levels find
     more short, useless matches that cost the entropy coder more than they save (untuned
     zstd:3 stores MiniLM bf16 at 0.704 vs 0.664 for zstd:1), so they also get small tables
     and long minimum matches: every level is then at least as small as zstd:1, and zstd:15
@@ -97,7 +87,10 @@ class ZstdCodec(Codec):
         self._for_planes = for_planes
         overrides: dict[str, int] = {}
         if for_planes:
-            overrides = _FAST_PLANES if level <= 2 else {"hash_log": 6, "chain_log": 6, "min_match": 7}
+            # Swept again (MiniLM fp32/bf16 exponent planes, interleaved runs): level 1 already
+            # uses the fast strategy with min_match 7; smaller windows, hash_log 8, min_match 6
+            # or the dfast strategy are all slower and larger.  The plane is bound by Huffman coding.
+            overrides = {"hash_log": 6} if level <= 2 else {"hash_log": 6, "chain_log": 6, "min_match": 7}
         self._params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=True, **overrides)
         self._local = threading.local()
 
