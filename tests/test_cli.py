@@ -554,15 +554,3 @@ def test_bench_path_on_s3_measures_save_load_ratio_and_cleans_up(moto_server, s3
                             "--no-chart")).stdout)
     assert out["results"][0]["stored_bytes"] > 0 and list(local.iterdir()) == []
 
-
-def test_train_accepts_via_fastest_and_leftover_grace_from_yaml(tmp_path: Path) -> None:
-    yaml_path = tmp_path / "tiers.yaml"
-    yaml_path.write_text(
-        "tiers:\n"
-        f"  - {{name: local, url: '{tmp_path / 'local'}', every_steps: 2, keep: 2}}\n"
-        f"  - {{name: shared, url: '{tmp_path / 'shared'}', every_steps: 4, keep: 2}}\n"
-        "via_fastest: true\nleftover_grace: 0s\n")
-    res = ok(cli("train", "--steps", "4", "--d-model", "16", "--vocab", "32", "--seq-len", "8", "--log-every", "0",
-                 "--tiers", yaml_path, "--json"))
-    s = json.loads(res.stdout[res.stdout.index("{"):])
-    assert s["steps"] == 4 and {t["tier"] for t in s["tiers"]} == {"local", "shared"}
