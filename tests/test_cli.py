@@ -554,3 +554,30 @@ def test_bench_path_on_s3_measures_save_load_ratio_and_cleans_up(moto_server, s3
                             "--no-chart")).stdout)
     assert out["results"][0]["stored_bytes"] > 0 and list(local.iterdir()) == []
 
+
+
+def test_promote_and_gc_draw_byte_progress_on_a_tty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import io
+
+    from dcp_tiered.cli.__main__ import main
+
+    class FakeTTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tiers = [Tier("local", str(tmp_path / "local"), codec="lz4", keep=1), Tier("shared", str(tmp_path / "shared"), keep=1)]
+    state = _state()
+    with TieredCheckpointer(tiers[:1]) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.maybe_save(step, state, force=True)
+    writer = TieredWriter(tiers, due=["local", "shared"], promoter=_CrashedPromoter(tiers))
+    dcp.save(state, storage_writer=writer, checkpoint_id="step_000000004", no_dist=True)
+    flags = ["--local-path", tiers[0].url, "--shared-path", tiers[1].url, "--keep-local", "1", "--keep-shared", "1"]
+    for argv, desc in ((["promote", *flags], "promote:"), (["gc", *flags, "--leftover-grace", "0"], "gc local:")):
+        tty = FakeTTY()
+        monkeypatch.setattr(sys, "stderr", tty)
+        assert main(argv) == 0
+        monkeypatch.undo()
+        assert desc in tty.getvalue() and "B/s" in tty.getvalue(), tty.getvalue()
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("step_")) == ["step_000000004"]
+    capsys.readouterr()

@@ -149,8 +149,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
     tiers, options = tiers_from_args(args)
     keys = _file_options(args, options).optimizer_keys
-    pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions),
-                "size_bytes": i.size_bytes} for i in _catalog(tiers) if i.pending_promotions]
+    infos = [i for i in _catalog(tiers) if i.pending_promotions]
+    pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)} for i in infos]
     if args.dry_run:
         if args.json:
             print_json({"dry_run": True, "pending": pending})
@@ -162,7 +162,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         return EXIT_OK
     events = EventLog(args.event_log)
     failed = None
-    total = sum((p["size_bytes"] or 0) * len(p["targets"]) for p in pending)
+    total = sum((i.size_bytes or 0) * len(i.pending_promotions) for i in infos)
     with progress_for(args)(total, "promote", unit="B") as bar, ticking(bar):
         def on_report(r: Any) -> None:
             events.emit({"event": "promotion", **r.as_dict()})
