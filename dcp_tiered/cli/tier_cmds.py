@@ -106,10 +106,16 @@ def _catalog(tiers: list) -> list:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    import sys
+
+    from dcp_tiered.checks import INSTALL_TORCH, torch_available
+    from dcp_tiered.tiers.catalog import list_tiers
     from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
 
     tiers, _ = tiers_from_args(args)
-    infos = _catalog(tiers)
+    full = torch_available()  # without torch: names and sizes only (.metadata is a torch pickle)
+    _check_reachable(tiers)
+    infos = list_tiers(tiers, with_metadata=full)
     committed_on: dict[int, list[str]] = {}
     for i in infos:
         if i.committed:
@@ -124,12 +130,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             others = [t for t in committed_on.get(i.step, []) if t != i.tier]
             promo = ("also on " + ",".join(others)) if others else ""
-        state = ("UNUSABLE" if i.unusable else "committed" if i.committed and i.complete
+        state = ("UNUSABLE" if i.unusable else "committed" if i.committed and (i.complete or not full)
                  else "INCOMPLETE" if i.committed else "uncommitted")
         rows.append({"tier": i.tier, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
-                     "complete": i.complete, "state": state, "size_bytes": i.size_bytes, "codec": i.codec,
+                     "complete": i.complete if full else None, "state": state, "size_bytes": i.size_bytes, "codec": i.codec,
                      "optimizer": optim, "pending_promotions": list(i.pending_promotions), "promotion": promo,
                      "problem": i.problem, "unusable": i.unusable})
+    if not full:
+        print(f"note: torch is not installed: committed means .metadata is present; keys, codec, optimizer and "
+              f"completeness need torch ({INSTALL_TORCH})", file=sys.stderr)
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -241,11 +250,19 @@ def _apply_with_progress(retention: Any, plan: Any, args: argparse.Namespace) ->
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
-    from dcp_tiered import inspect
+    from dcp_tiered.checks import torch_available
     from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices
     from dcp_tiered.errors import DcpTieredError
+    from dcp_tiered.tiers.catalog import list_tiers
 
-    tiers, _ = tiers_from_args(args)
+    tiers, _ = tiers_from_args(args, required=args.stored_gb is None)
+    if not tiers:  # a what-if without tiers: the three default tiers and their default retention
+        from types import SimpleNamespace
+
+        from dcp_tiered.cli.args import DEFAULT_KEEP, TIER_NAMES
+
+        tiers = [SimpleNamespace(name=n, url="", keep=getattr(args, f"keep_{n}", None) or DEFAULT_KEEP[n])
+                 for n in TIER_NAMES]
     try:
         prices = parse_prices(args.price)
     except ValueError as exc:
@@ -253,14 +270,17 @@ def cmd_cost(args: argparse.Namespace) -> int:
     if (args.stored_gb is None) != (args.fp32_gb is None) and args.stored_gb is None:
         raise CliError("--fp32-gb needs --stored-gb")
     usages, measured = [], {}
-    infos = _catalog(tiers) if args.stored_gb is None else []
+    full = args.stored_gb is None and torch_available()  # without torch: stored sizes only, fp32 = stored
+    if args.stored_gb is None:
+        _check_reachable(tiers)
+    infos = list_tiers(tiers, with_metadata=full) if args.stored_gb is None else []
     for t in tiers:
         if args.stored_gb is not None:
             stored = int(args.stored_gb * (1 << 30))
             fp32 = int((args.fp32_gb if args.fp32_gb is not None else args.stored_gb) * (1 << 30))
             source = "what-if"
         else:
-            committed = [i for i in infos if i.tier == t.name and i.committed and i.complete]
+            committed = [i for i in infos if i.tier == t.name and i.committed and (i.complete or not full)]
             if not committed:
                 stored = fp32 = 0
                 source = "no checkpoint"
@@ -268,6 +288,10 @@ def cmd_cost(args: argparse.Namespace) -> int:
                 newest = committed[0]
                 stored = newest.size_bytes
                 try:
+                    if not full:
+                        raise DcpTieredError("fp32 size needs torch")
+                    from dcp_tiered import inspect
+
                     reader = inspect.open_reader(newest.url, t.storage_options, verify=False)
                     fp32 = inspect.fp32_bytes(reader.read_metadata())
                 except DcpTieredError:
