@@ -34,7 +34,7 @@ commands:
   promote   run pending promotions now (--dry-run lists them)
   gc        apply retention now (--dry-run lists what would be deleted)
   cost      monthly storage cost per tier, and the saving against uncompressed fp32
-  bench     codec comparison on your checkpoint or a generated model: table and PNG chart
+  bench     codec comparison (your checkpoint or a generated model; in memory or --path on your storage)
 
 Run `dcp-tiered COMMAND --help` for examples."""
 

@@ -5,8 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dcp_tiered.cli.args import add_tier_args, tiers_from_args
-from dcp_tiered.cli.output import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes, print_json, table
+from dcp_tiered.cli.args import add_tier_location_args, tiers_from_args
+from dcp_tiered.cli.output import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CliError,
+    human_bytes,
+    print_json,
+    progress_for,
+    table,
+    ticking,
+)
 
 LS_EXAMPLES = """\
 examples:
@@ -36,7 +45,7 @@ def add_parsers(sub: Any) -> None:
                        description="List every checkpoint directory of every tier, committed or not, with its step, "
                                    "size, codec, whether it holds optimizer state, and its promotion state.",
                        epilog=LS_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p, keep=False)  # ls lists; retention (keep) is not its business
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
@@ -44,7 +53,7 @@ def add_parsers(sub: Any) -> None:
                        description="Run the promotions recorded in the tiers (.promote-*.json intents left by a crash "
                                    "or a process that exited early) and wait for them.",
                        epilog=PROMOTE_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p)
     p.add_argument("--dry-run", action="store_true", help="list pending promotions, change nothing")
     p.add_argument("--event-log", metavar="PATH", help="append promotion reports as JSON lines")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -55,7 +64,7 @@ def add_parsers(sub: Any) -> None:
                                    "one with a pending promotion) and remove uncommitted leftovers older than the "
                                    "newest committed checkpoint.",
                        epilog=GC_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p)
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     p.add_argument("--leftover-grace", default=None, metavar="DURATION",
                    help="remove an uncommitted leftover only once untouched this long (another process may be "
@@ -69,7 +78,7 @@ def add_parsers(sub: Any) -> None:
                                    "GB-month x checkpoints kept. Default prices (USD/GB-month): object storage 0.023, "
                                    "shared filesystem 0.14, node-local SSD 0.08.",
                        epilog=COST_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p)
     p.add_argument("--price", action="append", default=[], metavar="TIER=USD",
                    help="price per GB-month for a tier name or kind (object, shared, local); repeatable")
     p.add_argument("--stored-gb", type=float, help="what-if: stored GB per checkpoint (instead of measuring)")
@@ -149,8 +158,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
     tiers, options = tiers_from_args(args)
     keys = _file_options(args, options).optimizer_keys
-    pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)}
-               for i in _catalog(tiers) if i.pending_promotions]
+    infos = [i for i in _catalog(tiers) if i.pending_promotions]
+    pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)} for i in infos]
     if args.dry_run:
         if args.json:
             print_json({"dry_run": True, "pending": pending})
@@ -161,16 +170,23 @@ def cmd_promote(args: argparse.Namespace) -> int:
             print("no pending promotions")
         return EXIT_OK
     events = EventLog(args.event_log)
-    promoter = Promoter(tiers, on_report=lambda r: events.emit({"event": "promotion", **r.as_dict()}), optimizer_keys=keys)
     failed = None
-    try:
-        n = promoter.resume()
+    total = sum((i.size_bytes or 0) * len(i.pending_promotions) for i in infos)
+    with progress_for(args)(total, "promote", unit="B") as bar, ticking(bar):
+        def on_report(r: Any) -> None:
+            events.emit({"event": "promotion", **r.as_dict()})
+            if r.kind == "data":
+                bar.update(max(0, min(r.bytes, total - bar.n)))
+
+        promoter = Promoter(tiers, on_report=on_report, optimizer_keys=keys)
         try:
-            promoter.wait()
-        except Exception as exc:  # PromotionError: reported below, exit 1
-            failed = exc
-    finally:
-        promoter.close(wait=False)
+            n = promoter.resume()
+            try:
+                promoter.wait()
+            except Exception as exc:  # PromotionError: reported below, exit 1
+                failed = exc
+        finally:
+            promoter.close(wait=False)
     reports = [r.as_dict() for r in promoter.reports]
     bad = [r for r in reports if not r["ok"]]
     if failed is None and bad:  # resumed work is only reported by the promoter: here every failure counts
@@ -208,7 +224,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.dry_run:
         rows = [row for plan in plans for row in plan.as_rows()]
     else:
-        rows = [row for plan in plans for row in plan.as_rows(retention.apply(plan))]
+        rows = [row for plan in plans for row in plan.as_rows(_apply_with_progress(retention, plan, args))]
     if args.json:
         print_json({"dry_run": args.dry_run, "deleted" if not args.dry_run else "would_delete": rows})
         return EXIT_OK
@@ -219,6 +235,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     total = sum(p["size_bytes"] for p in rows)
     print(f"{verb} {len(rows)} checkpoint(s), {human_bytes(total)}")
     return EXIT_OK
+
+
+def _apply_with_progress(retention: Any, plan: Any, args: argparse.Namespace) -> list:
+    """``retention.apply(plan)`` one victim at a time, with a progress bar in bytes deleted."""
+    from dataclasses import replace
+
+    deleted = retention.apply(replace(plan, victims=[])) if plan.unusable else []  # logs what it leaves alone
+    with progress_for(args)(sum(i.size_bytes or 0 for i in plan.victims), f"gc {plan.tier.name}", unit="B") as bar:
+        for info in plan.victims:
+            deleted += retention.apply(replace(plan, victims=[info], unusable=[]))
+            bar.update(info.size_bytes or 0)
+    return deleted
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
