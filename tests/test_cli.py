@@ -225,7 +225,9 @@ def test_ls_promote_gc_cost(data: dict) -> None:
     tiers = {t["tier"]: t for t in c["tiers"]}
     assert tiers["shared"]["price_gb_month"] == 0.5 and tiers["local"]["price_gb_month"] == 0.08
     assert tiers["shared"]["stored_bytes"] == rows[("shared", 4)]["size_bytes"] and tiers["shared"]["keep"] == 2
-    assert tiers["shared"]["monthly_usd"] == pytest.approx(tiers["shared"]["stored_bytes"] / 2**30 * 0.5 * 2)
+    kept = rows[("shared", 3)]["size_bytes"] + rows[("shared", 4)]["size_bytes"]  # each kept checkpoint at its size
+    assert tiers["shared"]["kept_bytes"] == kept and tiers["shared"]["checkpoints"] == 2
+    assert tiers["shared"]["monthly_usd"] == pytest.approx(kept / 2**30 * 0.5)
     assert 0 < tiers["local"]["fp32_bytes"] and c["saving_usd"] == pytest.approx(c["fp32_monthly_usd"] - c["monthly_usd"])
 
     gone = json.loads(ok(cli("gc", *flags, "--leftover-grace", "0", "--json")).stdout)["deleted"]

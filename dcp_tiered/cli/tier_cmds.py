@@ -249,10 +249,24 @@ def _apply_with_progress(retention: Any, plan: Any, args: argparse.Namespace) ->
     return deleted
 
 
+def _fp32_sizes(tiers: list, infos: list) -> dict[tuple[str, int], int]:
+    """The fp32 uncompressed size of each checkpoint a tier keeps, read from its metadata (where readable)."""
+    from dcp_tiered import inspect
+    from dcp_tiered.errors import DcpTieredError
+
+    out = {}
+    for t in tiers:
+        for i in sorted((i for i in infos if i.tier == t.name), key=lambda i: i.step, reverse=True)[:t.keep]:
+            try:
+                out[(t.name, i.step)] = inspect.fp32_bytes(inspect.open_reader(i.url, t.storage_options, verify=False).read_metadata())
+            except DcpTieredError:
+                pass  # priced at its stored size
+    return out
+
+
 def cmd_cost(args: argparse.Namespace) -> int:
     from dcp_tiered.checks import torch_available
-    from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices
-    from dcp_tiered.errors import DcpTieredError
+    from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices, usage_from_listing
     from dcp_tiered.tiers.catalog import list_tiers
 
     tiers, _ = tiers_from_args(args, required=args.stored_gb is None)
@@ -269,37 +283,21 @@ def cmd_cost(args: argparse.Namespace) -> int:
         raise CliError(f"--price: {exc}") from exc
     if (args.stored_gb is None) != (args.fp32_gb is None) and args.stored_gb is None:
         raise CliError("--fp32-gb needs --stored-gb")
-    usages, measured = [], {}
     full = args.stored_gb is None and torch_available()  # without torch: stored sizes only, fp32 = stored
-    if args.stored_gb is None:
+    if args.stored_gb is not None:
+        stored = int(args.stored_gb * (1 << 30))
+        fp32 = int((args.fp32_gb if args.fp32_gb is not None else args.stored_gb) * (1 << 30))
+        usages = [TierUsage(t.name, stored, fp32, t.keep, t.url) for t in tiers]
+        measured = {t.name: {"source": "what-if"} for t in tiers}
+    else:
         _check_reachable(tiers)
-    infos = list_tiers(tiers, with_metadata=full) if args.stored_gb is None else []
-    for t in tiers:
-        if args.stored_gb is not None:
-            stored = int(args.stored_gb * (1 << 30))
-            fp32 = int((args.fp32_gb if args.fp32_gb is not None else args.stored_gb) * (1 << 30))
-            source = "what-if"
-        else:
-            committed = [i for i in infos if i.tier == t.name and i.committed and (i.complete or not full)]
-            if not committed:
-                stored = fp32 = 0
-                source = "no checkpoint"
-            else:
-                newest = committed[0]
-                stored = newest.size_bytes
-                try:
-                    if not full:
-                        raise DcpTieredError("fp32 size needs torch")
-                    from dcp_tiered import inspect
-
-                    reader = inspect.open_reader(newest.url, t.storage_options, verify=False)
-                    fp32 = inspect.fp32_bytes(reader.read_metadata())
-                except DcpTieredError:
-                    fp32 = stored
-                source = f"step {newest.step}"
-                measured[t.name] = {"checkpoints": len(committed), "current_bytes": sum(i.size_bytes for i in committed)}
-        usages.append(TierUsage(t.name, stored, fp32, t.keep, t.url))
-        measured.setdefault(t.name, {})["source"] = source
+        infos = [i for i in list_tiers(tiers, with_metadata=full) if i.committed and (i.complete or not full)]
+        usages = usage_from_listing(tiers, infos, fp32=_fp32_sizes(tiers, infos) if full else None)
+        measured = {}
+        for t in tiers:
+            held = [i for i in infos if i.tier == t.name]
+            measured[t.name] = ({"source": f"step {max(i.step for i in held)}", "checkpoints": len(held),
+                                 "current_bytes": sum(i.size_bytes for i in held)} if held else {"source": "no checkpoint"})
     report = estimate(usages, prices)
     if args.json:
         out = report.as_dict()
@@ -307,11 +305,12 @@ def cmd_cost(args: argparse.Namespace) -> int:
             d.update(measured.get(d["tier"], {}))
         print_json(out)
         return EXIT_OK
-    body = [(c.tier, c.kind, measured[c.tier]["source"], human_bytes(c.stored_bytes), human_bytes(c.fp32_bytes), c.keep,
+    body = [(c.tier, c.kind, measured[c.tier]["source"], human_bytes(c.stored_bytes), human_bytes(c.kept_bytes),
+             human_bytes(c.fp32_bytes), c.keep,
              f"{c.price_gb_month:.4f}", format_usd(c.monthly_usd), format_usd(c.fp32_monthly_usd), f"{c.saving_fraction * 100:.0f}%")
             for c in report.tiers]
-    print(table(body, ["tier", "kind", "measured", "per ckpt", "fp32 raw", "keep", "$/GB-mo", "$/month", "fp32 $/mo", "saving"],
-                right=(3, 4, 5, 6, 7, 8, 9)))
+    print(table(body, ["tier", "kind", "measured", "newest", "kept", "fp32 raw", "keep", "$/GB-mo", "$/month", "fp32 $/mo",
+                      "saving"], right=(3, 4, 5, 6, 7, 8, 9, 10)))
     print(f"total {format_usd(report.monthly_usd)}/month; uncompressed fp32 would cost {format_usd(report.fp32_monthly_usd)}"
           f"/month (saving {format_usd(report.saving_usd)}/month)")
     return EXIT_OK

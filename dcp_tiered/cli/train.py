@@ -299,7 +299,7 @@ def _summary(args: argparse.Namespace, tiers: list, totals: Any, ckpt: Any, star
             "url": t.url, "codec": t.codec, "keep": t.keep,
             "blocked_pct": round(100 * tt.blocked_s / train_s, 3) if train_s else 0.0,
             "price_gb_month": price,
-            "monthly_usd": monthly_cost(tt.last_stored_bytes, price, t.keep),
+            "monthly_usd": totals.monthly_cost(t.name, t.keep, t.url, prices),
             "fp32_monthly_usd": monthly_cost(fp32, price, t.keep),
         })
     return {
