@@ -276,9 +276,10 @@ def test_positional_arguments_after_path_are_a_type_error_naming_the_keyword_for
     assert example in str(err.value)
 
 
-def test_positional_codec_still_works_with_a_deprecation_warning(tmp_path):
-    with pytest.warns(DeprecationWarning, match=re.escape("CompressedWriter(path, codec='lz4')")):
-        assert CompressedWriter(tmp_path / "ckpt", "lz4").codec == "lz4"
+def test_a_positional_codec_is_a_type_error_naming_the_keyword_form(tmp_path):
+    with pytest.raises(TypeError, match=re.escape("CompressedWriter(path, codec='zstd'")):
+        CompressedWriter(tmp_path / "ckpt", "lz4")
+    assert CompressedWriter(tmp_path / "ckpt", codec="lz4").codec == "lz4"
 
 
 def test_unknown_keywords_are_type_errors_not_silent_storage_options(tmp_path):

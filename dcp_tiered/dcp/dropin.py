@@ -10,28 +10,11 @@ from __future__ import annotations
 
 import difflib
 import os
-import warnings
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from dcp_tiered.checks import check_count
 from dcp_tiered.errors import ConfigError
-
-
-def positional_codec(args: tuple, codec: str) -> str:
-    """``CompressedWriter``'s codec, given the positional arguments after ``path``.
-
-    Stock's second positional is ``single_file_per_rank``: anything positional but one codec
-    string (this package's former signature, deprecated) is a TypeError naming the keyword form.
-    """
-    if len(args) == 1 and isinstance(args[0], str):
-        if codec != "zstd":
-            raise TypeError(f"CompressedWriter() got the codec twice ({args[0]!r} and codec={codec!r})")
-        warnings.warn(f"CompressedWriter(path, {args[0]!r}): pass the codec by keyword, "
-                      f"CompressedWriter(path, codec={args[0]!r})", DeprecationWarning, stacklevel=3)
-        return args[0]
-    refuse_positional("CompressedWriter", args, "CompressedWriter(path, codec='zstd', threads=4)")
-    return codec
 
 
 def refuse_positional(cls_name: str, args: tuple, example: str) -> None:

@@ -26,7 +26,7 @@ from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.thread_priority import lower_thread_priority
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, get_codec, parse_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
-from dcp_tiered.dcp.dropin import check_stock_writer_args, positional_codec, storage_options_with, writer_threads
+from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
 )
@@ -193,7 +193,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         **fsspec_options: Any,
     ) -> None:
         super().__init__()
-        codec = positional_codec(args, codec)
+        refuse_positional("CompressedWriter", args, "CompressedWriter(path, codec='zstd', threads=4)")
         storage_options = storage_options_with("CompressedWriter", path, storage_options, fsspec_options, _WRITER_ARGS)
         threads = writer_threads(threads, thread_count)
         check_stock_writer_args(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict)

@@ -279,7 +279,7 @@ class CompressedCheckpointIO(CheckpointIO):
     def _write(self, flat: dict[str, Any], path: str, overwrite: bool) -> None:
         from dcp_tiered.dcp.writer import CompressedWriter
 
-        writer = CompressedWriter(path, self.codec, storage_options=self.storage_options, threads=self.threads,
+        writer = CompressedWriter(path, codec=self.codec, storage_options=self.storage_options, threads=self.threads,
                                   overwrite=overwrite, safe_globals=self.safe_globals)
         with _unwrapped():
             dcp.save(flat, storage_writer=writer, no_dist=True)

@@ -215,7 +215,7 @@ class TieredWriter(StorageWriter):
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
         url = self._target(primary).url  # each rank: node-local tiers differ per node
-        inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
+        inner = CompressedWriter(url, codec=primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
                                  save_id=tp.save_id or None, **kwargs)
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
         inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=RankFilePrefix(tp.prefix)))
