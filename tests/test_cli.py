@@ -288,32 +288,32 @@ def test_train_with_s3_durable_tier_metrics_event_log_and_resume(tmp_path: Path,
     assert f"metrics: http://127.0.0.1:{port}/metrics" in out
     s = json.loads(summary.read_text())
     tiers = {t["tier"]: t for t in s["tiers"]}
-    assert tiers["local"]["written"] == 6 and tiers["durable"]["promoted"] == 3  # steps 1..26 / 1, 11, 21
+    assert tiers["local"]["written"] == 6 and tiers["durable"]["promoted"] == 3  # steps 5..30 / 10, 20, 30
     assert tiers["durable"]["stored_bytes"] > 0 and tiers["durable"]["raw_bytes"] > tiers["durable"]["stored_bytes"]
     assert tiers["durable"]["monthly_usd"] > 0 and tiers["durable"]["price_gb_month"] == 0.023
     assert 0 <= tiers["local"]["blocked_pct"] < 100 and s["save_failures"] == 0
     assert 'checkpoint_saves_total{tier="durable"} 3.0' in metrics
     assert 'checkpoint_bytes_written_total{tier="local"}' in metrics and "checkpoint_blocking_seconds_count 6.0" in metrics
     ev = [json.loads(line) for line in events.read_text().splitlines()]
-    assert [e["step"] for e in ev if e["event"] == "save"] == [1, 6, 11, 16, 21, 26]
-    assert {e["step"] for e in ev if e["event"] == "promotion" and e["kind"] == "metadata" and e["ok"]} == {1, 11, 21}
+    assert [e["step"] for e in ev if e["event"] == "save"] == [5, 10, 15, 20, 25, 30]  # the multiples
+    assert {e["step"] for e in ev if e["event"] == "promotion" and e["kind"] == "metadata" and e["ok"]} == {10, 20, 30}
 
     import s3fs
 
     fs = s3fs.S3FileSystem(**options)
     names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(durable.removeprefix("s3://")))
-    assert names == ["step_000000001", "step_000000011", "step_000000021"]
+    assert names == ["step_000000010", "step_000000020", "step_000000030"]
 
     # resume from the s3 tier alone, in a new process; listing and verifying it too
     resumed, ls_s3 = cli_parallel(
-        ["train", "--steps", "24", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
+        ["train", "--steps", "33", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
          "--durable-path", durable, "--s3-endpoint-url", moto_server.endpoint_url, "--durable-every-steps", "10",
          "--compression", "zstd", "--resume", "--json"],
-        ["verify", f"{durable}/step_000000021", "--s3-endpoint-url", moto_server.endpoint_url])
+        ["verify", f"{durable}/step_000000030", "--s3-endpoint-url", moto_server.endpoint_url])
     ok(resumed)
-    assert "restored step 21 from tier durable" in resumed.stdout
+    assert "restored step 30 from tier durable" in resumed.stdout
     s2 = json.loads(resumed.stdout[resumed.stdout.index("{"):])
-    assert s2["start_step"] == 21 and s2["trained_steps"] == 3
+    assert s2["start_step"] == 30 and s2["trained_steps"] == 3
     assert "OK" in ok(ls_s3).stdout
 
 
