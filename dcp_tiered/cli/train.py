@@ -255,7 +255,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_s = time.perf_counter() - t_train
         close_error = None
         try:
-            ckpt.close()  # waits for the save in flight and every promotion
+            # saves the last step if the schedule did not, then waits for it and every promotion
+            ckpt.close(final_step=args.steps, state_dict=state) if args.steps > start else ckpt.close()
         except PromotionError as exc:  # the summary still shows what did get saved
             close_error = exc
         wall_s = time.perf_counter() - t_train

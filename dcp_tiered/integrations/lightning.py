@@ -226,7 +226,8 @@ class TieredCheckpointCallback(pl.Callback):
         # Lightning's loops hold an epoch that a resume would close once more (an extra epoch-end
         # scheduler step), while a batch-end state resumes exactly like an uninterrupted run.
         last = self.save_on_train_end and trainer.max_steps not in (None, -1) and step >= trainer.max_steps
-        report = self.checkpointer.maybe_save(step, lambda: self.state(trainer, pl_module), force=last)
+        build = lambda: self.state(trainer, pl_module)  # noqa: E731
+        report = self.checkpointer.save_now(step, build) if last else self.checkpointer.maybe_save(step, build)
         if report is not None:
             self._last_saved = step
 
@@ -234,7 +235,7 @@ class TieredCheckpointCallback(pl.Callback):
         # training ended otherwise (max_epochs, max_time, early stopping): save the state as it is now
         step = trainer.global_step
         if self.save_on_train_end and step != self._last_saved and step > self._train_start:
-            self.checkpointer.maybe_save(step, lambda: self.state(trainer, pl_module), force=True)
+            self.checkpointer.save_now(step, lambda: self.state(trainer, pl_module))
             self._last_saved = step
 
     def _close(self) -> None:
