@@ -163,9 +163,9 @@ def _step_url(ck: Any, tier: Any, step: int) -> str:
 def _output_dir(ck: Any, step: int, force: bool) -> str | None:
     """Where ``step`` is written first: on the fastest tier due (decided now, reused by ``maybe_save``)."""
     tiers = list(getattr(ck, "tiers", ()))
-    if not tiers or not (force or ck.due(step)):
+    due = {t.name for t in tiers} if force else set(ck.due_tiers(step)) if tiers else set()
+    if not due:
         return None
-    due = set(getattr(ck, "_due_names", ()) or ()) if not force else {t.name for t in tiers}
     first = next((t for t in tiers if t.name in due), tiers[0])
     return _step_url(ck, first, step)
 

@@ -167,11 +167,15 @@ class TieredCheckpointer:
         Lets a training loop skip building the state dict when nothing is due; cheap (no
         collective, no allocation) when every tier is scheduled by steps only.
         """
+        return bool(self.due_tiers(step))
+
+    def due_tiers(self, step: int) -> tuple[str, ...]:
+        """The names of the tiers due at ``step`` (empty when none): :meth:`due`, naming them."""
         self._enter(step, background=False)
         if self._due_step != step:
-            self._due_names = self._decide(step)
+            self._due_names = tuple(self._decide(step))
             self._due_step = step
-        return bool(self._due_names)
+        return self._due_names
 
     def _enter(self, step: int, background: bool = True) -> None:  # the checks before a decision or save
         if self._closed:
