@@ -583,3 +583,11 @@ def test_promote_and_gc_draw_byte_progress_on_a_tty(tmp_path: Path, monkeypatch:
         assert desc in tty.getvalue() and "B/s" in tty.getvalue(), tty.getvalue()
     assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("step_")) == ["step_000000004"]
     capsys.readouterr()
+
+
+def test_train_saves_the_last_step_between_multiples(tmp_path: Path) -> None:
+    """Saves fall on multiples of N; the run's last step (7, not a multiple of 5) is saved at close."""
+    ok(cli("train", "--steps", "7", "--d-model", "16", "--vocab", "64", "--seq-len", "8", "--log-every", "0",
+           "--local-path", tmp_path / "local", "--checkpoint-every-steps", "5", "--keep-local", "3"))
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("step_")) == \
+        ["step_000000005", "step_000000007"]
