@@ -2,6 +2,8 @@
 
 Run:  .venv/bin/python -m benchmarks.bench_codecs [--random-mib 512] [--repeat 3] [--slow-mib 64]
 Smoke run:  .venv/bin/python -m benchmarks.bench_codecs --quick
+Before/after on a busy machine (prints only, writes nothing; fastest of --repeat rounds):
+      .venv/bin/python -m benchmarks.bench_codecs --compare lz4,zstd:1,zstd:3 --threads 1 --repeat 5 --max-mib 64
 
 Data: real MiniLM weights (fp32 and bf16), Adam moments after real steps on them, and
 random-normal fp32.  Each data set is flattened into one buffer and cut into 4 MiB frames
@@ -179,8 +181,10 @@ def zipnn_round(dtype: torch.dtype, threads: int) -> Round | None:
     return run
 
 
-def measure(rnd: Round, raw: np.ndarray, out: np.ndarray, threads: int, repeats: int) -> tuple[float, float, float]:
-    """Median compress and decompress time over ``repeats`` rounds, each verified bit-exact; returns (ratio, c MB/s, d MB/s)."""
+def measure(rnd: Round, raw: np.ndarray, out: np.ndarray, threads: int, repeats: int,
+            stat: Callable[[list[float]], float] = statistics.median) -> tuple[float, float, float]:
+    """Median (or ``stat``) compress and decompress time over ``repeats`` rounds, each verified bit-exact;
+    returns (ratio, c MB/s, d MB/s)."""
     tcs, tds, stored = [], [], 0
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
@@ -189,7 +193,24 @@ def measure(rnd: Round, raw: np.ndarray, out: np.ndarray, threads: int, repeats:
             assert np.array_equal(out, raw), "decode does not round-trip bit-exactly"
             tcs.append(tc)
             tds.append(td)
-    return stored / raw.nbytes, raw.nbytes / statistics.median(tcs) / 1e6, raw.nbytes / statistics.median(tds) / 1e6
+    return stored / raw.nbytes, raw.nbytes / stat(tcs) / 1e6, raw.nbytes / stat(tds) / 1e6
+
+
+def compare(specs: list[str], sets: dict[str, dict[str, torch.Tensor]], threads: int, repeat: int, max_bytes: int) -> None:
+    """Print ratio and the fastest of ``repeat`` rounds for our ``specs`` and zipnn on every data set.
+
+    The minimum is the least disturbed round on a shared machine; nothing is written."""
+    rows = []
+    for name, sd in sets.items():
+        raw, dtype = flat_bytes(sd)
+        raw = sample_frames(raw, max_bytes, dtype.itemsize)
+        out = touched_like(raw)
+        for label, rnd in [(s, ours(s, dtype)) for s in specs] + [("zipnn (anchor)", zipnn_round(dtype, threads))]:
+            if rnd is not None:
+                ratio, c, d = measure(rnd, raw, out, threads, repeat, stat=min)
+                rows.append([name, label, f"{raw.nbytes >> 20}", f"{ratio:.4f}", f"{c:.0f}", f"{d:.0f}"])
+                print(" | ".join(rows[-1]), flush=True)
+    print(md_table(["data", "codec", "MiB", "stored/raw", "compress MB/s", "decompress MB/s"], rows))
 
 
 def cases(dtype: torch.dtype, threads: int) -> list[tuple[str, str, int, Round | None]]:
@@ -331,7 +352,12 @@ def main() -> None:
     ap.add_argument("--max-mib", type=int, default=0, help="cap every data set (evenly spaced frames); 0 = whole")
     ap.add_argument("--threads", type=int, default=2, help="threads for the parallel cells (the machine's cores)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 MiB random, 1 repeat, 32/4 MiB caps")
+    ap.add_argument("--compare", metavar="SPECS", help="only our SPECS (comma separated) and zipnn, fastest of "
+                    "--repeat rounds, printed; docs and results are not written")
     args = ap.parse_args()
+    if args.compare:
+        compare(args.compare.split(","), datasets(args.random_mib), args.threads, args.repeat, args.max_mib << 20)
+        return
     if args.quick:
         args.random_mib, args.repeat, args.slow_mib, args.max_mib = 32, 1, 4, 32
     cmd = (f".venv/bin/python -m benchmarks.bench_codecs --random-mib {args.random_mib} --repeat {args.repeat} "

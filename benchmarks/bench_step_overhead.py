@@ -167,7 +167,7 @@ def main() -> None:
         "step_overhead",
         f"## Integrations: per-step cost when nothing is due\n\n`{cmd}` — {machine_line()}.\n\n"
         f"An MLP of {params / 1e6:.1f} M parameters with Adam and StepLR, one process, tiers on local disk "
-        "that are due once at the first step and never again. Measured: the time inside "
+        "that are never due after the first save (every_steps=10**9: only step 0, if offered; every=1h: the first step). Measured: the time inside "
         "`TieredCheckpointCallback.on_train_batch_end` during a real `trainer.fit`, and inside Accelerate "
         "`save_state(accelerator, ckpt, step)`, on the steps where nothing was saved. The last column is the "
         "time to build the model + optimizer (+ trainer) state dict once: what every step cost before the "

@@ -6,9 +6,6 @@ libraries are imported only when a writer, reader or planner is first used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from dcp_tiered.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -27,6 +24,7 @@ from dcp_tiered.errors import (
     LeaderLoadError,
     MissingFileError,
 )
+from dcp_tiered.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -86,14 +84,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dcp_tiered' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals(), __all__)

@@ -2,6 +2,10 @@
 
 Pure functions over plain values (no I/O, no torch), so the numbers are tested exactly.
 
+A tier's retention costs the real size of each checkpoint it keeps (:func:`kept_bytes`): with
+``optimizer_every`` the kept checkpoints differ in size several fold, so ``keep`` times the newest
+one would be off by as much.  :func:`cost_from_listing` prices a tier listing that way.
+
 Default prices, in USD per GB-month (GB = 2**30 bytes, as cloud bills count):
 
 =============== ======= ==========================================================
@@ -62,15 +66,43 @@ def monthly_cost(stored_bytes: float, price_gb_month: float, kept: int = 1) -> f
     return stored_bytes / GB * price_gb_month * kept
 
 
+def kept_bytes(sizes: Iterable[int], keep: int) -> int:
+    """Bytes that ``keep`` kept checkpoints take, from the sizes of the checkpoints a tier holds, newest first.
+
+    The newest ``keep`` sizes are summed as they are; while the tier holds fewer than ``keep``, each
+    missing one is projected at the mean of those it holds (0 when it holds none)."""
+    if keep < 0:
+        raise ValueError("keep must not be negative")
+    kept = list(sizes)[:keep]
+    if any(s < 0 for s in kept):
+        raise ValueError("checkpoint sizes must not be negative")
+    if not kept:
+        return 0
+    return sum(kept) + round((keep - len(kept)) * sum(kept) / len(kept))
+
+
 @dataclass(frozen=True)
 class TierUsage:
-    """What one tier holds: per-checkpoint stored bytes, the fp32 uncompressed size, how many are kept."""
+    """What one tier holds: per-checkpoint stored bytes, the fp32 uncompressed size, how many are kept.
+
+    With ``sizes`` (stored bytes of each checkpoint the tier holds, newest first) the cost sums
+    those real sizes (:func:`kept_bytes`) instead of ``keep`` x ``stored_bytes``; ``fp32_sizes`` does
+    the same for the fp32 comparison."""
 
     name: str
     stored_bytes: int  # of one checkpoint, as stored (compressed, maybe downcast)
     fp32_bytes: int  # the same state uncompressed with every float tensor in fp32
     keep: int = 1
     url: str = ""
+    sizes: tuple[int, ...] = ()
+    fp32_sizes: tuple[int, ...] = ()
+
+    def kept_stored_bytes(self) -> int:
+        """Stored bytes of the retention: the real sizes when known, else ``keep`` x ``stored_bytes``."""
+        return kept_bytes(self.sizes, self.keep) if self.sizes else self.stored_bytes * self.keep
+
+    def kept_fp32_bytes(self) -> int:
+        return kept_bytes(self.fp32_sizes, self.keep) if self.fp32_sizes else self.fp32_bytes * self.keep
 
 
 @dataclass(frozen=True)
@@ -85,6 +117,8 @@ class TierCost:
     fp32_bytes: int
     monthly_usd: float
     fp32_monthly_usd: float
+    kept_bytes: int = 0  # stored bytes priced: every kept checkpoint at its real size
+    fp32_kept_bytes: int = 0
 
     @property
     def saving_usd(self) -> float:
@@ -128,6 +162,7 @@ class CostReport:
 
 def tier_cost(usage: TierUsage, prices: Mapping[str, float] | None = None) -> TierCost:
     price = price_for(usage.name, usage.url, prices)
+    kept, fp32_kept = usage.kept_stored_bytes(), usage.kept_fp32_bytes()
     return TierCost(
         tier=usage.name,
         kind=tier_kind(usage.name, usage.url),
@@ -135,14 +170,45 @@ def tier_cost(usage: TierUsage, prices: Mapping[str, float] | None = None) -> Ti
         keep=usage.keep,
         stored_bytes=usage.stored_bytes,
         fp32_bytes=usage.fp32_bytes,
-        monthly_usd=monthly_cost(usage.stored_bytes, price, usage.keep),
-        fp32_monthly_usd=monthly_cost(usage.fp32_bytes, price, usage.keep),
+        monthly_usd=monthly_cost(kept, price),
+        fp32_monthly_usd=monthly_cost(fp32_kept, price),
+        kept_bytes=kept,
+        fp32_kept_bytes=fp32_kept,
     )
 
 
 def estimate(usages: Iterable[TierUsage], prices: Mapping[str, float] | None = None) -> CostReport:
     """Cost of every tier (see :func:`tier_cost`)."""
     return CostReport(tuple(tier_cost(u, prices) for u in usages))
+
+
+def _field(entry: Any, name: str) -> Any:
+    return entry[name] if isinstance(entry, Mapping) else getattr(entry, name)
+
+
+def usage_from_listing(tiers: Iterable[Any], listing: Iterable[Any],
+                       fp32: Mapping[tuple[str, int], int] | None = None) -> list[TierUsage]:
+    """One :class:`TierUsage` per tier from a tier listing, each committed checkpoint at its real size.
+
+    ``tiers``: objects with ``name``, ``keep`` and ``url`` (:class:`~dcp_tiered.tiers.Tier`).
+    ``listing``: entries with ``tier``, ``step``, ``committed`` and ``size_bytes`` (the catalog's
+    ``CheckpointInfo``, or the dicts of ``dcp-tiered ls --json``).  ``fp32[(tier, step)]``: that
+    checkpoint's size uncompressed in fp32 where known (else its stored size)."""
+    entries = [e for e in listing if _field(e, "committed") and _field(e, "step") >= 0]
+    usages = []
+    for t in tiers:
+        held = sorted((e for e in entries if _field(e, "tier") == t.name), key=lambda e: _field(e, "step"), reverse=True)
+        sizes = tuple(int(_field(e, "size_bytes")) for e in held)
+        fp = tuple(int((fp32 or {}).get((t.name, _field(e, "step")), s)) for e, s in zip(held, sizes))
+        usages.append(TierUsage(t.name, sizes[0] if sizes else 0, fp[0] if fp else 0, t.keep, getattr(t, "url", ""),
+                                sizes=sizes, fp32_sizes=fp))
+    return usages
+
+
+def cost_from_listing(tiers: Iterable[Any], listing: Iterable[Any], prices: Mapping[str, float] | None = None,
+                      fp32: Mapping[tuple[str, int], int] | None = None) -> CostReport:
+    """The monthly cost of what the tiers hold: :func:`usage_from_listing`, then :func:`estimate`."""
+    return estimate(usage_from_listing(tiers, list(listing), fp32), prices)
 
 
 def format_usd(x: float) -> str:

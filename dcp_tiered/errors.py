@@ -28,8 +28,11 @@ class CheckpointNotFoundError(DcpTieredError, FileNotFoundError):
     """The path holds no committed checkpoint (no ``.metadata``) or a file it names is missing."""
 
 
-class CheckpointExistsError(DcpTieredError, FileExistsError):
-    """A committed checkpoint already exists where a save was asked, and ``overwrite`` is off."""
+class CheckpointExistsError(DcpTieredError, FileExistsError, RuntimeError):
+    """A committed checkpoint already exists where a save was asked, and ``overwrite`` is off.
+
+    Also a ``RuntimeError``, as stock DCP's refusal ("Checkpoint already exists"), so code written
+    for ``FileSystemWriter(overwrite=False)`` catches it unchanged."""
 
 
 class CorruptCheckpointError(DcpTieredError, ValueError):

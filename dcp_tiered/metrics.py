@@ -11,28 +11,52 @@ Both consume the event dicts that :class:`~dcp_tiered.tiers.events.EventLog` fan
 ``prometheus_client`` is imported only when a :class:`PrometheusExporter` is created
 (``pip install 'dcp-tiered[metrics]'``).  :class:`TierTotals` needs nothing.
 
-Metric names:
+Sizes come from each checkpoint's own records: a save's from what its writer committed, a
+promotion's from the records of the ``.metadata`` it committed on the target, so a promotion
+resumed after a restart reports its true sizes and raw/stored always describe the same items.
 
-- ``checkpoint_bytes_written_total{tier}``: stored bytes written (saves and promotions)
-- ``checkpoint_raw_bytes_total{tier}``: raw (uncompressed, original dtype) bytes those held
+Metric names (Prometheus conventions: base units, ``_total`` on counters):
+
+- ``checkpoint_bytes_written_total{tier}``: bytes written to the tier (save items, promoted data
+  files and ``.metadata``)
+- ``checkpoint_raw_bytes_total{tier}``: raw bytes (uncompressed, original dtype) of the
+  checkpoints committed on the tier
+- ``checkpoint_stored_bytes_total{tier}``: the same checkpoints' items as stored
+- ``checkpoint_compression_ratio{tier}``: **stored / raw** bytes of the last checkpoint committed on
+  the tier (lower is better: 0.25 means a quarter of the raw size; 1 or more means no gain)
+- ``checkpoint_last_success_timestamp_seconds{tier}``: Unix time of the last checkpoint committed
+  on the tier (a save or a promotion's commit)
+- ``checkpoint_last_step{tier}``: the newest step committed on the tier (a resumed promotion of an
+  older step does not lower it)
+- ``checkpoint_save_interval_seconds{tier}``: the tier's ``every`` (only tiers that set it)
 - ``checkpoint_duration_seconds{tier,phase}``: histogram; phases ``blocked`` and ``total``
   for saves (tier = the tier written), ``promotion`` for promotions (tier = target)
 - ``checkpoint_blocking_seconds``: histogram of the time training was blocked per save
-- ``checkpoint_compression_ratio{tier}``: stored / raw of the last checkpoint on the tier
 - ``checkpoint_promotion_failures_total{tier}``: failed promotions (tier = target)
-- ``checkpoint_storage_cost_usd{tier}``: estimated monthly cost of the tier's retention
+- ``checkpoint_storage_cost_usd{tier}``: estimated monthly cost of the tier's retention: the
+  real sizes of the newest ``keep`` checkpoints (see :func:`dcp_tiered.cost.kept_bytes`)
 - ``checkpoint_saves_total{tier}``, ``checkpoint_save_failures_total``,
   ``checkpoint_restores_total{tier}``, ``checkpoint_restore_failures_total{tier}``
+
+After a restart, :meth:`PrometheusExporter.attach` reads the tiers' listing once, so the last
+step, last success time and the kept sizes are known before the first new save.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dcp_tiered.cost import monthly_cost, price_for
+from dcp_tiered.cost import kept_bytes, monthly_cost, price_for
+
+log = logging.getLogger(__name__)
+
+#: How many committed checkpoint sizes a tier's totals remember (newest steps), for the cost.
+SIZES_REMEMBERED = 1000
 
 
 @dataclass
@@ -43,39 +67,58 @@ class TierTotal:
     saves: int = 0  # checkpoints committed on this tier (written or promoted)
     written: int = 0  # of those, serialized to this tier directly
     promoted: int = 0  # of those, promoted into this tier
-    raw_bytes: int = 0
-    stored_bytes: int = 0
+    raw_bytes: int = 0  # of the committed checkpoints, from their records
+    stored_bytes: int = 0  # the same checkpoints' items as stored
+    written_bytes: int = 0  # everything written to the tier (promoted data files and .metadata too)
     blocked_s: float = 0.0
     save_s: float = 0.0
     promotion_s: float = 0.0
     failures: int = 0
     last_stored_bytes: int = 0
     last_raw_bytes: int = 0
+    last_step: int | None = None  # the newest step committed on the tier
+    last_success_s: float | None = None  # Unix time of the last commit on the tier
+    #: stored bytes of each committed checkpoint by step (the newest SIZES_REMEMBERED), for the cost
+    sizes: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def ratio(self) -> float:
+        """Stored / raw bytes over the checkpoints committed on the tier (lower is better)."""
         return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
+    def kept_bytes(self, keep: int) -> int:
+        """Stored bytes of ``keep`` kept checkpoints: the newest ones' real sizes (see :func:`~dcp_tiered.cost.kept_bytes`)."""
+        return kept_bytes([self.sizes[s] for s in sorted(self.sizes, reverse=True)], keep)
+
+    def _committed(self, step: Any, stored: int, now: float) -> None:
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            self.sizes[step] = stored
+            while len(self.sizes) > SIZES_REMEMBERED:
+                del self.sizes[min(self.sizes)]
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self.last_success_s = now
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": round(self.ratio, 4)}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sizes"}
+        return {**d, "ratio": round(self.ratio, 4)}
 
 
 class TierTotals:
     """Accumulate save and promotion events into per-tier totals (thread safe, no dependencies).
 
-    A save counts for the tier it was serialized to (the first of its ``tiers``); a
-    promotion's data bytes count for its target, and its ``metadata`` commit counts as a
-    checkpoint committed there, holding the raw bytes of the save of that step.
+    A save counts for the tier it was serialized to (the first of its ``tiers``); a promotion's
+    data bytes are written to its target, and its ``metadata`` commit counts as a checkpoint
+    committed there, with the raw and stored bytes the commit read from its own records.
+    ``clock`` gives the Unix time of a commit (``time.time``).
     """
 
-    def __init__(self, tiers: Iterable[Any] = ()) -> None:
+    def __init__(self, tiers: Iterable[Any] = (), clock: Callable[[], float] = time.time) -> None:
         self.tiers: dict[str, TierTotal] = {}
         for t in tiers:
             name = getattr(t, "name", t)
             self.tiers[name] = TierTotal(name)
+        self.clock = clock
         self._lock = threading.Lock()
-        self._raw_by_step: dict[int, int] = {}
-        self._promoted_bytes: dict[tuple[int, str], int] = {}
         self.save_failures = 0
         self.restores: list[dict[str, Any]] = []
 
@@ -86,86 +129,113 @@ class TierTotals:
         return t
 
     def observe(self, event: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
-        """Fold one event in; return what changed as ``(kind, tier, value)`` tuples (used by exporters)."""
-        changes: list[tuple[str, str, Any]] = []
+        """Fold one event in; return what changed as ``(kind, tier, value)`` tuples (used by exporters).
+
+        A checkpoint committed on a tier gives ``("commit", tier, (stored, raw, step, unix_time))``."""
         kind = event.get("event")
         with self._lock:
             if kind == "save":
-                tiers = list(event.get("tiers") or [])
-                if not tiers:
-                    return changes
-                t = self._tier(tiers[0])
-                if not event.get("ok"):
-                    if event.get("ok") is False:
-                        self.save_failures += 1
-                        t.failures += 1
-                        changes.append(("save_failure", t.tier, 1))
-                    return changes
-                raw, stored = int(event.get("raw_bytes") or 0), int(event.get("stored_bytes") or 0)
-                blocked, total = float(event.get("blocked_s") or 0.0), float(event.get("total_s") or 0.0)
-                step = event.get("step")
-                if isinstance(step, int):
-                    self._raw_by_step[step] = raw
-                    while len(self._raw_by_step) > 1000:
-                        self._raw_by_step.pop(next(iter(self._raw_by_step)))
-                t.saves += 1
-                t.written += 1
-                t.raw_bytes += raw
-                t.stored_bytes += stored
-                t.blocked_s += blocked
-                t.save_s += total
-                t.last_raw_bytes, t.last_stored_bytes = raw, stored
-                changes += [("written", t.tier, stored), ("raw", t.tier, raw), ("blocked", t.tier, blocked),
-                            ("total", t.tier, total), ("commit", t.tier, (stored, raw))]
-            elif kind == "promotion":
-                target = event.get("target")
-                if not target or event.get("kind") not in ("data", "metadata"):
-                    return changes
-                t = self._tier(target)
-                step = event.get("step")
-                if not event.get("ok"):
-                    t.failures += 1
-                    changes.append(("promotion_failure", target, 1))
-                    return changes
-                n = int(event.get("bytes") or 0)
-                secs = float(event.get("seconds") or 0.0)
-                t.stored_bytes += n
-                t.promotion_s += secs
-                key = (step, target)
-                changes += [("written", target, n), ("promotion", target, secs)]
-                if event.get("kind") == "data":
-                    self._promoted_bytes[key] = self._promoted_bytes.get(key, 0) + n
-                else:
-                    stored = self._promoted_bytes.pop(key, 0) + n
-                    raw = self._raw_by_step.get(step, 0) if isinstance(step, int) else 0
-                    t.saves += 1
-                    t.promoted += 1
-                    t.raw_bytes += raw
-                    t.last_stored_bytes, t.last_raw_bytes = stored, raw
-                    changes += [("raw", target, raw), ("commit", target, (stored, raw))]
-            elif kind in ("restore", "restore_failure"):
+                return self._save(event)
+            if kind == "promotion":
+                return self._promotion(event)
+            if kind in ("restore", "restore_failure"):
                 self.restores.append(dict(event))
-                changes.append((kind, str(event.get("tier")), 1))
+                return [(kind, str(event.get("tier")), 1)]
+        return []
+
+    def _save(self, event: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+        tiers = list(event.get("tiers") or [])
+        if not tiers:
+            return []
+        t = self._tier(tiers[0])
+        if not event.get("ok"):
+            if event.get("ok") is False:
+                self.save_failures += 1
+                t.failures += 1
+                return [("save_failure", t.tier, 1)]
+            return []  # an async save in flight
+        raw, stored = int(event.get("raw_bytes") or 0), int(event.get("stored_bytes") or 0)
+        if not stored:  # sizes unknown (a rank whose writer did not commit the records): kept out of the ratio
+            raw = 0
+        blocked, total = float(event.get("blocked_s") or 0.0), float(event.get("total_s") or 0.0)
+        t.saves += 1
+        t.written += 1
+        t.raw_bytes += raw
+        t.stored_bytes += stored
+        t.written_bytes += stored
+        t.blocked_s += blocked
+        t.save_s += total
+        t.last_raw_bytes, t.last_stored_bytes = raw, stored
+        now = self.clock()
+        t._committed(event.get("step"), stored, now)
+        return [("written", t.tier, stored), ("raw", t.tier, raw), ("stored", t.tier, stored),
+                ("blocked", t.tier, blocked), ("total", t.tier, total),
+                ("commit", t.tier, (stored, raw, t.last_step, now))]
+
+    def _promotion(self, event: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+        target = event.get("target")
+        if not target or event.get("kind") not in ("data", "metadata"):
+            return []
+        t = self._tier(target)
+        if not event.get("ok"):
+            t.failures += 1
+            return [("promotion_failure", target, 1)]
+        n, secs = int(event.get("bytes") or 0), float(event.get("seconds") or 0.0)
+        t.written_bytes += n
+        t.promotion_s += secs
+        changes: list[tuple[str, str, Any]] = [("written", target, n), ("promotion", target, secs)]
+        if event.get("kind") == "metadata":
+            # the sizes of the whole checkpoint, read from the records the commit wrote
+            raw, stored = int(event.get("raw_bytes") or 0), int(event.get("stored_bytes") or 0)
+            t.saves += 1
+            t.promoted += 1
+            t.raw_bytes += raw
+            t.stored_bytes += stored
+            t.last_stored_bytes, t.last_raw_bytes = stored, raw
+            now = self.clock()
+            t._committed(event.get("step"), stored, now)
+            changes += [("raw", target, raw), ("stored", target, stored),
+                        ("commit", target, (stored, raw, t.last_step, now))]
         return changes
 
+    def seed(self, listing: Iterable[Any], committed_at: Mapping[tuple[str, int], float] | None = None) -> None:
+        """Learn what the tiers already hold (after a restart), from a tier listing (``CheckpointInfo``:
+        ``tier``, ``step``, ``committed``, ``size_bytes``): the sizes of committed checkpoints, and per
+        tier the newest step with its commit time from ``committed_at[(tier, step)]``.  Never
+        overrides what events already reported."""
+        with self._lock:
+            newest: dict[str, int] = {}
+            for info in listing:
+                if not info.committed or info.step < 0:
+                    continue
+                self._tier(info.tier).sizes.setdefault(info.step, int(info.size_bytes))
+                newest[info.tier] = max(newest.get(info.tier, -1), info.step)
+            for name, step in newest.items():
+                t = self.tiers[name]
+                if t.last_step is None:
+                    t.last_step, t.last_success_s = step, (committed_at or {}).get((name, step))
+
     def monthly_cost(self, tier: str, keep: int, url: str = "", prices: Mapping[str, float] | None = None) -> float:
-        """Estimated monthly cost of keeping ``keep`` checkpoints the size of the tier's last one."""
+        """Estimated monthly cost of keeping ``keep`` checkpoints on ``tier``: the real sizes of the newest
+        ones committed there (projected to ``keep`` with their mean while fewer exist)."""
         t = self.tiers.get(tier)
         if t is None:
             return 0.0
-        return monthly_cost(t.last_stored_bytes, price_for(tier, url, prices), keep)
+        return monthly_cost(t.kept_bytes(keep), price_for(tier, url, prices))
 
 
 class PrometheusExporter:
     """Expose checkpoint metrics to Prometheus from a private registry.
 
     Args:
-        tiers: the checkpointer's tiers (for retention and prices of the cost gauge).
+        tiers: the checkpointer's tiers (for retention, intervals and prices of the gauges).
         prices: USD per GB-month by tier name or kind (see :mod:`dcp_tiered.cost`).
         registry: a ``prometheus_client.CollectorRegistry`` (default: a new private one).
+        clock: Unix time of a commit (``time.time``).
     """
 
-    def __init__(self, tiers: Iterable[Any] = (), *, prices: Mapping[str, float] | None = None, registry: Any = None) -> None:
+    def __init__(self, tiers: Iterable[Any] = (), *, prices: Mapping[str, float] | None = None, registry: Any = None,
+                 clock: Callable[[], float] = time.time) -> None:
         try:
             import prometheus_client as pc
         except ImportError as exc:
@@ -177,45 +247,100 @@ class PrometheusExporter:
         self._by_name = {getattr(t, "name", str(t)): t for t in self.tiers}
         self.prices = dict(prices or {})
         self.registry = registry if registry is not None else pc.CollectorRegistry()
-        self.totals = TierTotals(self.tiers)
+        self.totals = TierTotals(self.tiers, clock=clock)
         self._server: Any = None
-        r = self.registry
+        self._define(pc, self.registry)
+        self._init_labels()
+
+    def _define(self, pc: Any, r: Any) -> None:
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-        self.bytes_written = pc.Counter("checkpoint_bytes_written", "Stored bytes written per tier", ["tier"], registry=r)
-        self.raw_bytes = pc.Counter("checkpoint_raw_bytes", "Raw (uncompressed) bytes checkpointed per tier", ["tier"], registry=r)
+        # prometheus_client appends _total to counter names: checkpoint_bytes_written -> checkpoint_bytes_written_total
+        self.bytes_written = pc.Counter("checkpoint_bytes_written", "Bytes written to the tier (save items, promoted "
+                                        "data files and .metadata)", ["tier"], registry=r)
+        self.raw_bytes = pc.Counter("checkpoint_raw_bytes", "Raw bytes (uncompressed, original dtype) of the checkpoints "
+                                    "committed on the tier, from their records", ["tier"], registry=r)
+        self.stored_bytes = pc.Counter("checkpoint_stored_bytes", "Stored bytes of the items of the checkpoints "
+                                       "committed on the tier, from their records", ["tier"], registry=r)
         self.duration = pc.Histogram("checkpoint_duration_seconds", "Checkpoint time per tier and phase",
                                      ["tier", "phase"], buckets=buckets, registry=r)
         self.blocking = pc.Histogram("checkpoint_blocking_seconds", "Time training was blocked per save",
                                      buckets=buckets, registry=r)
-        self.ratio = pc.Gauge("checkpoint_compression_ratio", "Stored / raw bytes of the last checkpoint per tier",
-                              ["tier"], registry=r)
+        self.ratio = pc.Gauge("checkpoint_compression_ratio", "Stored bytes / raw bytes of the last checkpoint committed "
+                              "on the tier (lower is better: 0.25 = a quarter of the raw size)", ["tier"], registry=r)
+        self.last_success = pc.Gauge("checkpoint_last_success_timestamp_seconds", "Unix time of the last checkpoint "
+                                     "committed on the tier (save or promotion)", ["tier"], registry=r)
+        self.last_step = pc.Gauge("checkpoint_last_step", "Newest step committed on the tier", ["tier"],
+                                  registry=r)
+        self.interval = pc.Gauge("checkpoint_save_interval_seconds", "The tier's configured save interval (every)",
+                                 ["tier"], registry=r)
         self.promotion_failures = pc.Counter("checkpoint_promotion_failures", "Failed promotions per target tier",
                                              ["tier"], registry=r)
-        self.cost = pc.Gauge("checkpoint_storage_cost_usd", "Estimated monthly storage cost of the tier's retention (USD)",
-                             ["tier"], registry=r)
+        self.cost = pc.Gauge("checkpoint_storage_cost_usd", "Estimated monthly storage cost of the tier's retention "
+                             "(USD): the real sizes of the kept checkpoints", ["tier"], registry=r)
         self.saves = pc.Counter("checkpoint_saves", "Checkpoints committed per tier", ["tier"], registry=r)
         self.save_failures = pc.Counter("checkpoint_save_failures", "Failed saves", registry=r)
         self.restores = pc.Counter("checkpoint_restores", "Restores per tier", ["tier"], registry=r)
         self.restore_failures = pc.Counter("checkpoint_restore_failures", "Restore candidates skipped per tier",
                                            ["tier"], registry=r)
-        self._init_labels()
 
     def _init_labels(self) -> None:
-        for name in self._by_name:  # every tier shows up from the start
+        for name, t in self._by_name.items():  # every tier shows up from the start
             self.totals._tier(name)
-            self.bytes_written.labels(name)
-            self.raw_bytes.labels(name)
-            self.promotion_failures.labels(name)
-            self.cost.labels(name)
+            for metric in (self.bytes_written, self.raw_bytes, self.stored_bytes, self.promotion_failures, self.cost,
+                           self.saves):
+                metric.labels(name)
+            every = getattr(t, "every", None)
+            if every:
+                self.interval.labels(name).set(float(every))
 
-    def attach(self, checkpointer: Any) -> "PrometheusExporter":
-        """Subscribe to a ``TieredCheckpointer``'s events (``checkpointer.events.hooks``)."""
+    def attach(self, checkpointer: Any, *, scan: bool = True) -> "PrometheusExporter":
+        """Subscribe to a ``TieredCheckpointer``'s events (``checkpointer.events.hooks``).
+
+        With ``scan`` (default) the tiers are listed once first (file names and sizes, no
+        ``.metadata`` read), so that after a restart the last step, last success time and the kept
+        checkpoints' sizes are known before the first new commit.  A tier that cannot be listed
+        is skipped with a warning."""
         if not self._by_name:
             self.tiers = list(checkpointer.tiers)
             self._by_name = {t.name: t for t in self.tiers}
             self._init_labels()
+        if scan:
+            self._scan(checkpointer)
         checkpointer.events.hooks.append(self.observe)
         return self
+
+    def _scan(self, checkpointer: Any) -> None:
+        from dcp_tiered.dcp.format import METADATA_FILE
+        from dcp_tiered.errors import DcpTieredError
+        from dcp_tiered.tiers.catalog import list_tier, tier_storage
+
+        rank, node = getattr(checkpointer, "rank", 0), getattr(checkpointer, "node", 0)
+        for index, tier in enumerate(checkpointer.tiers):
+            if rank != 0 and not getattr(tier, "node_local", False):
+                continue  # rank 0 reports the shared tiers (it commits there)
+            try:
+                listing = [i for i in list_tier(tier, index, rank, node, with_metadata=False) if i.committed]
+                when = {}
+                if listing:  # the newest commit's time: its .metadata's modification time
+                    now = self.totals.clock()
+                    ages = tier_storage(tier, rank, node).child(listing[0].name).file_ages(now)
+                    if METADATA_FILE in ages:
+                        when[(tier.name, listing[0].step)] = now - ages[METADATA_FILE]
+            except DcpTieredError as exc:
+                log.warning("metrics: cannot list tier %s (%s): %s", tier.name, tier.url, exc)
+                continue
+            self.totals.seed(listing, when)
+        for name, t in self.totals.tiers.items():
+            if t.last_step is not None:
+                self.last_step.labels(name).set(t.last_step)
+            if t.last_success_s is not None:
+                self.last_success.labels(name).set(t.last_success_s)
+            self._set_cost(name)
+
+    def _set_cost(self, tier: str) -> None:
+        t = self._by_name.get(tier)
+        self.cost.labels(tier).set(self.totals.monthly_cost(tier, getattr(t, "keep", 1), getattr(t, "url", ""),
+                                                            self.prices))
 
     def observe(self, event: Mapping[str, Any]) -> None:
         """Fold one event dict into the metrics."""
@@ -224,6 +349,8 @@ class PrometheusExporter:
                 self.bytes_written.labels(tier).inc(value)
             elif kind == "raw":
                 self.raw_bytes.labels(tier).inc(value)
+            elif kind == "stored":
+                self.stored_bytes.labels(tier).inc(value)
             elif kind == "blocked":
                 self.blocking.observe(value)
                 self.duration.labels(tier, "blocked").observe(value)
@@ -240,14 +367,16 @@ class PrometheusExporter:
             elif kind == "restore_failure":
                 self.restore_failures.labels(tier).inc()
             elif kind == "commit":
-                stored, raw = value
-                self.saves.labels(tier).inc()
-                if raw:
-                    self.ratio.labels(tier).set(stored / raw)
-                t = self._by_name.get(tier)
-                keep = getattr(t, "keep", 1)
-                url = getattr(t, "url", "")
-                self.cost.labels(tier).set(monthly_cost(stored, price_for(tier, url, self.prices), keep))
+                self._commit(tier, *value)
+
+    def _commit(self, tier: str, stored: int, raw: int, step: int | None, when: float) -> None:
+        self.saves.labels(tier).inc()
+        if raw:
+            self.ratio.labels(tier).set(stored / raw)
+        self.last_success.labels(tier).set(when)
+        if step is not None:
+            self.last_step.labels(tier).set(step)
+        self._set_cost(tier)
 
     def render(self) -> bytes:
         """The metrics in the Prometheus text format."""

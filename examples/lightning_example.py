@@ -69,8 +69,8 @@ def fit(max_steps: int, callbacks: list) -> tuple[Regressor, L.Trainer]:
 
 
 def tiers(root: str) -> list[Tier]:
-    return [Tier("local", f"{root}/local", every_steps=2, keep=2, codec="lz4"),
-            Tier("durable", f"{root}/durable", every_steps=4, keep=3, codec="zstd")]
+    return [Tier("local", f"{root}/local", every_steps=5, keep=2, codec="lz4"),
+            Tier("durable", f"{root}/durable", every_steps=10, keep=3, codec="zstd")]
 
 
 def main() -> None:

@@ -139,7 +139,7 @@ def exists_failures(exc: CheckpointException) -> list[BaseException]:
 @pytest.mark.parametrize("codec", CODECS)
 def test_thread_async_save_round_trip(tmp_path: Path, codec: str) -> None:
     sd = make_state()
-    fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec, frame_size=FRAME), no_dist=True)
+    fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec=codec, frame_size=FRAME), no_dist=True)
     assert isinstance(fut, Future)
     md = fut.result(timeout=120)
     assert isinstance(md, Metadata)
@@ -149,7 +149,7 @@ def test_thread_async_save_round_trip(tmp_path: Path, codec: str) -> None:
 
 def test_tensors_mutated_after_async_save_keep_the_values_at_the_call(tmp_path: Path) -> None:
     sd = make_state()
-    fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", "zstd", frame_size=FRAME), no_dist=True)
+    fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec="zstd", frame_size=FRAME), no_dist=True)
     scramble_(sd)  # right after the call returns, before the save has finished
     fut.result(timeout=120)
     assert sd["model"]["w_f32"].eq(7).all()  # the mutation did happen
@@ -163,7 +163,7 @@ def test_async_staging_response_then_mutation(tmp_path: Path) -> None:
                                           use_async_staging=True, use_non_blocking_copy=False))
     try:
         sd = make_state(5)
-        resp = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", "lz4", frame_size=FRAME),
+        resp = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec="lz4", frame_size=FRAME),
                               async_stager=stager, no_dist=True)
         assert isinstance(resp, AsyncSaveResponse)
         resp.staging_completion.result(timeout=120)
@@ -177,7 +177,7 @@ def test_async_staging_response_then_mutation(tmp_path: Path) -> None:
 def test_two_async_saves_in_flight(tmp_path: Path) -> None:
     dcp.save(make_state(0), storage_writer=CompressedWriter(tmp_path / "ck0", frame_size=FRAME), no_dist=True)
     futs = [
-        dcp.async_save(make_state(seed), storage_writer=CompressedWriter(tmp_path / f"ck{seed}", codec, frame_size=FRAME),
+        dcp.async_save(make_state(seed), storage_writer=CompressedWriter(tmp_path / f"ck{seed}", codec=codec, frame_size=FRAME),
                        no_dist=True)
         for seed, codec in ((1, "zstd"), (2, "lz4"))
     ]
@@ -190,7 +190,7 @@ def test_two_async_saves_in_flight(tmp_path: Path) -> None:
 
 def test_one_writer_reused_with_checkpoint_ids(tmp_path: Path) -> None:
     """One writer object, async saves to successive steps through ``checkpoint_id``."""
-    writer = CompressedWriter(tmp_path / "step_1", "zstd:3", frame_size=FRAME)
+    writer = CompressedWriter(tmp_path / "step_1", codec="zstd:3", frame_size=FRAME)
     for step in (1, 2, 3):
         sd = make_state(step)
         fut = dcp.async_save(sd, checkpoint_id=tmp_path / f"step_{step}", storage_writer=writer, no_dist=True)
@@ -223,7 +223,7 @@ def test_module_and_optimizer_step_right_after_async_save(tmp_path: Path) -> Non
     train_step()
     sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
     want = copy.deepcopy(sd)
-    fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", "zstd", frame_size=FRAME), no_dist=True)
+    fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec="zstd", frame_size=FRAME), no_dist=True)
     train_step()  # parameters and optimizer state change in place
     fut.result(timeout=120)
     assert not torch.equal(model.state_dict()["0.weight"], want["model"]["0.weight"])
@@ -250,7 +250,7 @@ def test_async_save_over_committed_checkpoint_fails_through_the_future(tmp_path:
     errors = exists_failures(info.value)
     assert errors and all(isinstance(e, CheckpointExistsError) for e in errors), info.value.failures
     assert_loads_equal(path, make_state(1))  # untouched
-    fut = dcp.async_save(make_state(2), storage_writer=CompressedWriter(path, "lz4", frame_size=FRAME, overwrite=True),
+    fut = dcp.async_save(make_state(2), storage_writer=CompressedWriter(path, codec="lz4", frame_size=FRAME, overwrite=True),
                          no_dist=True)
     fut.result(timeout=120)
     assert_loads_equal(path, make_state(2))
@@ -258,7 +258,7 @@ def test_async_save_over_committed_checkpoint_fails_through_the_future(tmp_path:
 
 def test_writer_pickles_with_its_configuration(tmp_path: Path) -> None:
     """Process mode sends the writer to the checkpoint process by pickle."""
-    writer = CompressedWriter(tmp_path / "a", "zstd:3", frame_size=FRAME, byte_group=False, threads=1)
+    writer = CompressedWriter(tmp_path / "a", codec="zstd:3", frame_size=FRAME, byte_group=False, threads=1)
     copy = pickle.loads(pickle.dumps(writer))
     assert (copy.codec, copy.frame_size, copy.byte_group, copy.threads, copy.overwrite) == (
         writer.codec, writer.frame_size, writer.byte_group, writer.threads, writer.overwrite)
@@ -300,7 +300,7 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
     try:
         def first():
             sd = make_state(1)
-            fut = dcp.async_save(sd, storage_writer=CompressedWriter(root_p / "p1", "zstd", frame_size=FRAME),
+            fut = dcp.async_save(sd, storage_writer=CompressedWriter(root_p / "p1", codec="zstd", frame_size=FRAME),
                                  async_checkpointer_type=mode)
             scramble_(sd)
             assert isinstance(fut.result(timeout=240), Metadata)
@@ -308,7 +308,7 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
 
         def second():  # the checkpoint process is reused; no_dist and checkpoint_id inside it
             sd = make_state(2)
-            writer = CompressedWriter(root_p / "elsewhere", "lz4", frame_size=FRAME)
+            writer = CompressedWriter(root_p / "elsewhere", codec="lz4", frame_size=FRAME)
             fut = dcp.async_save(sd, checkpoint_id=root_p / "p2", storage_writer=writer,
                                  async_checkpointer_type=mode, no_dist=True)
             scramble_(sd)
@@ -317,7 +317,7 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
             assert not (root_p / "elsewhere" / ".metadata").exists()
 
         def error():  # a failure in the checkpoint process reaches the caller's future
-            fut = dcp.async_save(make_state(3), storage_writer=CompressedWriter(root_p / "p1", "zstd", frame_size=FRAME),
+            fut = dcp.async_save(make_state(3), storage_writer=CompressedWriter(root_p / "p1", codec="zstd", frame_size=FRAME),
                                  async_checkpointer_type=mode)
             try:
                 fut.result(timeout=240)

@@ -322,7 +322,7 @@ def spawned(tmp_path_factory) -> tuple[Path, str | None]:
 
     root = tmp_path_factory.mktemp("bcast")
     ckpt = root / "ckpt"
-    dcp.save(state(), storage_writer=CompressedWriter(ckpt, "zstd", frame_size=4096), no_dist=True)
+    dcp.save(state(), storage_writer=CompressedWriter(ckpt, codec="zstd", frame_size=4096), no_dist=True)
     tiered = root / "tiered"
     with TieredCheckpointer([Tier("shared", str(tiered), keep=3)], resume_promotions=False) as ck:
         ck.maybe_save(5, state())

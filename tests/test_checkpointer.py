@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_tiered import CompressedReader, PromotionError, RestoreError, SaveError, Tier, TieredCheckpointer, TieredWriter
+from dcp_tiered import (CompressedReader, ConfigError, PromotionError, RestoreError, SaveError, Tier, TieredCheckpointer,
+                        TieredWriter)
 from dcp_tiered.storage.retry import RetryPolicy
 
 from faults import FaultyFS, register
@@ -129,24 +130,119 @@ def test_optimizer_every_and_restore_never_mixes_steps(tmp_path: Path) -> None:
         ckpt.maybe_save(step, state(model, opt))
         models[step] = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt.close()
-    assert [r.optimizer for r in ckpt.reports] == [True, False, False, True, False]
+    # step schedule: the full saves are at the multiples of optimizer_every * every_steps
+    assert [r.optimizer for r in ckpt.reports] == [False, False, True, False, False]
     infos = {i.step: i for i in ckpt.list()}
-    assert infos[4].has_prefix(["optim"]) and not infos[5].has_prefix(["optim"])
+    assert infos[3].has_prefix(["optim"]) and not infos[5].has_prefix(["optim"])
 
     m2, o2 = make_model(seed=1)
     train_step(m2, o2)  # so that the optimizer has state to load into
     restorer = TieredCheckpointer(tiers)
     full = state(m2, o2)
-    assert restorer.restore(full) == 4  # newest holding the optimizer too
-    for k, v in models[4].items():
+    assert restorer.restore(full) == 3  # newest holding the optimizer too
+    for k, v in models[3].items():
         assert torch.equal(m2.state_dict()[k], v)
     model_only = {"model": m2.state_dict()}
     assert restorer.restore(model_only) == 5  # the caller asked for the model only
     assert torch.equal(m2.state_dict()["0.weight"], models[5]["0.weight"])
-    assert restorer.restore(state(m2, o2), step=1) == 1
+    assert restorer.restore(state(m2, o2), step=3) == 3
     with pytest.raises(RestoreError, match=r"step 2 on tier 'local': lacks key\(s\) \['optim"):
         restorer.restore(state(m2, o2), step=2)  # step 2 has no optimizer state
     restorer.close()
+
+
+def test_optimizer_every_counts_saves_with_time_schedules(tmp_path: Path) -> None:
+    clock = Clock()
+    ckpt = TieredCheckpointer([Tier("local", str(tmp_path / "l"), every="1m", keep=10)], optimizer_every=3, clock=clock)
+    model, opt = make_model()
+    for step in range(1, 6):
+        clock.advance(60)
+        ckpt.maybe_save(step, state(model, opt))
+    ckpt.close()
+    assert [r.optimizer for r in ckpt.reports] == [True, False, False, True, False]  # every 3rd save, the 1st first
+
+
+def _steps(ckpt: TieredCheckpointer, model, opt, steps) -> dict[int, dict]:
+    """Train ``steps``, offering each to ``maybe_save``; return the model of each saved step."""
+    saved = {}
+    for step in steps:
+        train_step(model, opt)
+        if ckpt.maybe_save(step, state(model, opt)) is not None:
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    return saved
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_every_steps_saves_at_multiples_across_a_restart(tmp_path: Path, async_save: bool) -> None:
+    def tiers():
+        return [Tier("local", str(tmp_path / "local"), every_steps=5, keep=10, codec="lz4"),
+                Tier("shared", str(tmp_path / "shared"), every_steps=10, keep=10, codec="zstd")]
+
+    model, opt = make_model()
+    first = TieredCheckpointer(tiers(), async_save=async_save, optimizer_every=2)
+    saved = _steps(first, model, opt, range(1, 13))  # "crashes" after step 12: 11 and 12 are lost
+    first.wait()
+    first_reports = list(first.reports)
+    first.close()
+    model, opt = make_model(seed=1)
+    train_step(model, opt)
+    ckpt = TieredCheckpointer(tiers(), async_save=async_save, optimizer_every=2)  # a new process, same dirs
+    assert ckpt.restore(state(model, opt)) == 10
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved[10].items())
+    assert not ckpt.due(11)  # not at once after the restore: the next multiple
+    _steps(ckpt, model, opt, range(11, 21))
+    ckpt.close()
+    assert committed_steps(tmp_path / "local") == [5, 10, 15, 20]
+    assert committed_steps(tmp_path / "shared") == [10, 20]
+    reports = first_reports + ckpt.reports
+    assert [(r.step, r.optimizer) for r in reports] == [(5, False), (10, True), (15, False), (20, True)]
+    assert [r.tiers for r in reports] == [["local"], ["local", "shared"], ["local"], ["local", "shared"]]
+
+
+def test_save_now_saves_every_tier_whatever_the_schedule(tmp_path: Path) -> None:
+    tiers = [Tier("local", str(tmp_path / "local"), every_steps=5, keep=10),
+             Tier("shared", str(tmp_path / "shared"), every_steps=100, keep=10)]
+    model, opt = make_model()
+    with TieredCheckpointer(tiers, optimizer_every=4) as ckpt:
+        _steps(ckpt, model, opt, range(1, 8))
+        report = ckpt.save_now(7, lambda: state(model, opt))
+        assert report.tiers == ["local", "shared"] and report.optimizer  # full whatever optimizer_every
+        assert [s for s in range(8, 16) if ckpt.due(s)] == [10, 15]  # the grid is not shifted
+        with pytest.raises(ConfigError, match="closed"):
+            ckpt.close()
+            ckpt.save_now(16, state(model, opt))
+    assert committed_steps(tmp_path / "local") == [5, 7]
+    assert committed_steps(tmp_path / "shared") == [7]
+
+
+def test_close_saves_the_final_step_once(tmp_path: Path) -> None:
+    tiers = [Tier("local", str(tmp_path / "local"), every_steps=5, keep=10),
+             Tier("shared", str(tmp_path / "shared"), every_steps=10, keep=10)]
+    model, opt = make_model()
+    ckpt = TieredCheckpointer(tiers, async_save=True)
+    _steps(ckpt, model, opt, range(1, 14))
+    with pytest.raises(ConfigError, match="state_dict"):
+        ckpt.close(final_step=13)
+    ckpt.close(final_step=13, state_dict=state(model, opt))
+    assert committed_steps(tmp_path / "local") == [5, 10, 13]
+    assert committed_steps(tmp_path / "shared") == [10, 13]
+    assert ckpt.reports[-1].step == 13 and ckpt.reports[-1].optimizer
+    ckpt.close(final_step=14, state_dict=state(model, opt))  # already closed: nothing more
+    assert committed_steps(tmp_path / "local") == [5, 10, 13]
+
+    # A final step the schedule already saved is not saved again; a tier that lacks it gets it.
+    again = TieredCheckpointer(tiers)
+    assert again.restore(state(model, opt)) == 13
+    _steps(again, model, opt, range(14, 16))
+    n = len(again.reports)
+    again.close(final_step=15, state_dict=lambda: state(model, opt))
+    assert [r.tiers for r in again.reports[n - 1:]] == [["local"], ["shared"]]
+    assert committed_steps(tmp_path / "shared") == [10, 13, 15]
+    with TieredCheckpointer(tiers) as third:
+        assert third.restore(state(model, opt)) == 15
+        n = len(third.reports)
+        third.close(final_step=15, state_dict=state(model, opt))  # both tiers hold 15 (restored)
+        assert len(third.reports) == n
 
 
 def test_restore_with_nothing_returns_none(tmp_path: Path) -> None:

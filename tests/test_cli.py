@@ -225,7 +225,9 @@ def test_ls_promote_gc_cost(data: dict) -> None:
     tiers = {t["tier"]: t for t in c["tiers"]}
     assert tiers["shared"]["price_gb_month"] == 0.5 and tiers["local"]["price_gb_month"] == 0.08
     assert tiers["shared"]["stored_bytes"] == rows[("shared", 4)]["size_bytes"] and tiers["shared"]["keep"] == 2
-    assert tiers["shared"]["monthly_usd"] == pytest.approx(tiers["shared"]["stored_bytes"] / 2**30 * 0.5 * 2)
+    kept = rows[("shared", 3)]["size_bytes"] + rows[("shared", 4)]["size_bytes"]  # each kept checkpoint at its size
+    assert tiers["shared"]["kept_bytes"] == kept and tiers["shared"]["checkpoints"] == 2
+    assert tiers["shared"]["monthly_usd"] == pytest.approx(kept / 2**30 * 0.5)
     assert 0 < tiers["local"]["fp32_bytes"] and c["saving_usd"] == pytest.approx(c["fp32_monthly_usd"] - c["monthly_usd"])
 
     gone = json.loads(ok(cli("gc", *flags, "--leftover-grace", "0", "--json")).stdout)["deleted"]
@@ -286,32 +288,32 @@ def test_train_with_s3_durable_tier_metrics_event_log_and_resume(tmp_path: Path,
     assert f"metrics: http://127.0.0.1:{port}/metrics" in out
     s = json.loads(summary.read_text())
     tiers = {t["tier"]: t for t in s["tiers"]}
-    assert tiers["local"]["written"] == 6 and tiers["durable"]["promoted"] == 3  # steps 1..26 / 1, 11, 21
+    assert tiers["local"]["written"] == 6 and tiers["durable"]["promoted"] == 3  # steps 5..30 / 10, 20, 30
     assert tiers["durable"]["stored_bytes"] > 0 and tiers["durable"]["raw_bytes"] > tiers["durable"]["stored_bytes"]
     assert tiers["durable"]["monthly_usd"] > 0 and tiers["durable"]["price_gb_month"] == 0.023
     assert 0 <= tiers["local"]["blocked_pct"] < 100 and s["save_failures"] == 0
     assert 'checkpoint_saves_total{tier="durable"} 3.0' in metrics
     assert 'checkpoint_bytes_written_total{tier="local"}' in metrics and "checkpoint_blocking_seconds_count 6.0" in metrics
     ev = [json.loads(line) for line in events.read_text().splitlines()]
-    assert [e["step"] for e in ev if e["event"] == "save"] == [1, 6, 11, 16, 21, 26]
-    assert {e["step"] for e in ev if e["event"] == "promotion" and e["kind"] == "metadata" and e["ok"]} == {1, 11, 21}
+    assert [e["step"] for e in ev if e["event"] == "save"] == [5, 10, 15, 20, 25, 30]  # the multiples
+    assert {e["step"] for e in ev if e["event"] == "promotion" and e["kind"] == "metadata" and e["ok"]} == {10, 20, 30}
 
     import s3fs
 
     fs = s3fs.S3FileSystem(**options)
     names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(durable.removeprefix("s3://")))
-    assert names == ["step_000000001", "step_000000011", "step_000000021"]
+    assert names == ["step_000000010", "step_000000020", "step_000000030"]
 
     # resume from the s3 tier alone, in a new process; listing and verifying it too
     resumed, ls_s3 = cli_parallel(
-        ["train", "--steps", "24", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
+        ["train", "--steps", "33", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
          "--durable-path", durable, "--s3-endpoint-url", moto_server.endpoint_url, "--durable-every-steps", "10",
          "--compression", "zstd", "--resume", "--json"],
-        ["verify", f"{durable}/step_000000021", "--s3-endpoint-url", moto_server.endpoint_url])
+        ["verify", f"{durable}/step_000000030", "--s3-endpoint-url", moto_server.endpoint_url])
     ok(resumed)
-    assert "restored step 21 from tier durable" in resumed.stdout
+    assert "restored step 30 from tier durable" in resumed.stdout
     s2 = json.loads(resumed.stdout[resumed.stdout.index("{"):])
-    assert s2["start_step"] == 21 and s2["trained_steps"] == 3
+    assert s2["start_step"] == 30 and s2["trained_steps"] == 3
     assert "OK" in ok(ls_s3).stdout
 
 
@@ -347,3 +349,245 @@ def test_usage_errors_are_one_line(data: dict) -> None:
     assert "TIER=USD" in one_line_error(bad_price, 2)
     assert "--overwrite" in one_line_error(exists, 2)
     assert "unknown codec" in one_line_error(bad_codec, 2)
+
+
+# -- one flag vocabulary, no flag that does nothing, progress, bench --path ------------------------------------
+
+def _subparsers() -> dict:
+    import argparse
+
+    from dcp_tiered.cli.__main__ import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _options(p) -> tuple[dict, dict]:  # type: ignore[no-untyped-def]
+    """(visible flag -> dest, hidden flag -> dest) of one command's parser."""
+    import argparse
+
+    visible, hidden = {}, {}
+    for a in p._actions:
+        for s in a.option_strings:
+            if s.startswith("--") and s != "--help":
+                (hidden if a.help == argparse.SUPPRESS else visible)[s] = a.dest
+    return visible, hidden
+
+
+def test_one_flag_vocabulary_old_spellings_hidden_but_accepted() -> None:
+    from dcp_tiered.cli.args import ALIASES
+
+    flag_of_dest: dict[str, set] = {}
+    for name, p in _subparsers().items():
+        visible, hidden = _options(p)
+        assert not set(visible) & set(ALIASES), f"{name}: an old spelling is visible"
+        for flag, dest in visible.items():
+            flag_of_dest.setdefault(dest, set()).add(flag)
+        for old, dest in hidden.items():
+            if old == "--debug":
+                continue  # the global --debug, also after the command
+            assert old in ALIASES and visible[ALIASES[old]] == dest, f"{name}: {old} is no alias of a visible flag"
+            assert old not in p.format_help(), f"{name} --help shows {old}"
+        assert "--codecs" not in p.format_help() and "--checkpoint-dtype" not in p.format_help()
+    # one spelling per concept: a dest has the same flag on every command (and --codec/--dtype are the only ones)
+    assert {d: f for d, f in flag_of_dest.items() if len(f) > 1} == {}
+    assert flag_of_dest["codec"] == {"--codec"} and flag_of_dest["dtype"] == {"--dtype"}
+    # the old spellings still parse into the new dest
+    subs = _subparsers()
+    a = subs["train"].parse_args(["--compression", "zstd:3", "--checkpoint-dtype", "bf16"])
+    assert (a.codec, a.dtype) == ("zstd:3", "bf16")
+    a = subs["bench"].parse_args(["--codecs", "lz4", "--dtypes", "fp32,bf16"])
+    assert (a.codec, a.dtype) == ("lz4", "fp32,bf16")
+    a = subs["train"].parse_args([])
+    assert (a.codec, a.dtype) == (None, "fp32")
+    # commands that do not encode or schedule refuse those flags (exit 2) instead of ignoring them
+    for cmd, flag in (("ls", "--codec"), ("gc", "--compression"), ("cost", "--dtype"), ("promote", "--checkpoint-interval-s"),
+                      ("ls", "--keep-local")):
+        res = cli(cmd, "--local-path", "/nonexistent", flag, "1")
+        assert res.returncode == 2 and "unrecognized arguments" in res.stderr, (cmd, flag, res.stderr)
+
+
+class _Recording:
+    """Wraps a parsed Namespace and records which attributes a command reads."""
+
+    def __init__(self, ns) -> None:  # type: ignore[no-untyped-def]
+        object.__setattr__(self, "_ns", ns)
+        object.__setattr__(self, "_read", set())
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        self._read.add(name)
+        return getattr(self._ns, name)
+
+    def __setattr__(self, name: str, value) -> None:  # type: ignore[no-untyped-def]
+        setattr(self._ns, name, value)
+
+
+def test_no_command_accepts_a_flag_it_ignores(data: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run each command in-process on namespaces that record reads: every option's dest is read."""
+    import contextlib
+    import io
+
+    from dcp_tiered.cli.output import debug_enabled
+
+    monkeypatch.chdir(tmp_path)
+    root, yaml_path = data["root"], data["tiers_yaml"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    three = ["--local-path", empty, "--shared-path", tmp_path / "s", "--durable-path", tmp_path / "d"]
+    runs = {
+        "ls": [["--tiers", yaml_path], ["--local-path", empty, "--json"]],
+        "gc": [[*three, "--dry-run", "--json"], ["--local-path", empty, "--leftover-grace", "1h"]],
+        "cost": [["--tiers", yaml_path, "--price", "local=0.1"], [*three, "--stored-gb", "1", "--fp32-gb", "2", "--json"]],
+        "promote": [[*three, "--dry-run"], ["--local-path", empty, "--event-log", tmp_path / "ev.jsonl", "--json"]],
+        "inspect": [[root / "native", "--json"]],
+        "verify": [[root / "native"]],
+        "convert": [[root / "native", tmp_path / "conv", "--codec", "lz4", "--dtype", "bf16", "--overwrite", "--json"]],
+        "bench": [["--model", "tiny", "--no-stock", "--codec", "lz4", "--path", tmp_path / "b", "--repeat", "1", "--no-chart", "--json"],
+                  [root / "native", "--no-stock", "--codec", "none", "--dtype", "bf16", "--chart", tmp_path / "c.png"]],
+    }
+    subs = _subparsers()
+    for name, argvs in runs.items():
+        read: set = set()
+        for argv in argvs:
+            rec = _Recording(subs[name].parse_args([str(a) for a in argv]))
+            debug_enabled(rec)  # what main() reads
+            with contextlib.redirect_stdout(io.StringIO()):
+                rec.func(rec)
+            read |= rec._read
+        visible, _ = _options(subs[name])
+        unread = {f for f, dest in visible.items() if dest not in read}
+        assert unread == set(), f"{name} accepts {sorted(unread)} but never reads them"
+
+
+def test_progress_is_tqdm_with_rate_on_a_tty_only(data: dict, tmp_path: Path) -> None:
+    import io
+
+    from dcp_tiered.cli import output
+
+    class FakeTTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    import sys as _sys
+
+    saved = _sys.stderr
+    _sys.stderr = tty = FakeTTY()
+    try:
+        with output.progress(10 << 20, "verify", unit="B") as bar:
+            bar.update(5 << 20)
+            bar.refresh()
+        with output.progress_for(argparse_ns(json=True))(10, "x") as quiet:
+            quiet.update(5)
+    finally:
+        _sys.stderr = saved
+    text = tty.getvalue()
+    assert "verify:" in text and "B/s" in text, text  # a rate
+    assert "5.00M/10.0M" in text and "<" in text, text  # amount and ETA
+    assert "x:" not in text  # --json: no bar
+    plain = io.StringIO()  # not a terminal: nothing drawn
+    _sys.stderr = plain
+    try:
+        with output.progress(10, "verify") as bar:
+            bar.update(10)
+    finally:
+        _sys.stderr = saved
+    assert plain.getvalue() == ""
+
+    # the real command on a pseudo-terminal: verify draws a byte bar with a rate; --json does not
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    for extra, want in (([], True), (["--json"], False)):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+        proc = subprocess.Popen([*CLI, "verify", str(data["root"] / "native"), *extra], stdout=subprocess.PIPE,
+                                stderr=slave, env=_env(), text=True)
+        os.close(slave)
+        chunks = b""
+        while True:
+            r, _, _ = select.select([master], [], [], 0.2)
+            if r:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                chunks += chunk
+            elif proc.poll() is not None:
+                break
+        proc.wait(120)
+        os.close(master)
+        assert proc.returncode == 0
+        err = chunks.decode(errors="replace")
+        assert ("verify:" in err and "B/s" in err) == want, err
+
+
+def argparse_ns(**kw):  # type: ignore[no-untyped-def]
+    import argparse
+
+    return argparse.Namespace(**kw)
+
+
+def test_bench_path_on_s3_measures_save_load_ratio_and_cleans_up(moto_server, s3_bucket: tuple, tmp_path: Path) -> None:
+    bucket, options = s3_bucket
+    res = ok(cli("bench", "--model", "tiny", "--path", f"{bucket}/x", "--s3-endpoint-url", moto_server.endpoint_url,
+                 "--codec", "lz4,zstd:1", "--json", "--no-chart"))
+    out = json.loads(res.stdout)
+    assert out["where"] == f"{bucket}/x" and [r["label"] for r in out["results"]] == ["stock", "lz4", "zstd:1"]
+    for r in out["results"]:
+        assert r["stored_bytes"] > 0 and r["save_s"] > 0 and r["load_s"] > 0 and r["ratio"] > 0
+    by = {r["label"]: r for r in out["results"]}
+    assert by["zstd:1"]["ratio"] < 1 and by["zstd:1"]["stored_bytes"] < by["stock"]["stored_bytes"]
+    assert out["peak_rss_bytes"] >= out["peak_rss_before_runs_bytes"] > 0
+    assert res.stderr.strip() == ""  # no progress bar when stderr is no terminal
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    assert fs.find(bucket.removeprefix("s3://")) == []  # everything it wrote is deleted
+    # a local path: same, and the folder is left as it was
+    local = tmp_path / "scratch"
+    local.mkdir()
+    out = json.loads(ok(cli("bench", "--model", "tiny", "--path", local, "--codec", "lz4", "--no-stock", "--json",
+                            "--no-chart")).stdout)
+    assert out["results"][0]["stored_bytes"] > 0 and list(local.iterdir()) == []
+
+
+
+def test_promote_and_gc_draw_byte_progress_on_a_tty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import io
+
+    from dcp_tiered.cli.__main__ import main
+
+    class FakeTTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tiers = [Tier("local", str(tmp_path / "local"), codec="lz4", keep=1), Tier("shared", str(tmp_path / "shared"), keep=1)]
+    state = _state()
+    with TieredCheckpointer(tiers[:1]) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.maybe_save(step, state, force=True)
+    writer = TieredWriter(tiers, due=["local", "shared"], promoter=_CrashedPromoter(tiers))
+    dcp.save(state, storage_writer=writer, checkpoint_id="step_000000004", no_dist=True)
+    flags = ["--local-path", tiers[0].url, "--shared-path", tiers[1].url, "--keep-local", "1", "--keep-shared", "1"]
+    for argv, desc in ((["promote", *flags], "promote:"), (["gc", *flags, "--leftover-grace", "0"], "gc local:")):
+        tty = FakeTTY()
+        monkeypatch.setattr(sys, "stderr", tty)
+        assert main(argv) == 0
+        monkeypatch.undo()
+        assert desc in tty.getvalue() and "B/s" in tty.getvalue(), tty.getvalue()
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("step_")) == ["step_000000004"]
+    capsys.readouterr()
+
+
+def test_train_saves_the_last_step_between_multiples(tmp_path: Path) -> None:
+    """Saves fall on multiples of N; the run's last step (7, not a multiple of 5) is saved at close."""
+    ok(cli("train", "--steps", "7", "--d-model", "16", "--vocab", "64", "--seq-len", "8", "--log-every", "0",
+           "--local-path", tmp_path / "local", "--checkpoint-every-steps", "5", "--keep-local", "3"))
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("step_")) == \
+        ["step_000000005", "step_000000007"]

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from types import SimpleNamespace
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dcp_tiered.cost import (
     DEFAULT_PRICES,
     GB,
     TierUsage,
+    cost_from_listing,
     estimate,
+    kept_bytes,
     format_usd,
     monthly_cost,
     parse_prices,
@@ -69,3 +77,47 @@ def test_parse_prices_and_format() -> None:
     assert format_usd(1234.567) == "$1,234.57"
     assert format_usd(0.04213) == "$0.0421"
     assert format_usd(0.00002) == "$2.00e-05"
+
+
+def test_kept_bytes_sums_real_sizes_and_projects_missing_ones_at_their_mean() -> None:
+    assert kept_bytes([5, 1, 1, 5, 1], 3) == 7  # the newest three, each at its own size
+    assert kept_bytes([6, 2], 4) == 8 + 2 * 4  # two more, at the mean (4)
+    assert kept_bytes([], 3) == 0 and kept_bytes([9], 0) == 0
+    with pytest.raises(ValueError):
+        kept_bytes([-1], 1)
+
+
+@given(st.lists(st.integers(0, 10**12), max_size=30), st.integers(0, 40))
+def test_kept_bytes_is_the_exact_sum_when_the_tier_holds_keep_or_more(sizes: list[int], keep: int) -> None:
+    got = kept_bytes(sizes, keep)
+    if len(sizes) >= keep:
+        assert got == sum(sizes[:keep])
+    elif sizes:
+        assert min(sizes) * keep - 1 <= got <= max(sizes) * keep + 1
+
+
+def test_cost_from_listing_prices_each_kept_checkpoint_at_its_own_size() -> None:
+    """optimizer_every=3: full checkpoints are 5x the model-only ones; keep x newest would be off 5x."""
+    tiers = [SimpleNamespace(name="durable", keep=3, url="s3://b/run"), SimpleNamespace(name="local", keep=2, url="/nvme")]
+    full, small = 5 * GB, GB
+    listing = [SimpleNamespace(tier="durable", step=s, committed=True, size_bytes=full if s % 3 == 0 else small)
+               for s in (3, 4, 5, 6)]
+    listing += [SimpleNamespace(tier="durable", step=7, committed=False, size_bytes=full),  # not committed: not kept
+                {"tier": "local", "step": 6, "committed": True, "size_bytes": full}]  # `ls --json` rows work too
+    report = cost_from_listing(tiers, listing, fp32={("durable", 6): 20 * GB})
+    durable, local = report.tiers
+    assert durable.kept_bytes == full + small + small  # steps 6, 5, 4
+    assert durable.monthly_usd == pytest.approx((5 + 1 + 1) * 0.023)
+    assert durable.stored_bytes == full  # the newest, as before
+    assert durable.fp32_kept_bytes == 20 * GB + 2 * small  # fp32 where known, else the stored size
+    assert local.kept_bytes == 2 * full  # one held, one more projected at its size
+    assert report.as_dict()["tiers"][0]["kept_bytes"] == full + 2 * small
+    # without per-checkpoint sizes the model is unchanged: keep x the one size
+    assert estimate([TierUsage("durable", small, small, 3, "s3://b")]).tiers[0].kept_bytes == 3 * small
+
+
+def test_the_cost_model_needs_no_torch() -> None:
+    code = ("import sys; sys.modules['torch'] = None; from dcp_tiered.cost import cost_from_listing; "
+            "print(cost_from_listing([], []).monthly_usd)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr

@@ -251,7 +251,7 @@ def _downcast_check(root: Path, mesh, rank: int, world_size: int, save: bool, sw
     path = root / "ws2_downcast"
     if save:
         planner = DowncastSavePlanner(torch.bfloat16)
-        dcp.save({"dt": _sharded_state(mesh, False)}, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME),
+        dcp.save({"dt": _sharded_state(mesh, False)}, storage_writer=CompressedWriter(path, codec="zstd", frame_size=FRAME),
                  planner=planner)
         wide = {f"dt.{n}" for n, (dt, _, _) in SHARDED.items() if dt.is_floating_point and dt.itemsize > 2}
         assert wide <= set(planner.report.downcast), (wide, planner.report.downcast)
@@ -292,7 +292,7 @@ def _scramble_(sd: dict) -> None:
 def _async_check(root: Path, name: str, mesh, rank: int, world_size: int, mode) -> None:
     path = root / name
     sd = _full_state(mesh)
-    writer = CompressedWriter(path, "zstd", frame_size=FRAME)
+    writer = CompressedWriter(path, codec="zstd", frame_size=FRAME)
     fut = dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=mode)
     _scramble_(sd)  # training goes on at once: the saved values must be the ones at the call
     fut.result()
@@ -302,9 +302,9 @@ def _async_check(root: Path, name: str, mesh, rank: int, world_size: int, mode) 
 def _overwrite_check(root: Path, mesh, rank: int, world_size: int) -> None:
     path = root / "ws2_overwrite"
     first = {"x": torch.full((1000,), 1.0), "dt": _sharded_state(mesh, swapped=False)}
-    dcp.save(first, storage_writer=CompressedWriter(path, "lz4", frame_size=FRAME))
+    dcp.save(first, storage_writer=CompressedWriter(path, codec="lz4", frame_size=FRAME))
     try:
-        dcp.save(first, storage_writer=CompressedWriter(path, "lz4", frame_size=FRAME))
+        dcp.save(first, storage_writer=CompressedWriter(path, codec="lz4", frame_size=FRAME))
     except CheckpointException as exc:
         errors = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
         assert errors and all(isinstance(e, CheckpointExistsError) for e in errors), exc.failures
@@ -312,7 +312,7 @@ def _overwrite_check(root: Path, mesh, rank: int, world_size: int) -> None:
         raise AssertionError("saving over a committed checkpoint without overwrite=True did not fail")
     _load_and_compare_overwrite(path, mesh, rank, world_size, 1.0, swapped=False)
     second = {"x": torch.full((1000,), 2.0), "dt": _sharded_state(mesh, swapped=True)}
-    dcp.save(second, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME, overwrite=True))
+    dcp.save(second, storage_writer=CompressedWriter(path, codec="zstd", frame_size=FRAME, overwrite=True))
     _load_and_compare_overwrite(path, mesh, rank, world_size, 2.0, swapped=False)
 
 
@@ -337,7 +337,7 @@ def _no_collectives_check(root: Path, mesh, rank: int, world_size: int) -> None:
     # that failed before it cannot leave the other rank waiting on the default group.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
     try:
-        dcp.save(sd, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME),
+        dcp.save(sd, storage_writer=CompressedWriter(path, codec="zstd", frame_size=FRAME),
                  process_group=group, use_collectives=False)
         outcome = "saved"
     except CheckpointException as exc:
@@ -368,7 +368,7 @@ def _ws2_worker(rank: int, world_size: int, root: str, out: str) -> None:
         path = root_p / f"ws2_{codec}"
 
         def save_load(path=path, codec=codec):
-            dcp.save(_full_state(mesh), storage_writer=CompressedWriter(path, codec, frame_size=FRAME))
+            dcp.save(_full_state(mesh), storage_writer=CompressedWriter(path, codec=codec, frame_size=FRAME))
             _load_and_compare(path, mesh, rank, world_size, swapped=False)
 
         record(out_p, f"save_load[{codec}]", rank, save_load)
@@ -406,7 +406,7 @@ def _ws4_worker(rank: int, world_size: int, root: str, out: str) -> None:
         def save_load(path=path, codec=codec):
             # Saved with the swapped layout (Shard(1) where ws2 used Shard(0)), loaded back
             # with the other one: 4-way non-contiguous partial reads.
-            writer = CompressedWriter(path, codec, frame_size=FRAMES_WS4[codec])
+            writer = CompressedWriter(path, codec=codec, frame_size=FRAMES_WS4[codec])
             dcp.save(_full_state(mesh, swapped=True), storage_writer=writer)
             _load_and_compare(path, mesh, rank, world_size, swapped=False)
 
@@ -515,7 +515,7 @@ def test_one_process_overwrites_a_four_rank_checkpoint(ws4, root: Path, tmp_path
     path = tmp_path / "ck"
     shutil.copytree(root / "ws4_lz4", path)
     sd = {"x": hard_values(torch.float32, (3000,), 77), "meta": {"step": 43}}
-    dcp.save(sd, storage_writer=CompressedWriter(path, "zstd", frame_size=FRAME, overwrite=True), no_dist=True)
+    dcp.save(sd, storage_writer=CompressedWriter(path, codec="zstd", frame_size=FRAME, overwrite=True), no_dist=True)
     assert {p.name for p in path.iterdir() if p.name.endswith(".distcp")} == {"__0_0.distcp"}
     out = {"x": torch.zeros(3000), "meta": {"step": None}}
     dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)

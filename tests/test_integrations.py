@@ -109,8 +109,8 @@ def test_lightning_callback_saves_and_restores(tmp_path: Path) -> None:
     assert _same_params(first, reference)
     saved = sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("step_"))
     assert saved == ["step_000000003", "step_000000004"]
-    # the durable tier was due at step 1 (and would be again at step 5): promoted before close returned
-    assert (tmp_path / "durable" / "step_000000001" / ".metadata").exists()
+    # the durable tier was due at step 4 (a multiple of its every_steps): promoted before close returned
+    assert (tmp_path / "durable" / "step_000000004" / ".metadata").exists()
 
     # a new module (other initial weights) resumes at step 4: max_steps=4 leaves nothing to train
     cb2 = TieredCheckpointCallback(tiers)
@@ -205,12 +205,12 @@ def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Pa
     from dcp_tiered.integrations.lightning import TieredCheckpointCallback
 
     Counting = _counting_callback()
-    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=4, keep=3)]  # due at steps 1, 5, 9, 13
+    tiers = [Tier("local", str(tmp_path / "ck"), every_steps=3, keep=3)]  # due at steps 3, 6, 9, 12, 15
     probe = _Probe(crash_at=10)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _lightning_fit(12, [_Counter(), Counting(tiers), probe], batches=3, precision=True)
-    assert Counting.built == 3  # steps 1, 5, 9: never on the 7 steps where nothing was due
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000005", "step_000000009"]
+    assert Counting.built == 3  # steps 3, 6, 9: never on the 7 steps where nothing was due
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000003", "step_000000006", "step_000000009"]
     assert probe.dumps[9]["MixedPrecision"]["scale"] != 2.0**8  # the GradScaler state did change
 
     Counting.built = 0
@@ -222,7 +222,7 @@ def test_lightning_resume_restores_everything_save_checkpoint_holds(tmp_path: Pa
                 "epoch", "global_step", "tiny_extra"):
         _assert_same(want[key], got[key], key)
     assert resumed.loaded_extra == {"saved_at": 9}  # the module's on_save/on_load_checkpoint hooks ran
-    assert Counting.built == 1  # step 12, saved at the end of training (13 would be the next due step)
+    assert Counting.built == 1  # step 12: due, and the end of training (saved once)
     assert (tmp_path / "ck" / "step_000000012" / ".metadata").exists()
 
     straight, straight_trainer = _lightning_fit(12, [_Counter()], batches=3, precision=True)
@@ -253,7 +253,9 @@ def test_lightning_save_on_train_end_can_be_turned_off(tmp_path: Path) -> None:
 
     tiers = [Tier("local", str(tmp_path / "ck"), every_steps=4, keep=3)]
     _lightning_fit(6, [TieredCheckpointCallback(tiers, save_on_train_end=False)])
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000005"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000004"]  # not the last step, 6
+    _lightning_fit(6, [TieredCheckpointCallback([Tier("local", str(tmp_path / "ck2"), every_steps=4, keep=3)])])
+    assert sorted(p.name for p in (tmp_path / "ck2").iterdir()) == ["step_000000004", "step_000000006"]
 
 
 @pytest.mark.parametrize("after_setup", [False, True], ids=["restore-before-fit-start", "restore-after-setup"])
@@ -333,7 +335,7 @@ def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
 
     first = fit(4, 0, "1")
     assert all(o["restored"] is None for o in first)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000003", "step_000000004"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000002", "step_000000004"]
     shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
     resumed = fit(8, 5, "1")
     assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
@@ -346,9 +348,10 @@ def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
 
 
 def test_lightning_example_runs() -> None:
-    r = _run(["examples/lightning_example.py", "--steps", "8", "--crash-at", "5"])
+    # crash at 11: the newest save, 10, is a multiple of every_steps and an epoch end (exact resume)
+    r = _run(["examples/lightning_example.py", "--steps", "12", "--crash-at", "11"])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "restored step 5; finished at step 8; weights equal to an uninterrupted run: True" in r.stdout, r.stdout
+    assert "restored step 10; finished at step 12; weights equal to an uninterrupted run: True" in r.stdout, r.stdout
 
 
 # -- Accelerate ------------------------------------------------------------------------------------
@@ -388,7 +391,7 @@ def test_accelerate_save_and_load_state(tmp_path: Path) -> None:
         model, opt, sched = _prepared(accelerator, 0)
         assert load_state(accelerator, ckpt) is None
         assert not opt.optimizer.state  # nothing restored: the optimizer was left as it was
-        _train(accelerator, model, opt, sched, range(1, 6), ckpt)  # saves 1, 3, 5
+        _train(accelerator, model, opt, sched, range(1, 7), ckpt)  # saves 2, 4, 6
         want_params = [p.detach().clone() for p in model.parameters()]
         want_opt = opt.optimizer.state_dict()
         want_sched = sched.scheduler.state_dict()
@@ -396,8 +399,8 @@ def test_accelerate_save_and_load_state(tmp_path: Path) -> None:
     with TieredAccelerator(accelerator, tiers) as ta:
         model, opt, sched = _prepared(accelerator, 42)
         extra = {"seen": -1}
-        assert ta.load_state(extra=extra) == 5
-        assert extra == {"seen": 5}
+        assert ta.load_state(extra=extra) == 6
+        assert extra == {"seen": 6}
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want_params))
         got_opt = opt.optimizer.state_dict()
         for k, st in want_opt["state"].items():
@@ -405,7 +408,7 @@ def test_accelerate_save_and_load_state(tmp_path: Path) -> None:
                 assert torch.equal(v, got_opt["state"][k][name]), (k, name)
         assert got_opt["param_groups"][0]["lr"] == want_opt["param_groups"][0]["lr"]
         assert sched.scheduler.state_dict() == want_sched
-        _train(accelerator, model, opt, sched, range(6, 9), None)
+        _train(accelerator, model, opt, sched, range(7, 9), None)
 
     straight = _prepared(accelerator, 0)
     _train(accelerator, *straight, range(1, 9), None)
@@ -426,18 +429,18 @@ def test_accelerate_builds_the_state_only_when_a_save_is_due(tmp_path: Path, mon
     with TieredCheckpointer([Tier("local", str(tmp_path / "ck"), every_steps=2, keep=5)]) as ckpt:
         for step in range(1, 7):
             integration.save_state(accelerator, ckpt, step, extra={"n": step})
-    assert len(built) == 3  # steps 1, 3, 5
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000001", "step_000000003", "step_000000005"]
+    assert len(built) == 3  # steps 2, 4, 6
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000002", "step_000000004", "step_000000006"]
     # extra as a callable: built only when due as well
     with TieredCheckpointer([Tier("local", str(tmp_path / "ck2"), every_steps=2, keep=5)]) as ckpt:
         for step in range(1, 7):
             integration.save_state(accelerator, ckpt, step, extra=lambda: extras.append(1) or {"n": len(extras)})
         extra = {"n": 0}
-        assert integration.load_state(accelerator, ckpt, extra=extra) == 5 and extra == {"n": 3}
+        assert integration.load_state(accelerator, ckpt, extra=extra) == 6 and extra == {"n": 3}
     assert len(extras) == 3
 
 
 def test_accelerate_example_runs() -> None:
     r = _run(["examples/accelerate_example.py", "--steps", "9", "--crash-at", "5"])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "restored step 5" in r.stdout and "weights equal to an uninterrupted run: True" in r.stdout, r.stdout
+    assert "restored step 4" in r.stdout and "weights equal to an uninterrupted run: True" in r.stdout, r.stdout

@@ -196,7 +196,7 @@ def test_appstate_through_load_and_broadcast_without_a_group(tmp_path: Path) -> 
 
 def test_bytesio_round_trips_as_raw_bytes_with_the_default_reader(tmp_path: Path) -> None:
     sd = {"w": torch.ones(3), "buf": io.BytesIO(PAYLOAD), "nested": {"b": io.BytesIO(b"abc")}}
-    dcp.save(sd, storage_writer=CompressedWriter(tmp_path / "ck", "zstd"), no_dist=True)
+    dcp.save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec="zstd"), no_dist=True)
     recs = records(tmp_path / "ck")
     for key, content in (("buf", PAYLOAD), ("nested.b", b"abc")):
         assert recs[key].get(OBJECT_FIELD) == OBJECT_BYTESIO and recs[key]["raw"] == len(content)

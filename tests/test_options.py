@@ -213,9 +213,9 @@ def test_save_schedule_agrees_only_when_the_clock_matters():
         return [1]
 
     steps = SaveSchedule([Tier("a", "/a", every_steps=2), Tier("b", "/b", every_steps=5)])
-    assert steps.decide(1, 0.0, agree=agree) == ("a", "b") and calls == []  # step schedules: no collective
-    assert steps.decide(2, 0.0, agree=agree) == () and steps.decide(3, 0.0) == ("a",)
-    assert steps.decide(4, 0.0, fallback=True) == ("a",)  # none due: a standalone writer still saves
+    assert steps.decide(10, 0.0, agree=agree) == ("a", "b") and calls == []  # step schedules: no collective
+    assert steps.decide(11, 0.0, agree=agree) == () and steps.decide(12, 0.0) == ("a",)
+    assert steps.decide(13, 0.0, fallback=True) == ("a",)  # none due: a standalone writer still saves
     clock = SaveSchedule([Tier("a", "/a", every=10), Tier("b", "/b", every=60)], via_fastest=True)
     assert clock.decide(1, 0.0, agree=agree) == ("b",) and calls == [[0, 1]]  # the coordinator's answer wins
     assert clock.histories["a"].last_step is None and clock.histories["b"].last_step == 1

@@ -20,7 +20,10 @@ from dcp_tiered.tiers.policy import (
     record_save,
     restore_order,
     retention_victims,
+    step_period,
 )
+from dcp_tiered.tiers.schedule import SaveSchedule
+from dcp_tiered.tiers.spec import Tier
 
 PROPS = settings(max_examples=300, deadline=None)
 SIM = settings(max_examples=200, deadline=None)
@@ -62,14 +65,14 @@ def _simulate(schedule: Schedule, moves: list[tuple[int, float]], start_step: in
 
 def _reference_due(schedule: Schedule, saves: list[tuple[int, float]], step: int, now: float) -> bool:
     """The rule of ``is_due`` computed from the full, unpruned save log."""
+    if schedule.every_steps is not None and step % schedule.every_steps != 0:
+        return False  # step schedules: the multiples of every_steps only
     if not saves:
         return True
     last_step, last_time = saves[-1]
     if step <= last_step:
         return False
     if schedule.max_per_hour is not None and sum(1 for _, t in saves if now - t < HOUR) >= schedule.max_per_hour:
-        return False
-    if schedule.every_steps is not None and step - last_step < schedule.every_steps:
         return False
     if schedule.every is not None and now - last_time < schedule.every:
         return False
@@ -81,7 +84,11 @@ def _reference_due(schedule: Schedule, saves: list[tuple[int, float]], step: int
 
 def test_never_saved_tier_is_due():
     assert is_due(Schedule(), TierHistory(), 0, 0.0)
-    assert is_due(Schedule(every=300.0, every_steps=500, max_per_hour=1), TierHistory(), 7, 123.0)
+    assert is_due(Schedule(every=300.0, max_per_hour=1), TierHistory(), 7, 123.0)
+    # by steps: only at a multiple, even before the first save (step 0 is one)
+    assert not is_due(Schedule(every=300.0, every_steps=500, max_per_hour=1), TierHistory(), 7, 123.0)
+    assert is_due(Schedule(every=300.0, every_steps=500, max_per_hour=1), TierHistory(), 1000, 123.0)
+    assert is_due(Schedule(every_steps=5), TierHistory(), 0, 0.0)
 
 
 def test_tier_without_schedule_is_due_on_every_new_step():
@@ -103,6 +110,14 @@ def test_every_steps_only():
     assert is_due(s, h, 150, 0.0)
 
 
+def test_every_steps_is_at_multiples_like_lightning_hf_torchtitan():
+    s = Schedule(every_steps=5)
+    assert [k for k in range(1, 21) if is_due(s, TierHistory(), k, 0.0)] == [5, 10, 15, 20]
+    # the last save off the grid (a forced save at 7) does not shift the grid: next is 10, not 12
+    h = record_save(TierHistory(), 7, 0.0)
+    assert [k for k in range(8, 16) if is_due(s, h, k, 0.0)] == [10, 15]
+
+
 def test_every_seconds_only():
     h = record_save(TierHistory(), 100, 1000.0)
     s = Schedule(every=300.0)
@@ -110,12 +125,14 @@ def test_every_seconds_only():
     assert is_due(s, h, 101, 1300.0)
 
 
-def test_every_and_every_steps_must_both_elapse():
+def test_every_and_every_steps_a_multiple_once_the_time_elapsed():
     h = record_save(TierHistory(), 100, 1000.0)
     s = Schedule(every=300.0, every_steps=50)
-    assert not is_due(s, h, 150, 1299.0)  # steps elapsed, time not
-    assert not is_due(s, h, 149, 5000.0)  # time elapsed, steps not
+    assert not is_due(s, h, 150, 1299.0)  # a multiple, time not elapsed
+    assert not is_due(s, h, 149, 5000.0)  # time elapsed, not a multiple
+    assert not is_due(s, h, 151, 5000.0)
     assert is_due(s, h, 150, 1300.0)  # both
+    assert is_due(s, h, 200, 5000.0)  # the first multiple after the time elapsed
 
 
 def test_max_per_hour_one_with_a_save_wanted_every_ten_minutes():
@@ -147,6 +164,7 @@ def test_due_tiers_example_keeps_tier_order():
     fast, medium, slow = Schedule(), Schedule(every_steps=100), Schedule(every=3600.0, max_per_hour=1)
     hist = [record_save(TierHistory(), 100, 0.0)] * 3
     assert due_tiers([fast, medium, slow], hist, 150, 60.0) == [0]
+    assert due_tiers([fast, medium, slow], hist, 201, 60.0) == [0]
     assert due_tiers([fast, medium, slow], hist, 200, 60.0) == [0, 1]
     assert due_tiers([fast, medium, slow], hist, 200, 3600.0) == [0, 1, 2]
     assert due_tiers([slow, fast], [TierHistory(), hist[0]], 50, 0.0) == [0]
@@ -159,7 +177,9 @@ def test_due_tiers_example_keeps_tier_order():
 @PROPS
 @given(schedules, st.integers(-(10**9), 10**9), st.floats(-1e12, 1e12, allow_nan=False))
 def test_prop_never_saved_is_due(schedule, step, now):
-    assert is_due(schedule, TierHistory(), step, now)
+    # Due at once without steps; with every_steps at the first multiple.
+    n = schedule.every_steps
+    assert is_due(schedule, TierHistory(), step, now) == (n is None or step % n == 0)
 
 
 @PROPS
@@ -182,10 +202,10 @@ def test_prop_step_not_after_last_is_never_due(schedule, last_step, last_time, b
     st.integers(1, 2000),
     st.floats(0.0, 2e5, allow_nan=False),
 )
-def test_prop_both_every_and_every_steps_must_elapse(every, every_steps, dstep, dt):
+def test_prop_both_every_and_every_steps_a_multiple_and_the_time(every, every_steps, dstep, dt):
     h = record_save(TierHistory(), 1000, 5e6)
     due = is_due(Schedule(every=every, every_steps=every_steps), h, 1000 + dstep, 5e6 + dt)
-    assert due == (dstep >= every_steps and (5e6 + dt) - 5e6 >= every)
+    assert due == ((1000 + dstep) % every_steps == 0 and (5e6 + dt) - 5e6 >= every)
 
 
 @SIM
@@ -193,16 +213,17 @@ def test_prop_both_every_and_every_steps_must_elapse(every, every_steps, dstep, 
 def test_prop_long_run_respects_schedule_and_hourly_cap(schedule, moves):
     saves, decisions = _simulate(schedule, moves)
 
-    # The very first call saves (a never-saved tier is due).
-    assert saves and saves[0] == (decisions[0][0], decisions[0][1])
+    # The first call at a multiple of every_steps (any call without it) saves: a never-saved tier is due.
+    first = next((d for d in decisions if schedule.every_steps is None or d[0] % schedule.every_steps == 0), None)
+    assert (saves[0] if saves else None) == (first[:2] if first else None)
 
-    # Consecutive saves are at least `every` seconds and `every_steps` steps apart.
+    # Every save is at a multiple of every_steps; consecutive saves are at least `every` seconds apart.
     for (s1, t1), (s2, t2) in zip(saves, saves[1:]):
         assert s2 > s1
         if schedule.every is not None:
             assert t2 - t1 >= schedule.every
-        if schedule.every_steps is not None:
-            assert s2 - s1 >= schedule.every_steps
+    if schedule.every_steps is not None:
+        assert all(s % schedule.every_steps == 0 for s, _ in saves)
 
     # No rolling hour [t, t + 3600) ever holds more than max_per_hour saves.
     if schedule.max_per_hour is not None:
@@ -253,12 +274,67 @@ def test_prop_due_tiers_preserves_tier_order(tiers, step, now):
     assert got == sorted(got)
 
 
+# --------------------------------------------------------------------------- restarts: saves stay on the multiples
+
+
+def _run_with_restarts(n: int, moves: list[tuple[int, bool, int]], end: int) -> tuple[list[int], list[list[int]], set]:
+    """Steps 1.. ``end`` (advancing by ``dstep``) on a tier saved every ``n`` steps, with crashes.
+
+    A crash starts a fresh ``SaveSchedule`` restored from one of the saves made so far (``pick``
+    chooses which: the newest, or an older one when a newer is corrupt; an odd ``pick`` restores
+    it from another tier, so this one counts as not holding it), and training resumes at the step
+    after it.  Returns every saved step, the saves of each run and every step offered."""
+    tier = Tier("t", "/t", every_steps=n)
+    sched, saved, runs, step, offered, moves_left = SaveSchedule([tier]), [], [[]], 0, set(), list(moves)
+    while step < end:
+        dstep, crash, pick = moves_left.pop(0) if moves_left else (1, False, 0)
+        if crash and saved:
+            k = sorted(set(saved))[-1 - pick % len(set(saved))]
+            sched = SaveSchedule([tier])
+            sched.restored(k, 0.0, [0] if pick % 2 == 0 else [])
+            runs.append([])
+            step = k
+            continue
+        step += dstep
+        offered.add(step)
+        if sched.decide(step, 0.0):
+            saved.append(step)
+            runs[-1].append(step)
+    return saved, runs, offered
+
+
+@SIM
+@given(
+    st.integers(1, 12),
+    st.lists(st.tuples(st.integers(1, 3), st.booleans(), st.integers(0, 3)), max_size=150),
+    st.integers(1, 120),
+)
+def test_prop_saves_with_restarts_are_exactly_the_multiples(n, moves, end):
+    saved, runs, offered = _run_with_restarts(n, moves, end)
+    # Exactly the multiples among the steps offered: never off the grid (not even right after a
+    # restore), and no multiple missed.
+    assert set(saved) == {s for s in offered if s % n == 0}
+    for run in runs:
+        assert run == sorted(set(run))  # each run saves a step at most once, in order
+    if all(d == 1 for d, _, _ in moves):  # every step offered: the multiples of n up to the last step
+        assert set(saved) == set(range(n, max(offered) + 1, n))
+
+
+def test_restart_after_restore_waits_for_the_next_multiple():
+    saved, runs, _ = _run_with_restarts(5, [(1, False, 0)] * 12 + [(1, True, 0)], 20)  # crash after step 12
+    assert runs == [[5, 10], [15, 20]] and saved == [5, 10, 15, 20]
+
+
 # --------------------------------------------------------------------------- includes_optimizer
 
 
 def test_includes_optimizer_examples():
     assert [includes_optimizer(i, 3) for i in range(7)] == [True, False, False, True, False, False, True]
     assert all(includes_optimizer(i, 1) for i in range(20))
+    # step schedules: the multiples of optimizer_every * every_steps, whatever the save count
+    assert [s for s in range(0, 40, 5) if includes_optimizer(7, 3, s, 5)] == [0, 15, 30]
+    assert step_period([Schedule(every_steps=10), Schedule(every=60.0, every_steps=2), Schedule()]) == 10
+    assert step_period([Schedule(every=60.0)]) is None
 
 
 @PROPS

@@ -624,10 +624,10 @@ def test_two_processes_on_one_tier_path_never_corrupt_each_other(tmp_path: Path,
 
 
 def save_full_then_model_only(tiers: list[Tier]) -> dict:
-    """optimizer_every=2: step 1 holds the optimizer, step 2 the model only; then the job dies."""
+    """optimizer_every=2 (every_steps=1): step 2 holds the optimizer, step 3 the model only; then the job dies."""
     full = {"model": {"w": torch.zeros(10)}, "optim": {"m": torch.zeros(10)}}
     ck = TieredCheckpointer(tiers, optimizer_every=2)
-    for s in (1, 2):
+    for s in (2, 3):
         full["model"]["w"].fill_(s)
         full["optim"]["m"].fill_(s)
         ck.maybe_save(s, full)
@@ -641,13 +641,13 @@ def test_restart_after_restoring_an_older_step_can_save_again(tmp_path: Path) ->
     tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=5, codec="lz4")]
     full = save_full_then_model_only(tiers)
     ck2 = TieredCheckpointer(tiers, optimizer_every=2)
-    assert ck2.restore(full) == 1
-    full["model"]["w"].fill_(22)  # training goes on from step 1; step 2 differs this time
-    ck2.maybe_save(2, full)  # raises SaveError(CheckpointExistsError) today
+    assert ck2.restore(full) == 2
+    full["model"]["w"].fill_(22)  # training goes on from step 2; step 3 differs this time
+    ck2.maybe_save(3, full)  # raises SaveError(CheckpointExistsError) today
     ck2.close()
     out = {"model": {"w": torch.zeros(10)}}
-    dcp.load(out, storage_reader=CompressedReader(tmp_path / "local" / "step_000000002"), no_dist=True)
-    assert torch.equal(out["model"]["w"], torch.full((10,), 22.0)), "step 2 must hold the new run's values"
+    dcp.load(out, storage_reader=CompressedReader(tmp_path / "local" / "step_000000003"), no_dist=True)
+    assert torch.equal(out["model"]["w"], torch.full((10,), 22.0)), "step 3 must hold the new run's values"
 
 
 def test_resumed_promotion_of_a_save_that_never_committed_never_publishes_stale_data(tmp_path: Path) -> None:
@@ -728,8 +728,8 @@ def test_retention_keeps_a_checkpoint_holding_the_optimizer(tmp_path: Path) -> N
     save_full_then_model_only(tiers)
     full = {"model": {"w": torch.zeros(10)}, "optim": {"m": torch.zeros(10)}}
     ck2 = TieredCheckpointer(tiers, optimizer_every=2)
-    assert ck2.restore({"model": {"w": torch.zeros(10)}}) == 2
-    assert ck2.restore(full) == 1, "no checkpoint holding the optimizer is left: a full resume is impossible"
+    assert ck2.restore({"model": {"w": torch.zeros(10)}}) == 3
+    assert ck2.restore(full) == 2, "no checkpoint holding the optimizer is left: a full resume is impossible"
     ck2.close()
 
 

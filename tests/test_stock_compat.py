@@ -213,3 +213,142 @@ def test_stock_zstd_small_items_do_not_reserve_huge_buffers(tmp_path):
         tracemalloc.stop()
     assert_exactly_equal(out, saved)
     assert peak < 64 << 20, f"loading a few bytes allocated {peak >> 20} MiB"
+
+
+# -- drop-in swaps from stock writers and readers ----------------------------------------------
+
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
+
+from dcp_tiered import CheckpointExistsError, ConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _failure(exc: BaseException) -> BaseException:
+    """The error a rank raised inside ``dcp.save`` (DCP wraps it in ``CheckpointException``)."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return exc
+    first = next(iter(failures.values()))
+    return first[0] if isinstance(first, tuple) else first  # (error, traceback summary)
+
+
+def test_stock_writer_keywords_are_accepted_and_honoured(tmp_path):
+    path = tmp_path / "ckpt"
+    kwargs = dict(single_file_per_rank=True, sync_files=False, thread_count=2, per_thread_copy_ahead=10_000_000,
+                  cache_staged_state_dict=False, overwrite=False)
+    writer = CompressedWriter(path, codec="lz4", **kwargs)
+    assert (writer.threads, writer.sync_files, writer.overwrite) == (2, False, False)
+    dcp.save(full_state(), storage_writer=writer, no_dist=True)
+    out = blank_like(full_state())
+    dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)
+    assert_exactly_equal(out, full_state())
+    assert CompressedWriter(tmp_path / "b", threads=3, thread_count=3).threads == 3
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"single_file_per_rank": False}, "single_file_per_rank=False is not supported: CompressedWriter always writes one"),
+    ({"threads": 2, "thread_count": 4}, "threads=2 and thread_count=4"),
+    ({"thread_count": 0}, "thread_count must be at least 1"),
+    ({"per_thread_copy_ahead": -1}, "per_thread_copy_ahead must be at least 0"),
+])
+def test_stock_writer_keywords_without_a_meaning_here_are_config_errors(tmp_path, kwargs, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        CompressedWriter(tmp_path / "ckpt", **kwargs)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("cls, args, example", [
+    (CompressedWriter, (True,), "CompressedWriter(path, codec='zstd'"),  # stock's 2nd positional: single_file_per_rank
+    (CompressedWriter, ("zstd", True), "CompressedWriter(path, codec='zstd'"),
+    (CompressedReader, (None,), "CompressedReader(path, threads="),  # stock's 2nd positional: _extension_registry
+])
+def test_positional_arguments_after_path_are_a_type_error_naming_the_keyword_form(tmp_path, cls, args, example):
+    with pytest.raises(TypeError, match="after path all arguments are keyword-only") as err:
+        cls(tmp_path / "ckpt", *args)
+    assert example in str(err.value)
+
+
+def test_a_positional_codec_is_a_type_error_naming_the_keyword_form(tmp_path):
+    with pytest.raises(TypeError, match=re.escape("CompressedWriter(path, codec='zstd'")):
+        CompressedWriter(tmp_path / "ckpt", "lz4")
+    assert CompressedWriter(tmp_path / "ckpt", codec="lz4").codec == "lz4"
+
+
+def test_unknown_keywords_are_type_errors_not_silent_storage_options(tmp_path):
+    with pytest.raises(TypeError, match="did you mean threads="):
+        CompressedWriter(tmp_path / "ckpt", thread=2)
+    with pytest.raises(TypeError, match="a local path takes none"):
+        CompressedWriter(tmp_path / "ckpt", anon=True)
+    with pytest.raises(TypeError, match="_extensions"):
+        CompressedWriter(tmp_path / "ckpt", _extensions=[ZStandard()])
+    with pytest.raises(TypeError, match="did you mean verify="):
+        CompressedReader(tmp_path / "ckpt", verfy=False)
+
+
+def test_fsspec_options_as_keywords_like_fsspec_writer():
+    url = _memory_url()
+    writer = CompressedWriter(url, sync_files=False, skip_instance_cache=False)
+    assert writer.storage_options == {"skip_instance_cache": False}
+    dcp.save(full_state(), storage_writer=writer, no_dist=True)
+    reader = CompressedReader(url, skip_instance_cache=False, storage_options={"skip_instance_cache": False})
+    out = blank_like(full_state())
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert_exactly_equal(out, full_state())
+    with pytest.raises(ConfigError, match="skip_instance_cache given both"):
+        CompressedWriter(url, skip_instance_cache=False, storage_options={"skip_instance_cache": True})
+
+
+def test_resave_refusal_matches_stock_words_and_is_a_runtime_error(tmp_path):
+    stock_path, ours_path = tmp_path / "stock", tmp_path / "ours"
+    dcp.save({"w": torch.ones(3)}, storage_writer=FileSystemWriter(stock_path, overwrite=False), no_dist=True)
+    dcp.save({"w": torch.ones(3)}, storage_writer=CompressedWriter(ours_path), no_dist=True)
+    with pytest.raises(BaseException) as stock:
+        dcp.save({"w": torch.ones(3)}, storage_writer=FileSystemWriter(stock_path, overwrite=False), no_dist=True)
+    with pytest.raises(BaseException) as ours:
+        dcp.save({"w": torch.zeros(3)}, storage_writer=CompressedWriter(ours_path), no_dist=True)
+    stock_err, ours_err = _failure(stock.value), _failure(ours.value)
+    assert isinstance(stock_err, RuntimeError) and "Checkpoint already exists" in str(stock_err)
+    assert isinstance(ours_err, CheckpointExistsError)
+    assert isinstance(ours_err, RuntimeError) and isinstance(ours_err, FileExistsError)  # stock's and ours
+    assert "Checkpoint already exists" in str(ours_err) and "overwrite=True" in str(ours_err)
+    # overwrite=True replaces it, as stock's default does
+    dcp.save({"w": torch.zeros(3)}, storage_writer=CompressedWriter(ours_path, overwrite=True), no_dist=True)
+    out = {"w": torch.ones(3)}
+    dcp.load(out, storage_reader=CompressedReader(ours_path), no_dist=True)
+    assert torch.equal(out["w"], torch.zeros(3))
+
+
+def test_stock_readers_cannot_read_compressed_checkpoints_and_the_readme_says_what_to_do(tmp_path):
+    # The documented limit: stock readers fail on our records (no message can be planted in
+    # .metadata without breaking safe loading and format 1).  If torch ever changes this,
+    # the README's Errors section must change with it.
+    path = tmp_path / "ckpt"
+    dcp.save(full_state(), storage_writer=CompressedWriter(path, sync_files=False), no_dist=True)
+    with pytest.raises(BaseException, match="relative_path") as err:
+        dcp.load(blank_like(full_state()), storage_reader=FileSystemReader(path), no_dist=True)
+    assert isinstance(_failure(err.value), AttributeError)
+    with pytest.raises(BaseException, match="relative_path"):
+        dcp_to_torch_save(path, tmp_path / "stock.pt")
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    errors = readme[readme.index("## Errors"):]
+    assert "'dict' object has no attribute 'relative_path'" in errors
+    assert "CompressedReader" in errors and "dcp-tiered convert SRC DST --codec stock" in errors
+
+    # ... and the workaround the README gives works: convert, then stock tools read it.
+    stock = tmp_path / "stock"
+    res = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "convert", str(path), str(stock), "--codec", "stock"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr
+    out = blank_like(full_state())
+    dcp.load(out, storage_reader=FileSystemReader(stock), no_dist=True)
+    assert_exactly_equal(out, full_state())
+    dcp_to_torch_save(stock, tmp_path / "stock.pt")
+    assert torch.equal(torch.load(tmp_path / "stock.pt", weights_only=True)["f32"], full_state()["f32"])

@@ -34,7 +34,7 @@ commands:
   promote   run pending promotions now (--dry-run lists them)
   gc        apply retention now (--dry-run lists what would be deleted)
   cost      monthly storage cost per tier, and the saving against uncompressed fp32
-  bench     codec comparison on your checkpoint or a generated model: table and PNG chart
+  bench     codec comparison (your checkpoint or a generated model; in memory or --path on your storage)
 
 Run `dcp-tiered COMMAND --help` for examples."""
 
@@ -155,6 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             saved = _quiet_hooks(command)
             if argv is None:  # the script: keep the hooks for threads that fail while the process exits
                 saved = None
+        if command not in ("cost", "ls"):  # the only commands that work without torch
+            from dcp_tiered.checks import INSTALL_TORCH, torch_available
+
+            if not torch_available():
+                print(f"dcp-tiered {command}: {INSTALL_TORCH}; only `cost` and `ls` work without it", file=sys.stderr)
+                return EXIT_USAGE
         return int(args.func(args) or 0)
     except SystemExit:  # argparse: --help, --version, a usage error (exit 2)
         raise
@@ -165,6 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except BaseException as exc:
+        from dcp_tiered.checks import INSTALL_TORCH, is_missing_torch
+
+        if is_missing_torch(exc) or is_missing_torch(unwrap_error(exc)):  # e.g. cost/ls on a path that needs it
+            print(f"dcp-tiered {command}: {INSTALL_TORCH}; this needs PyTorch ({exc})", file=sys.stderr)
+            return EXIT_USAGE
         return _report(command, exc, debug, path)
     finally:
         if saved is not None:

@@ -13,10 +13,10 @@ from dcp_tiered.cli.output import CliError
 
 def storage_options_for(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """fsspec options for ``url`` from ``--s3-endpoint-url`` and the AWS_* environment."""
+    endpoint = getattr(args, "s3_endpoint_url", None)
     if not str(url).startswith(("s3://", "s3a://")):
         return {}
     opts: dict[str, Any] = {}
-    endpoint = getattr(args, "s3_endpoint_url", None)
     if endpoint:
         opts["client_kwargs"] = {"endpoint_url": endpoint, "region_name": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
         opts["skip_instance_cache"] = True
@@ -38,30 +38,58 @@ DEFAULT_CODECS = {"local": "lz4", "shared": "zstd", "durable": "zstd:3"}
 DEFAULT_KEEP = {"local": 2, "shared": 4, "durable": 24}
 
 
-def add_tier_args(p: argparse.ArgumentParser, schedule: bool = False) -> None:
+#: One spelling per concept across every command (tests/test_cli.py walks the parsers against it).
+#: The old spellings still parse, hidden from ``--help``, into the same ``dest``: old scripts keep working.
+ALIASES = {"--compression": "--codec", "--codecs": "--codec", "--checkpoint-dtype": "--dtype", "--dtypes": "--dtype"}
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def add_alias(p: Any, old: str, action: argparse.Action) -> None:
+    """Accept ``old`` (an entry of :data:`ALIASES`) as a hidden spelling of ``action``'s flag."""
+    assert ALIASES[old] in action.option_strings, old
+    p.add_argument(old, dest=action.dest, type=action.type, choices=action.choices, metavar=action.metavar,
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def add_codec_dtype_args(p: Any, *, codec_help: str, codec_default: str | None, dtype_help: str,
+                         dtype_default: str | None = "fp32", dtype_choices: Any = DTYPES,
+                         aliases: tuple[str, str] = ("--compression", "--checkpoint-dtype")) -> None:
+    """``--codec`` and ``--dtype`` (and their old spellings ``aliases``, hidden)."""
+    codec = p.add_argument("--codec", default=codec_default, metavar="CODEC", help=codec_help)
+    dtype = p.add_argument("--dtype", choices=dtype_choices, default=dtype_default,
+                           metavar=None if dtype_choices else "DTYPE", help=dtype_help)
+    add_alias(p, aliases[0], codec)
+    add_alias(p, aliases[1], dtype)
+
+
+def add_tier_location_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
+    """Where the tiers are (``--tiers`` or one path flag per tier), and with ``keep`` how many each keeps."""
     g = p.add_argument_group("tiers (a YAML file, or one flag per tier)")
     g.add_argument("--tiers", metavar="YAML", help="tier spec file (a 'tiers:' list with the fields of Tier)")
     g.add_argument("--local-path", metavar="PATH", help="fast node-local tier (e.g. /nvme/ckpt)")
     g.add_argument("--shared-path", metavar="PATH", help="shared filesystem tier (e.g. /fsx/run/ckpt)")
     g.add_argument("--durable-path", metavar="URL", help="durable tier, any fsspec URL (e.g. s3://bucket/run)")
-    for name in TIER_NAMES:
-        g.add_argument(f"--keep-{name}", type=int, metavar="N", help=f"checkpoints kept on the {name} tier (default {DEFAULT_KEEP[name]})")
-    g.add_argument("--compression", metavar="CODEC", help="codec for every tier: none, lz4, zstd, zstd:N (default lz4 local, zstd shared, zstd:3 durable)")
-    g.add_argument("--checkpoint-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="store floating weights in 16 bits (optimizer state stays fp32); default fp32")
-    if schedule:
-        s = p.add_argument_group("schedules (minutes, seconds for short runs, or steps)")
-        s.add_argument("--checkpoint-interval-min", type=float, metavar="MIN", help="local tier interval in minutes")
-        s.add_argument("--shared-interval-min", type=float, metavar="MIN", help="shared tier interval in minutes")
-        s.add_argument("--durable-interval-min", type=float, metavar="MIN", help="durable tier interval in minutes")
-        s.add_argument("--checkpoint-interval-s", type=float, metavar="S", help="local tier interval in seconds")
-        s.add_argument("--shared-interval-s", type=float, metavar="S", help="shared tier interval in seconds")
-        s.add_argument("--durable-interval-s", type=float, metavar="S", help="durable tier interval in seconds")
-        s.add_argument("--checkpoint-every-steps", type=int, metavar="N", help="local tier: at most every N steps")
-        s.add_argument("--shared-every-steps", type=int, metavar="N", help="shared tier: at most every N steps")
-        s.add_argument("--durable-every-steps", type=int, metavar="N", help="durable tier: at most every N steps")
-        s.add_argument("--max-durable-hourly", type=int, metavar="N", help="cap on durable saves per rolling hour")
+    if keep:
+        for name in TIER_NAMES:
+            g.add_argument(f"--keep-{name}", type=int, metavar="N",
+                           help=f"checkpoints kept on the {name} tier (default {DEFAULT_KEEP[name]})")
     add_storage_args(p)
+
+
+def add_tier_encoding_args(p: argparse.ArgumentParser) -> None:
+    """How saves are encoded (``--codec``, ``--dtype``) and when each tier saves (the schedules)."""
+    g = p.add_argument_group("encoding")
+    add_codec_dtype_args(g, codec_default=None,
+                         codec_help="codec for every tier: none, lz4, zstd, zstd:N (default lz4 local, zstd shared, zstd:3 durable)",
+                         dtype_help="store floating weights in 16 bits (optimizer state stays fp32); default fp32")
+    s = p.add_argument_group("schedules (minutes, seconds for short runs, or steps)")
+    for flag, name in (("checkpoint", "local"), ("shared", "shared"), ("durable", "durable")):
+        s.add_argument(f"--{flag}-interval-min", type=float, metavar="MIN", help=f"{name} tier interval in minutes")
+    for flag, name in (("checkpoint", "local"), ("shared", "shared"), ("durable", "durable")):
+        s.add_argument(f"--{flag}-interval-s", type=float, metavar="S", help=f"{name} tier interval in seconds")
+    for flag, name in (("checkpoint", "local"), ("shared", "shared"), ("durable", "durable")):
+        s.add_argument(f"--{flag}-every-steps", type=int, metavar="N", help=f"{name} tier: save every N steps")
+    s.add_argument("--max-durable-hourly", type=int, metavar="N", help="cap on durable saves per rolling hour")
 
 
 def _interval(args: argparse.Namespace, name: str) -> float | None:
@@ -82,7 +110,7 @@ def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[li
     from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, validate_tiers
 
     paths = {n: getattr(args, f"{n}_path", None) for n in TIER_NAMES}
-    dtype = None if getattr(args, "checkpoint_dtype", "fp32") in (None, "fp32") else args.checkpoint_dtype
+    dtype = None if getattr(args, "dtype", "fp32") in (None, "fp32") else args.dtype
     if getattr(args, "tiers", None):
         if any(paths.values()):
             raise CliError("give either --tiers YAML or --local-path/--shared-path/--durable-path, not both")
@@ -94,8 +122,8 @@ def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[li
             keep = getattr(args, f"keep_{t.name}", None)
             if keep is not None:
                 changes["keep"] = keep
-            if getattr(args, "compression", None):
-                changes["codec"] = args.compression
+            if getattr(args, "codec", None):
+                changes["codec"] = args.codec
             if dtype:
                 changes["dtype"] = dtype
             out.append(Tier(**{**_tier_fields(t), **changes}))
@@ -114,7 +142,7 @@ def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[li
             tiers.append(Tier(
                 name, url, every=every, every_steps=every_steps, max_per_hour=max_per_hour,
                 keep=keep if keep is not None else DEFAULT_KEEP[name],
-                codec=getattr(args, "compression", None) or DEFAULT_CODECS[name],
+                codec=getattr(args, "codec", None) or DEFAULT_CODECS[name],
                 storage_options=storage_options_for(url, args), dtype=dtype,
             ))
         except ConfigError as exc:

@@ -8,14 +8,16 @@ import time
 import uuid
 from typing import Any
 
-from dcp_tiered.cli.args import add_storage_args, storage_options_for
-from dcp_tiered.cli.output import EXIT_OK, CliError, Progress, human_bytes, print_json, table
+from dcp_tiered.cli.args import DTYPES, add_codec_dtype_args, add_storage_args, storage_options_for
+from dcp_tiered.cli.output import EXIT_OK, CliError, human_bytes, print_json, progress_for, table, ticking
 
 BENCH_EXAMPLES = """\
 examples:
-  dcp-tiered bench ckpt/shared/step_000001000                 # your checkpoint, default codecs
-  dcp-tiered bench --model small --codecs lz4,zstd:1,zstd:3 --dtypes fp32,bf16 --chart codecs.png
-  dcp-tiered bench model.pt --json --no-chart"""
+  dcp-tiered bench                                            # a generated model, in memory, default codecs
+  dcp-tiered bench ckpt/shared/step_000001000                 # your checkpoint
+  dcp-tiered bench --model small --codec lz4,zstd:1,zstd:3 --dtype fp32,bf16 --chart codecs.png
+  dcp-tiered bench --path /nvme/scratch --json --no-chart     # save/load on your own disk
+  dcp-tiered bench --path s3://bucket/tmp --s3-endpoint-url http://127.0.0.1:9000   # ... or bucket"""
 
 MODELS = {
     "tiny": {"vocab": 512, "seq_len": 64, "d_model": 128, "layers": 2, "heads": 4},
@@ -25,14 +27,21 @@ MODELS = {
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("bench", help="codec comparison on your checkpoint or a generated model (table + PNG)",
-                       description="Save the checkpoint's state with every codec (in memory, no disk I/O), load it back, "
-                                   "and report stored size, ratio and save/load throughput; with stock DCP as the "
-                                   "baseline. Writes a PNG chart when matplotlib is installed.",
+                       description="Save the state with every codec, load it back, and report stored size, ratio and "
+                                   "save/load throughput, with stock DCP as the baseline. In memory by default; with "
+                                   "--path on your own disk or bucket (everything written there is deleted after). "
+                                   "One codec at a time: memory stays at about the state plus one loaded copy (the "
+                                   "peak RSS is reported). Writes a PNG chart when matplotlib is installed.",
                        epilog=BENCH_EXAMPLES)
-    p.add_argument("path", nargs="?", help="checkpoint directory/URL or torch.save file (or use --model)")
-    p.add_argument("--model", choices=sorted(MODELS), help="bench a generated GPT model with AdamW state instead")
-    p.add_argument("--codecs", default="none,lz4,zstd:1,zstd:3", help="comma-separated codecs (default none,lz4,zstd:1,zstd:3)")
-    p.add_argument("--dtypes", default="fp32", help="comma-separated storage dtypes among fp32,bf16,fp16 (default fp32)")
+    p.add_argument("source", nargs="?", metavar="CHECKPOINT",
+                   help="checkpoint directory/URL or torch.save file to bench (default: a generated model, see --model)")
+    p.add_argument("--model", choices=sorted(MODELS), help="bench a generated GPT model with AdamW state (default small)")
+    p.add_argument("--path", metavar="URL", help="save and load under this directory or URL (local path or s3://...) "
+                                                "instead of in memory; a fresh subfolder, deleted after")
+    add_codec_dtype_args(p, codec_default="none,lz4,zstd:1,zstd:3", codec_help="comma-separated codecs "
+                         "(default none,lz4,zstd:1,zstd:3)", dtype_default="fp32", dtype_choices=None,
+                         dtype_help="comma-separated storage dtypes among fp32,bf16,fp16 (default fp32)",
+                         aliases=("--codecs", "--dtypes"))
     p.add_argument("--no-stock", action="store_true", help="skip the stock DCP baseline")
     p.add_argument("--repeat", type=int, default=1, help="runs per codec; the fastest is reported")
     p.add_argument("--chart", default="dcp-tiered-bench.png", metavar="PNG", help="chart path (default dcp-tiered-bench.png)")
@@ -55,9 +64,10 @@ def _model_state(name: str) -> dict[str, Any]:
     for step in range(1, 4):  # a few real steps so the optimizer state is not all zeros
         tokens = batch_for_step(step, 0, 4, cfg["seq_len"], cfg["vocab"], "cpu")
         loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, cfg["vocab"]), tokens[:, 1:].reshape(-1))
-        optim.zero_grad()
+        optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
+    optim.zero_grad(set_to_none=True)  # the gradients are not part of the state
     msd, osd = get_state_dict(model, optim)
     return {"model": msd, "optim": osd}
 
@@ -70,8 +80,16 @@ def _raw_bytes(sd: Any) -> int:
     return sum(v.numel() * v.element_size() for v in flat_tensors(sd).values() if isinstance(v, torch.Tensor))
 
 
-def _run_one(sd: dict, codec: str, dtype_name: str) -> dict[str, Any]:
-    import fsspec
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _run_one(sd: dict, codec: str, dtype_name: str, url: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Save ``sd`` to ``url`` with ``codec``, load it back, delete it: sizes and seconds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -80,91 +98,128 @@ def _run_one(sd: dict, codec: str, dtype_name: str) -> dict[str, Any]:
     from dcp_tiered.dcp.planners import DowncastSavePlanner
     from dcp_tiered.dcp.reader import CompressedReader
     from dcp_tiered.dcp.writer import CompressedWriter
+    from dcp_tiered.storage import Storage
 
-    url = f"memory://dcp-tiered-bench/{uuid.uuid4().hex}"
-    fs = fsspec.filesystem("memory")
     dtype = parse_dtype(dtype_name)
     planner = DowncastSavePlanner(dtype) if dtype is not None else None
+    where = Storage(url, opts)
     try:
-        t0 = time.perf_counter()
         if codec == "stock":
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-            dcp.save(sd, storage_writer=FsspecWriter(url), planner=planner, no_dist=True)
-            save_s = time.perf_counter() - t0
-            stored = sum(int(i["size"]) for i in fs.find(url, detail=True).values())
-            reader: Any = FsspecReader(url)
+            writer: Any = FsspecWriter(url, **opts)
+            reader: Any = lambda: FsspecReader(url, **opts)  # noqa: E731
         else:
-            writer = CompressedWriter(url, codec)
-            dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
-            save_s = time.perf_counter() - t0
-            stored = sum(int(i["size"]) for i in fs.find(url, detail=True).values())
-            reader = CompressedReader(url)
+            writer = CompressedWriter(url, codec=codec, storage_options=opts)
+            reader = lambda: CompressedReader(url, storage_options=opts)  # noqa: E731
         t0 = time.perf_counter()
-        _load_state_dict({}, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
+        save_s = time.perf_counter() - t0
+        stored = sum(where.file_sizes().values())
+        t0 = time.perf_counter()
+        loaded: dict = {}
+        _load_state_dict(loaded, storage_reader=reader(), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
         load_s = time.perf_counter() - t0
+        del loaded  # one loaded copy at a time
     finally:
-        try:
-            fs.rm(url, recursive=True)
-        except FileNotFoundError:
-            pass
+        where.remove_tree()
     return {"stored_bytes": stored, "save_s": save_s, "load_s": load_s}
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def _parse_lists(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     from dcp_tiered.codecs import parse_codec
     from dcp_tiered.errors import CodecError
 
-    if bool(args.path) == bool(args.model):
-        raise CliError("give a checkpoint PATH or --model NAME (one of them)")
     codecs = []
-    for c in [c.strip() for c in args.codecs.split(",") if c.strip()]:
+    for c in [c.strip() for c in args.codec.split(",") if c.strip()]:
         try:
             codecs.append(str(parse_codec(c)))
         except CodecError as exc:
-            raise CliError(f"--codecs: {exc}") from exc
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
+            raise CliError(f"--codec: {exc}") from exc
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
-        raise CliError(f"--dtypes: unknown {bad or dtypes}; use fp32, bf16, fp16")
+        raise CliError(f"--dtype: unknown {bad or dtypes}; use fp32, bf16, fp16")
     if args.repeat < 1:
         raise CliError("--repeat must be at least 1")
-    if args.path:
-        from dcp_tiered.inspect import load_any
+    return codecs, dtypes
 
-        sd = load_any(args.path, storage_options_for(args.path, args))
-        source = args.path
-    else:
-        sd = _model_state(args.model)
-        source = f"generated {args.model} GPT + AdamW"
-    raw = _raw_bytes(sd)
-    runs = ([("stock", "fp32")] if not args.no_stock else []) + [(c, d) for d in dtypes for c in codecs]
+
+def _bench_root(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """Where the runs write: a fresh folder under ``--path``, else in memory."""
+    if not args.path:
+        return f"memory://dcp-tiered-bench/{uuid.uuid4().hex}", {}
+    from dcp_tiered.storage import Storage
+
+    opts = storage_options_for(args.path, args)
+    Storage(args.path, opts).check_reachable()
+    return f"{args.path.rstrip('/')}/dcp-tiered-bench-{uuid.uuid4().hex[:12]}", opts
+
+
+def _runs(sd: dict, raw: int, runs: list, root: str, opts: dict, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (codec, dtype) run, one at a time (what one run wrote and loaded is freed before the next)."""
+    import gc
+
+    from dcp_tiered.storage import Storage
+
     rows = []
-    with Progress(len(runs) * args.repeat, "bench") as bar:
-        for codec, dtype in runs:
-            best: dict[str, Any] | None = None
-            for _ in range(args.repeat):
-                r = _run_one(sd, codec, dtype)
-                best = r if best is None else {"stored_bytes": r["stored_bytes"], "save_s": min(best["save_s"], r["save_s"]),
-                                               "load_s": min(best["load_s"], r["load_s"])}
-                bar.update()
-            assert best is not None
-            rows.append({
-                "codec": codec, "dtype": dtype, "label": codec if dtype == "fp32" else f"{codec}+{dtype}", "raw_bytes": raw,
-                "stored_bytes": best["stored_bytes"], "ratio": round(best["stored_bytes"] / raw, 4) if raw else None,
-                "save_mb_s": round(raw / 1e6 / best["save_s"], 1) if best["save_s"] else None,
-                "load_mb_s": round(raw / 1e6 / best["load_s"], 1) if best["load_s"] else None,
-                "save_s": round(best["save_s"], 4), "load_s": round(best["load_s"], 4),
-            })
+    try:
+        with progress_for(args)(raw * len(runs) * args.repeat, "bench", unit="B") as bar, ticking(bar):
+            for codec, dtype in runs:
+                best: dict[str, Any] | None = None
+                for i in range(args.repeat):
+                    bar.set_postfix_str(f"{codec}+{dtype}", refresh=False)
+                    r = _run_one(sd, codec, dtype, f"{root}/{len(rows)}-{i}", opts)
+                    gc.collect()
+                    best = r if best is None else {**r, "save_s": min(best["save_s"], r["save_s"]),
+                                                   "load_s": min(best["load_s"], r["load_s"])}
+                    bar.update(raw)
+                assert best is not None
+                rows.append({
+                    "codec": codec, "dtype": dtype, "label": codec if dtype == "fp32" else f"{codec}+{dtype}", "raw_bytes": raw,
+                    "stored_bytes": best["stored_bytes"], "ratio": round(best["stored_bytes"] / raw, 4) if raw else None,
+                    "save_mb_s": round(raw / 1e6 / best["save_s"], 1) if best["save_s"] else None,
+                    "load_mb_s": round(raw / 1e6 / best["load_s"], 1) if best["load_s"] else None,
+                    "save_s": round(best["save_s"], 4), "load_s": round(best["load_s"], 4),
+                })
+    finally:
+        Storage(root, opts).remove_tree()
+    return rows
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.source and args.model:
+        raise CliError("give a CHECKPOINT to bench or --model NAME, not both")
+    codecs, dtypes = _parse_lists(args)
+    root, opts = _bench_root(args)
+    with progress_for(args)(1, "bench: preparing the state") as bar, ticking(bar):
+        if args.source:
+            from dcp_tiered.inspect import load_any
+
+            sd = load_any(args.source, storage_options_for(args.source, args))
+            source = args.source
+        else:
+            model = args.model or "small"
+            sd = _model_state(model)
+            source = f"generated {model} GPT + AdamW"
+        bar.update()
+    raw = _raw_bytes(sd)
+    rss_state = peak_rss_bytes()
+    runs = ([("stock", "fp32")] if not args.no_stock else []) + [(c, d) for d in dtypes for c in codecs]
+    rows = _runs(sd, raw, runs, root, opts, args)
+    where = args.path or "memory"
+    memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_rss_before_runs_bytes": rss_state}
     chart, chart_note = None, None
     if not args.no_chart:
         chart, chart_note = _chart(rows, args.chart, source)
     if args.json:
-        print_json({"source": source, "raw_bytes": raw, "results": rows, "chart": chart, "chart_note": chart_note})
+        print_json({"source": source, "raw_bytes": raw, "where": where, "results": rows, "chart": chart,
+                    "chart_note": chart_note, **memory})
         return EXIT_OK
-    print(f"{source}: {human_bytes(raw)} raw (in memory; no disk I/O)")
+    print(f"{source}: {human_bytes(raw)} raw; saved to and loaded from {where if args.path else 'memory (no disk I/O)'}")
     print(table([(r["label"], human_bytes(r["stored_bytes"]), f"{r['ratio']:.3f}", r["save_mb_s"], r["load_mb_s"]) for r in rows],
                 ["codec", "stored", "ratio", "save MB/s", "load MB/s"], right=(1, 2, 3, 4)))
+    print(f"peak RSS {human_bytes(memory['peak_rss_bytes'])} ({human_bytes(rss_state)} with the state loaded, before the runs)")
     if chart:
         print(f"chart: {chart}")
     elif chart_note:
@@ -191,7 +246,7 @@ def _chart(rows: list[dict], path: str, source: str) -> tuple[str | None, str | 
     ax2.set_xticks(list(x))
     ax2.set_xticklabels(labels)
     ax2.set_ylabel("MB/s of raw state (higher is better)")
-    ax2.set_title("throughput (in memory)")
+    ax2.set_title("throughput")
     ax2.legend()
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=30)

@@ -15,13 +15,13 @@ from dcp_tiered.cli.output import (
     EXIT_OK,
     EXIT_PROBLEMS,
     CliError,
-    Progress,
     debug_enabled,
     error_line,
     exit_code_for,
     human_bytes,
     one_line,
     print_json,
+    progress_for,
     table,
     unwrap_error,
 )
@@ -118,7 +118,7 @@ def _verify_one(path: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
     t0 = time.perf_counter()
     try:
-        result = ckpt.verify(path, storage_options_for(path, args), progress=Progress)
+        result = ckpt.verify(path, storage_options_for(path, args), progress=progress_for(args))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as raised:
@@ -174,7 +174,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         except CodecError as exc:
             raise CliError(f"--codec: {exc}; or '{ckpt.STOCK}' for stock DCP") from exc
     res = ckpt.convert(args.src, args.dst, args.codec, parse_dtype(args.dtype), src_options=storage_options_for(args.src, args),
-                       dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=Progress)
+                       dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=progress_for(args))
     if args.json:
         print_json(res.as_dict())
     else:

@@ -1,4 +1,4 @@
-"""What the CLI returns and prints: exit codes, error lines, tables, JSON, progress bars."""
+"""What the CLI returns and prints: exit codes, error lines, tables, JSON, progress bars (tqdm)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import sys
-import time
+import contextlib
+import functools
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -155,41 +157,43 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-class Progress:
-    """A tiny progress bar on stderr, drawn only when stderr is a terminal."""
+def progress(total: float, desc: str = "", unit: str = "", enabled: bool | None = None) -> Any:
+    """A tqdm bar on stderr with rate and ETA, drawn only when stderr is a terminal (``enabled`` overrides).
 
-    def __init__(self, total: float, desc: str = "", unit: str = "", enabled: bool | None = None) -> None:
-        self.total = max(float(total), 0.0)
-        self.desc = desc
-        self.unit = unit
-        self.done = 0.0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._last = 0.0
-        self._t0 = time.monotonic()
+    Also the :data:`dcp_tiered.inspect.ProgressFactory` the CLI passes to the library: ``update(n)``, a
+    context manager.  ``unit="B"`` counts bytes (scaled: KB/s, MB/s); anything else counts items.
+    """
+    from tqdm import tqdm
 
-    def update(self, n: float = 1) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last < 0.1 and self.done < self.total:
-            return
-        self._last = now
-        frac = min(1.0, self.done / self.total) if self.total else 1.0
-        width = 30
-        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
-        amount = f"{human_bytes(self.done)}/{human_bytes(self.total)}" if self.unit == "B" else f"{self.done:.0f}/{self.total:.0f}"
-        sys.stderr.write(f"\r{self.desc:<10} [{bar}] {frac * 100:5.1f}% {amount}  ")
-        sys.stderr.flush()
+    on = sys.stderr.isatty() if enabled is None else enabled
+    return tqdm(total=max(float(total), 0.0), desc=desc, unit=unit or "it", unit_scale=unit == "B",
+                unit_divisor=1024 if unit == "B" else 1000, disable=not on, file=sys.stderr,
+                leave=False, mininterval=0.2)
 
-    def close(self) -> None:
-        if self.enabled:
-            self.update(0)
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
-    def __enter__(self) -> "Progress":
-        return self
+@contextlib.contextmanager
+def ticking(bar: Any, every: float = 0.5) -> Any:
+    """Redraw ``bar`` every ``every`` seconds, so elapsed time and rate move while one long step runs."""
+    if getattr(bar, "disable", True):
+        yield bar
+        return
+    stop = threading.Event()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def tick() -> None:
+        while not stop.wait(every):
+            bar.refresh()
+
+    t = threading.Thread(target=tick, name="dcp-tiered-progress", daemon=True)
+    t.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        t.join()
+
+
+def progress_for(args: argparse.Namespace) -> Any:
+    """The progress factory of a command: none with ``--json`` (a machine reads that output)."""
+    if getattr(args, "json", False):
+        return functools.partial(progress, enabled=False)
+    return progress

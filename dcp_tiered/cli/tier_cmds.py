@@ -5,8 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dcp_tiered.cli.args import add_tier_args, tiers_from_args
-from dcp_tiered.cli.output import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes, print_json, table
+from dcp_tiered.cli.args import add_tier_location_args, tiers_from_args
+from dcp_tiered.cli.output import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    CliError,
+    human_bytes,
+    print_json,
+    progress_for,
+    table,
+    ticking,
+)
 
 LS_EXAMPLES = """\
 examples:
@@ -36,7 +45,7 @@ def add_parsers(sub: Any) -> None:
                        description="List every checkpoint directory of every tier, committed or not, with its step, "
                                    "size, codec, whether it holds optimizer state, and its promotion state.",
                        epilog=LS_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p, keep=False)  # ls lists; retention (keep) is not its business
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
@@ -44,7 +53,7 @@ def add_parsers(sub: Any) -> None:
                        description="Run the promotions recorded in the tiers (.promote-*.json intents left by a crash "
                                    "or a process that exited early) and wait for them.",
                        epilog=PROMOTE_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p)
     p.add_argument("--dry-run", action="store_true", help="list pending promotions, change nothing")
     p.add_argument("--event-log", metavar="PATH", help="append promotion reports as JSON lines")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -55,7 +64,7 @@ def add_parsers(sub: Any) -> None:
                                    "one with a pending promotion) and remove uncommitted leftovers older than the "
                                    "newest committed checkpoint.",
                        epilog=GC_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p)
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     p.add_argument("--leftover-grace", default=None, metavar="DURATION",
                    help="remove an uncommitted leftover only once untouched this long (another process may be "
@@ -69,7 +78,7 @@ def add_parsers(sub: Any) -> None:
                                    "GB-month x checkpoints kept. Default prices (USD/GB-month): object storage 0.023, "
                                    "shared filesystem 0.14, node-local SSD 0.08.",
                        epilog=COST_EXAMPLES)
-    add_tier_args(p)
+    add_tier_location_args(p)
     p.add_argument("--price", action="append", default=[], metavar="TIER=USD",
                    help="price per GB-month for a tier name or kind (object, shared, local); repeatable")
     p.add_argument("--stored-gb", type=float, help="what-if: stored GB per checkpoint (instead of measuring)")
@@ -97,10 +106,16 @@ def _catalog(tiers: list) -> list:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    import sys
+
+    from dcp_tiered.checks import INSTALL_TORCH, torch_available
+    from dcp_tiered.tiers.catalog import list_tiers
     from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
 
     tiers, _ = tiers_from_args(args)
-    infos = _catalog(tiers)
+    full = torch_available()  # without torch: names and sizes only (.metadata is a torch pickle)
+    _check_reachable(tiers)
+    infos = list_tiers(tiers, with_metadata=full)
     committed_on: dict[int, list[str]] = {}
     for i in infos:
         if i.committed:
@@ -115,12 +130,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             others = [t for t in committed_on.get(i.step, []) if t != i.tier]
             promo = ("also on " + ",".join(others)) if others else ""
-        state = ("UNUSABLE" if i.unusable else "committed" if i.committed and i.complete
+        state = ("UNUSABLE" if i.unusable else "committed" if i.committed and (i.complete or not full)
                  else "INCOMPLETE" if i.committed else "uncommitted")
         rows.append({"tier": i.tier, "step": i.step, "name": i.name, "url": i.url, "committed": i.committed,
-                     "complete": i.complete, "state": state, "size_bytes": i.size_bytes, "codec": i.codec,
+                     "complete": i.complete if full else None, "state": state, "size_bytes": i.size_bytes, "codec": i.codec,
                      "optimizer": optim, "pending_promotions": list(i.pending_promotions), "promotion": promo,
                      "problem": i.problem, "unusable": i.unusable})
+    if not full:
+        print(f"note: torch is not installed: committed means .metadata is present; keys, codec, optimizer and "
+              f"completeness need torch ({INSTALL_TORCH})", file=sys.stderr)
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -140,8 +158,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
     tiers, options = tiers_from_args(args)
     keys = _file_options(args, options).optimizer_keys
-    pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)}
-               for i in _catalog(tiers) if i.pending_promotions]
+    infos = [i for i in _catalog(tiers) if i.pending_promotions]
+    pending = [{"tier": i.tier, "step": i.step, "name": i.name, "targets": list(i.pending_promotions)} for i in infos]
     if args.dry_run:
         if args.json:
             print_json({"dry_run": True, "pending": pending})
@@ -152,16 +170,23 @@ def cmd_promote(args: argparse.Namespace) -> int:
             print("no pending promotions")
         return EXIT_OK
     events = EventLog(args.event_log)
-    promoter = Promoter(tiers, on_report=lambda r: events.emit({"event": "promotion", **r.as_dict()}), optimizer_keys=keys)
     failed = None
-    try:
-        n = promoter.resume()
+    total = sum((i.size_bytes or 0) * len(i.pending_promotions) for i in infos)
+    with progress_for(args)(total, "promote", unit="B") as bar, ticking(bar):
+        def on_report(r: Any) -> None:
+            events.emit({"event": "promotion", **r.as_dict()})
+            if r.kind == "data":
+                bar.update(max(0, min(r.bytes, total - bar.n)))
+
+        promoter = Promoter(tiers, on_report=on_report, optimizer_keys=keys)
         try:
-            promoter.wait()
-        except Exception as exc:  # PromotionError: reported below, exit 1
-            failed = exc
-    finally:
-        promoter.close(wait=False)
+            n = promoter.resume()
+            try:
+                promoter.wait()
+            except Exception as exc:  # PromotionError: reported below, exit 1
+                failed = exc
+        finally:
+            promoter.close(wait=False)
     reports = [r.as_dict() for r in promoter.reports]
     bad = [r for r in reports if not r["ok"]]
     if failed is None and bad:  # resumed work is only reported by the promoter: here every failure counts
@@ -199,7 +224,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.dry_run:
         rows = [row for plan in plans for row in plan.as_rows()]
     else:
-        rows = [row for plan in plans for row in plan.as_rows(retention.apply(plan))]
+        rows = [row for plan in plans for row in plan.as_rows(_apply_with_progress(retention, plan, args))]
     if args.json:
         print_json({"dry_run": args.dry_run, "deleted" if not args.dry_run else "would_delete": rows})
         return EXIT_OK
@@ -212,42 +237,67 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_cost(args: argparse.Namespace) -> int:
+def _apply_with_progress(retention: Any, plan: Any, args: argparse.Namespace) -> list:
+    """``retention.apply(plan)`` one victim at a time, with a progress bar in bytes deleted."""
+    from dataclasses import replace
+
+    deleted = retention.apply(replace(plan, victims=[])) if plan.unusable else []  # logs what it leaves alone
+    with progress_for(args)(sum(i.size_bytes or 0 for i in plan.victims), f"gc {plan.tier.name}", unit="B") as bar:
+        for info in plan.victims:
+            deleted += retention.apply(replace(plan, victims=[info], unusable=[]))
+            bar.update(info.size_bytes or 0)
+    return deleted
+
+
+def _fp32_sizes(tiers: list, infos: list) -> dict[tuple[str, int], int]:
+    """The fp32 uncompressed size of each checkpoint a tier keeps, read from its metadata (where readable)."""
     from dcp_tiered import inspect
-    from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices
     from dcp_tiered.errors import DcpTieredError
 
-    tiers, _ = tiers_from_args(args)
+    out = {}
+    for t in tiers:
+        for i in sorted((i for i in infos if i.tier == t.name), key=lambda i: i.step, reverse=True)[:t.keep]:
+            try:
+                out[(t.name, i.step)] = inspect.fp32_bytes(inspect.open_reader(i.url, t.storage_options, verify=False).read_metadata())
+            except DcpTieredError:
+                pass  # priced at its stored size
+    return out
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from dcp_tiered.checks import torch_available
+    from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices, usage_from_listing
+    from dcp_tiered.tiers.catalog import list_tiers
+
+    tiers, _ = tiers_from_args(args, required=args.stored_gb is None)
+    if not tiers:  # a what-if without tiers: the three default tiers and their default retention
+        from types import SimpleNamespace
+
+        from dcp_tiered.cli.args import DEFAULT_KEEP, TIER_NAMES
+
+        tiers = [SimpleNamespace(name=n, url="", keep=getattr(args, f"keep_{n}", None) or DEFAULT_KEEP[n])
+                 for n in TIER_NAMES]
     try:
         prices = parse_prices(args.price)
     except ValueError as exc:
         raise CliError(f"--price: {exc}") from exc
     if (args.stored_gb is None) != (args.fp32_gb is None) and args.stored_gb is None:
         raise CliError("--fp32-gb needs --stored-gb")
-    usages, measured = [], {}
-    infos = _catalog(tiers) if args.stored_gb is None else []
-    for t in tiers:
-        if args.stored_gb is not None:
-            stored = int(args.stored_gb * (1 << 30))
-            fp32 = int((args.fp32_gb if args.fp32_gb is not None else args.stored_gb) * (1 << 30))
-            source = "what-if"
-        else:
-            committed = [i for i in infos if i.tier == t.name and i.committed and i.complete]
-            if not committed:
-                stored = fp32 = 0
-                source = "no checkpoint"
-            else:
-                newest = committed[0]
-                stored = newest.size_bytes
-                try:
-                    reader = inspect.open_reader(newest.url, t.storage_options, verify=False)
-                    fp32 = inspect.fp32_bytes(reader.read_metadata())
-                except DcpTieredError:
-                    fp32 = stored
-                source = f"step {newest.step}"
-                measured[t.name] = {"checkpoints": len(committed), "current_bytes": sum(i.size_bytes for i in committed)}
-        usages.append(TierUsage(t.name, stored, fp32, t.keep, t.url))
-        measured.setdefault(t.name, {})["source"] = source
+    full = args.stored_gb is None and torch_available()  # without torch: stored sizes only, fp32 = stored
+    if args.stored_gb is not None:
+        stored = int(args.stored_gb * (1 << 30))
+        fp32 = int((args.fp32_gb if args.fp32_gb is not None else args.stored_gb) * (1 << 30))
+        usages = [TierUsage(t.name, stored, fp32, t.keep, t.url) for t in tiers]
+        measured = {t.name: {"source": "what-if"} for t in tiers}
+    else:
+        _check_reachable(tiers)
+        infos = [i for i in list_tiers(tiers, with_metadata=full) if i.committed and (i.complete or not full)]
+        usages = usage_from_listing(tiers, infos, fp32=_fp32_sizes(tiers, infos) if full else None)
+        measured = {}
+        for t in tiers:
+            held = [i for i in infos if i.tier == t.name]
+            measured[t.name] = ({"source": f"step {max(i.step for i in held)}", "checkpoints": len(held),
+                                 "current_bytes": sum(i.size_bytes for i in held)} if held else {"source": "no checkpoint"})
     report = estimate(usages, prices)
     if args.json:
         out = report.as_dict()
@@ -255,11 +305,12 @@ def cmd_cost(args: argparse.Namespace) -> int:
             d.update(measured.get(d["tier"], {}))
         print_json(out)
         return EXIT_OK
-    body = [(c.tier, c.kind, measured[c.tier]["source"], human_bytes(c.stored_bytes), human_bytes(c.fp32_bytes), c.keep,
+    body = [(c.tier, c.kind, measured[c.tier]["source"], human_bytes(c.stored_bytes), human_bytes(c.kept_bytes),
+             human_bytes(c.fp32_bytes), c.keep,
              f"{c.price_gb_month:.4f}", format_usd(c.monthly_usd), format_usd(c.fp32_monthly_usd), f"{c.saving_fraction * 100:.0f}%")
             for c in report.tiers]
-    print(table(body, ["tier", "kind", "measured", "per ckpt", "fp32 raw", "keep", "$/GB-mo", "$/month", "fp32 $/mo", "saving"],
-                right=(3, 4, 5, 6, 7, 8, 9)))
+    print(table(body, ["tier", "kind", "measured", "newest", "kept", "fp32 raw", "keep", "$/GB-mo", "$/month", "fp32 $/mo",
+                      "saving"], right=(3, 4, 5, 6, 7, 8, 9, 10)))
     print(f"total {format_usd(report.monthly_usd)}/month; uncompressed fp32 would cost {format_usd(report.fp32_monthly_usd)}"
           f"/month (saving {format_usd(report.saving_usd)}/month)")
     return EXIT_OK

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from dcp_tiered.cli.train_model import batch_for_step, build_model, check_resume, fp32_bytes
-from dcp_tiered.cli.args import add_tier_args, tiers_from_args
+from dcp_tiered.cli.args import add_tier_encoding_args, add_tier_location_args, tiers_from_args
 from dcp_tiered.cli.output import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes, print_json, table
 
 TRAIN_EXAMPLES = """\
@@ -78,7 +78,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="intra-op CPU threads for training (default 1: fastest for this small model, and it leaves "
                         "the other cores to checkpoint compression)")
     g.add_argument("--log-every", type=int, default=50, metavar="N", help="print the loss every N steps")
-    add_tier_args(p, schedule=True)
+    add_tier_location_args(p)
+    add_tier_encoding_args(p)
     c = p.add_argument_group("checkpointing")
     c.add_argument("--async-checkpoint", action="store_true", default=None, help="stage and write saves in the background")
     c.add_argument("--optimizer-every", type=int, metavar="N", help="optimizer state in every Nth save only (default 1)")
@@ -254,7 +255,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_s = time.perf_counter() - t_train
         close_error = None
         try:
-            ckpt.close()  # waits for the save in flight and every promotion
+            # saves the last step if the schedule did not, then waits for it and every promotion
+            ckpt.close(final_step=args.steps, state_dict=state) if args.steps > start else ckpt.close()
         except PromotionError as exc:  # the summary still shows what did get saved
             close_error = exc
         wall_s = time.perf_counter() - t_train
@@ -298,7 +300,7 @@ def _summary(args: argparse.Namespace, tiers: list, totals: Any, ckpt: Any, star
             "url": t.url, "codec": t.codec, "keep": t.keep,
             "blocked_pct": round(100 * tt.blocked_s / train_s, 3) if train_s else 0.0,
             "price_gb_month": price,
-            "monthly_usd": monthly_cost(tt.last_stored_bytes, price, t.keep),
+            "monthly_usd": totals.monthly_cost(t.name, t.keep, t.url, prices),
             "fp32_monthly_usd": monthly_cost(fp32, price, t.keep),
         })
     return {
@@ -402,8 +404,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dcp_tiered.cli.tier_cmds import cmd_ls
 
     ls_args = argparse.Namespace(tiers=None, local_path=os.path.join(root, "local"), shared_path=os.path.join(root, "shared"),
-                                 durable_path=os.path.join(root, "durable"), keep_local=2, keep_shared=3, keep_durable=4,
-                                 compression=None, checkpoint_dtype="fp32", s3_endpoint_url=None, json=False)
+                                 durable_path=os.path.join(root, "durable"), s3_endpoint_url=None, json=False)
     stdout = sys.stdout
     sys.stdout = out
     try:

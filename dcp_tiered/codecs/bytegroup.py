@@ -28,6 +28,8 @@ try:  # the optional C kernel (setup.py); the numpy code below is the reference
     from dcp_tiered.codecs import _bytegroup as _native
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
+# A kernel built from an older _bytegroup.c (an editable install not rebuilt) lacks entropy.
+_native_entropy = getattr(_native, "entropy", None)
 
 
 def _scratch_buffer(nbytes: int) -> np.ndarray:
@@ -80,6 +82,36 @@ def split_planes(raw: np.ndarray, filter_name: str, itemsize: int, native: bool 
     # reverse direction is fastest per plane (see merge_planes).
     np.copyto(planes, raw.reshape(-1, itemsize).T)
     return list(planes)
+
+
+#: The sample :func:`sample_entropy` looks at: this many evenly spaced runs of ``SAMPLE_RUN`` bytes (16 KiB).
+SAMPLE_RUNS = 64
+SAMPLE_RUN = 256
+
+
+def sample_entropy(plane: np.ndarray, native: bool = True) -> float:
+    """Order-0 entropy in bits per byte of a sample of ``plane`` (a contiguous uint8 array).
+
+    The sample is ``SAMPLE_RUNS`` evenly spaced runs of ``SAMPLE_RUN`` bytes, or the whole
+    plane when it is no longer than that.  It costs a few microseconds, against the ~0.15 ms
+    (zstd) to ~0.3 ms (lz4) that compressing a 1 MiB plane of random bytes costs to learn
+    that it does not shrink.  The C kernel and this numpy code count the same bytes.
+    """
+    if native and _native_entropy is not None:
+        return _native_entropy(plane, SAMPLE_RUNS, SAMPLE_RUN)
+    plane = np.ascontiguousarray(plane).reshape(-1)
+    n = plane.size
+    if n == 0:
+        return 0.0
+    if n > SAMPLE_RUNS * SAMPLE_RUN:
+        stride = n // SAMPLE_RUNS
+        runs = np.lib.stride_tricks.as_strided(plane, (SAMPLE_RUNS, SAMPLE_RUN), (stride, 1), writeable=False)
+        sample = runs.ravel()
+    else:
+        sample = plane
+    counts = np.bincount(sample, minlength=256)
+    p = counts[counts > 0] / sample.size
+    return float(-(p * np.log2(p)).sum())
 
 
 def merge_planes(planes: Sequence[object], filter_name: str, itemsize: int, out: np.ndarray, native: bool = True) -> None:

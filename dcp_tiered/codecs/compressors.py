@@ -87,6 +87,9 @@ class ZstdCodec(Codec):
         self._for_planes = for_planes
         overrides: dict[str, int] = {}
         if for_planes:
+            # Swept again (MiniLM fp32/bf16 exponent planes, interleaved runs): level 1 already
+            # uses the fast strategy with min_match 7; smaller windows, hash_log 8, min_match 6
+            # or the dfast strategy are all slower and larger.  The plane is bound by Huffman coding.
             overrides = {"hash_log": 6} if level <= 2 else {"hash_log": 6, "chain_log": 6, "min_match": 7}
         self._params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=True, **overrides)
         self._local = threading.local()

@@ -2,7 +2,9 @@
 
 A buffer is cut into frames of at most ``frame_size`` raw bytes (a multiple of the item
 size).  Each frame is filtered into planes and every plane is compressed on its own; a
-plane that does not shrink is stored raw, so decoding it costs a copy.
+plane that does not shrink is stored raw, so decoding it costs a copy.  A plane whose sampled
+byte entropy says it cannot shrink (see :func:`predict_raw`) is stored raw without calling the
+compressor at all: the mantissa planes of floats, half of the bytes, cost nothing to encode.
 
 Stored frame layout (little endian)::
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcp_tiered.codecs.bytegroup import FILTER_NONE, FILTERS, merge_planes, plane_count, split_planes
+from dcp_tiered.codecs.bytegroup import FILTER_NONE, FILTERS, merge_planes, plane_count, sample_entropy, split_planes
 from dcp_tiered.codecs.checksum import checksum
 from dcp_tiered.codecs.compressors import make_compressor
 from dcp_tiered.codecs.registry import Codec, check_block_len, get_codec
@@ -37,6 +39,17 @@ _PLANE = struct.Struct("<BI")
 # A compressed plane must save at least this fraction, else it is stored raw: decoding a
 # raw plane is a copy, decoding a compressed one costs far more for a 1% gain.
 _MIN_SAVING = 0.01
+#: A plane whose sample has at least this many bits of order-0 entropy per byte is stored raw
+#: without trying the compressor.  Entropy coding it would save at most 1.25% (zstd's fast
+#: levels do not Huffman-code literals for a gain under 1.6%), and the byte-grouped planes of
+#: weights and optimizer state that sample above it never shrank in the codec benchmark's data
+#: sets.  Data with long repeats but uniform bytes (rare in tensors) would lose those matches.
+RAW_ENTROPY_BITS = 7.9
+
+
+def predict_raw(plane: np.ndarray) -> bool:
+    """Whether ``plane`` (contiguous uint8) will not shrink, judged from a 16 KiB sample's byte entropy."""
+    return sample_entropy(plane) >= RAW_ENTROPY_BITS
 
 
 def stored_frame_bounds(codec: str | Codec, filter_name: str, itemsize: int, raw_len: int) -> tuple[int, int]:
@@ -111,7 +124,7 @@ class FrameCodec:
         header = [_HEAD.pack(self.planes)]
         payloads: list[object] = []
         for plane in split_planes(raw, self.filter_name, self.itemsize):
-            if not self.codec.compresses:
+            if not self.codec.compresses or predict_raw(plane):
                 mode, payload = MODE_RAW, plane
             else:
                 packed = self._compressor.compress(plane)

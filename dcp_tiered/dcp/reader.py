@@ -34,6 +34,7 @@ from dcp_tiered.dcp.format import (
     chunk_sizes,
     record_view,
 )
+from dcp_tiered.dcp.dropin import refuse_positional, storage_options_with
 from dcp_tiered.dcp.metadata_io import check_metadata, load_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
 from dcp_tiered.dcp.pickle_scan import check_torch_payload
@@ -105,6 +106,10 @@ class CompressedReader(UrlCheckpointId, StorageReader):
             :class:`UnsafeCheckpointError` naming the key and the missing globals.
             ``io.BytesIO`` values need nothing (stored as raw bytes, or a stock pickled ``BytesIO``).
 
+    Drop-in for stock ``FileSystemReader``/``FsspecReader``: everything after ``path`` is
+    keyword-only (a positional argument is a TypeError naming the keyword form), and fsspec
+    storage options may also be given as keywords, as ``FsspecReader(path, **kwargs)`` takes them.
+
     The constructor reads and validates ``.metadata``, so a path that is not a checkpoint,
     or a damaged or hostile ``.metadata``, raises here with this package's error (inside
     ``dcp.load`` DCP would re-wrap it in an ``AssertionError``).
@@ -113,18 +118,21 @@ class CompressedReader(UrlCheckpointId, StorageReader):
     def __init__(
         self,
         path: "str | os.PathLike[str]",
-        *,
+        *args: Any,
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         threads: int | None = None,
         max_object_bytes: int = MAX_OBJECT_BYTES,
         safe_globals: SafeGlobals | None = None,
+        **fsspec_options: Any,
     ) -> None:
         super().__init__()
+        refuse_positional("CompressedReader", args, "CompressedReader(path, threads=4, verify=True)")
+        self.storage_options = storage_options_with("CompressedReader", path, storage_options, fsspec_options,
+                                                    ("storage_options", "verify", "threads", "max_object_bytes", "safe_globals"))
         self.safe_globals = normalize_safe_globals(safe_globals, "CompressedReader")
         if threads is not None and threads < 1:
             raise ConfigError(f"threads must be at least 1, got {threads}")
-        self.storage_options = dict(storage_options or {})
         self.max_object_bytes = max_object_bytes
         self._metadata: Metadata | None = None
         self.storage = self._open(path)

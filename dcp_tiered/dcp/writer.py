@@ -25,7 +25,8 @@ from torch.futures import Future
 from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.thread_priority import lower_thread_priority
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, get_codec, parse_codec
-from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size
+from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
+from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
 )
@@ -33,28 +34,12 @@ from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
 from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
+from dcp_tiered.checks import check_count, check_frame_size  # noqa: F401  (importable from here, as before)
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
 from dcp_tiered.storage import FileLock, Storage
 
 #: Lock file a local checkpoint directory holds while a save writes it (removed at commit).
 LOCK_FILE = ".lock"
-
-
-def check_count(value: object, field: str, minimum: int = 1, maximum: int | None = None, optional: bool = False) -> int | None:
-    """``value`` as an int in ``[minimum, maximum]`` (None allowed when ``optional``), else a ConfigError naming ``field``."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{field} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
-        raise ConfigError(f"{field} must be {bound}, got {value!r}")
-    return value
-
-
-def check_frame_size(value: object, optional: bool = False) -> int | None:
-    """A valid ``frame_size`` (bytes, ``MIN_FRAME_SIZE`` .. ``MAX_FRAME_SIZE``) or a ConfigError."""
-    return check_count(value, "frame_size", MIN_FRAME_SIZE, MAX_FRAME_SIZE, optional)
 
 
 def exists_error(url: str, busy: bool = False) -> CheckpointExistsError:
@@ -65,7 +50,8 @@ def exists_error(url: str, busy: bool = False) -> CheckpointExistsError:
             "save to a new path, or wait for it and pass overwrite=True to replace it"
         )
     return CheckpointExistsError(
-        f"Checkpoint already exists at {url} (overwrite=False); pass overwrite=True to replace it or save to a new path"
+        f"Checkpoint already exists at {url} (overwrite=False); pass overwrite=True to replace it or save to a new "
+        "path (unlike stock FileSystemWriter, CompressedWriter refuses by default)"
     )
 
 
@@ -134,6 +120,12 @@ def commit_metadata(storage: Storage, data: bytes, overwrite: bool, own_files: "
     raise exists_error(storage.url)
 
 
+#: CompressedWriter's own keywords: a near miss among the fsspec keywords is a typo (TypeError).
+_WRITER_ARGS = ("codec", "storage_options", "byte_group", "frame_size", "threads", "overwrite", "sync_files",
+                "check_sizes", "nice", "safe_globals", "save_id", "thread_count", "single_file_per_rank",
+                "per_thread_copy_ahead", "cache_staged_state_dict")
+
+
 class CompressedWriter(UrlCheckpointId, StorageWriter):
     """Write a DCP checkpoint with per-frame compression to any fsspec URL or local path.
 
@@ -161,13 +153,29 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             tells two saves of one path apart.  Default: a new random id per save.  A wrapper
             that coordinates several writers for one save passes them one id; a fixed id is
             kept by every save of this writer.
+
+    Stock ``FileSystemWriter``/``FsspecWriter`` keywords, for drop-in swaps (everything after
+    ``path`` is keyword-only; a positional argument is a TypeError naming the keyword form):
+
+        thread_count: stock's name for ``threads`` (both, with different values: ConfigError).
+        single_file_per_rank: ``True`` only (one data file per rank is what this writer
+            writes); ``False`` is a ConfigError.
+        per_thread_copy_ahead: accepted and ignored: each frame is copied to host memory
+            just before it is encoded, so the copy is bounded without it.
+        cache_staged_state_dict: accepted and ignored: for cached staging with
+            ``dcp.async_save`` pass it an ``async_stager``.
+        **fsspec_options: fsspec storage options given as keywords, as ``FsspecWriter`` takes
+            them (merged with ``storage_options``; URLs only).
+
+    Unlike stock, ``overwrite`` defaults to False: saving over a committed checkpoint raises
+    :class:`CheckpointExistsError` (also a ``RuntimeError``, "Checkpoint already exists").
     """
 
     def __init__(
         self,
         path: "str | os.PathLike[str]",
+        *args: Any,
         codec: str = "zstd",
-        *,
         storage_options: dict[str, Any] | None = None,
         byte_group: bool = True,
         frame_size: int = DEFAULT_FRAME_SIZE,
@@ -178,21 +186,27 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         nice: int | None = None,
         safe_globals: SafeGlobals | None = None,
         save_id: str | None = None,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        per_thread_copy_ahead: int | None = None,
+        cache_staged_state_dict: bool = False,
+        **fsspec_options: Any,
     ) -> None:
         super().__init__()
+        refuse_positional("CompressedWriter", args, "CompressedWriter(path, codec='zstd', threads=4)")
+        storage_options = storage_options_with("CompressedWriter", path, storage_options, fsspec_options, _WRITER_ARGS)
+        threads = writer_threads(threads, thread_count)
+        check_stock_writer_args(single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict)
         if save_id is not None and (not isinstance(save_id, str) or not save_id):
             raise ConfigError(f"save_id must be a non-empty string or None, got {save_id!r}")
         self._fixed_save_id = save_id
         self.codec = str(parse_codec(codec))
         check_frame_size(frame_size)
-        check_count(threads, "threads", optional=True)
         check_count(nice, "nice", 0, 19, optional=True)
         for flag, value in (("byte_group", byte_group), ("overwrite", overwrite), ("sync_files", sync_files),
                             ("check_sizes", check_sizes)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{flag} must be True or False, got {value!r}")
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ConfigError(f"path must be a local path or fsspec URL, got {path!r}")
         self.storage_options = dict(storage_options or {})

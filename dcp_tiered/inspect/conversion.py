@@ -100,7 +100,7 @@ def save_any(sd: dict[str, Any], dst: str | os.PathLike[str], codec: str = "zstd
         if codec == STOCK:
             dcp.save(sd, storage_writer=_stock_writer(dst, storage_options, overwrite), planner=planner, no_dist=True)
             return {"format": "stock DCP"}
-        writer = CompressedWriter(dst, codec, storage_options=storage_options, overwrite=overwrite, safe_globals=safe_globals)
+        writer = CompressedWriter(dst, codec=codec, storage_options=storage_options, overwrite=overwrite, safe_globals=safe_globals)
         dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
     stats = writer.last_stats
     return {"format": "dcp_tiered", "codec": writer.codec, **(stats.as_dict() if stats else {})}

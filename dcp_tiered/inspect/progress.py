@@ -16,7 +16,7 @@ class ProgressBar(Protocol):
     def __exit__(self, *exc: Any) -> Any: ...
 
 
-#: Called as ``factory(total, desc, unit="")``; the CLI passes its ``Progress`` class.
+#: Called as ``factory(total, desc, unit="")``; the CLI passes :func:`dcp_tiered.cli.output.progress` (tqdm).
 ProgressFactory = Callable[..., ProgressBar]
 
 

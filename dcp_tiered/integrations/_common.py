@@ -125,3 +125,46 @@ def call_restore(ck: Any, state: dict[str, Any], step: int | None, broadcast: An
         raise ConfigError("broadcast=True needs TieredCheckpointer.restore(..., broadcast=) (not in this version)")
     return ck.restore(state, **kwargs)
 
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states, as ``accelerator.save_state`` saves them: python ``random``,
+    numpy (when installed), torch CPU and every CUDA device (when available).
+
+    Only builtins and tensors (numpy's key array becomes an int64 tensor), so the state
+    loads with ``torch.load(weights_only=True)`` without any safe-globals opt-in.
+    """
+    import random
+
+    version, internal, gauss = random.getstate()
+    out: dict[str, Any] = {"python": (int(version), torch.tensor(internal, dtype=torch.int64), gauss),
+                           "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch and accelerate
+        np = None
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    if torch.cuda.is_available():
+        out["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Apply a state of :func:`rng_state` (the parts present; CUDA devices beyond this machine's are skipped)."""
+    import random
+
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((int(version), tuple(int(x) for x in internal.tolist()), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)

@@ -19,10 +19,21 @@ ckpt.close()
 What it saves, from what ``accelerator.prepare`` registered: every model (unwrapped;
 ``model``, ``model_1``, ...), every optimizer (keyed by parameter name, under ``optim``
 so that ``optimizer_every`` applies), the LR schedulers (``scheduler``, as JSON), objects
-registered with ``accelerator.register_for_checkpointing`` (``custom``) and an optional
-``extra`` dict of your own (or a zero-argument callable returning it).  The state dict is
-built only on steps where a tier is due.  Not saved: RNG states and dataloader positions (Accelerate's
-own ``save_state`` writes those to a local folder; add them to ``extra`` if you need them).
+registered with ``accelerator.register_for_checkpointing`` (``custom``), an optional
+``extra`` dict of your own (or a zero-argument callable returning it), and each process's
+random states (``rng_<process index>``: python, numpy, torch, CUDA; restored on load).
+The state dict is built only on steps where a tier is due.  Not saved: dataloader positions.
+
+Like ``accelerator.save_state``, :func:`save_state` calls the hooks registered with
+``accelerator.register_save_state_pre_hook`` as ``hook(accelerator._models, weights, output_dir)``
+(``weights``: the models' state dicts, which the hook may edit, replace or pop; what is left
+is saved positionally as ``model``, ``model_1``, ...), and :func:`load_state` those of
+``register_load_state_pre_hook`` as ``hook(models, input_dir)`` (the models left in the list
+are loaded positionally).  ``output_dir``/``input_dir`` name the checkpoint's directory on
+the fastest tier written (the tier restored from) as a path or fsspec URL: the tiers own
+it, so files a hook writes there are not part of the checkpoint (not promoted, checked
+or kept).  Without ``checkpointer`` the ``ProjectConfiguration`` is used (see
+:func:`project_checkpointer`).
 
 Importing this module imports ``accelerate``; ``import dcp_tiered`` never does.
 """
@@ -30,23 +41,36 @@ Importing this module imports ``accelerate``; ``import dcp_tiered`` never does.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import accelerate  # noqa: F401 - fail at import when the extra is missing
 import torch
 
+from dcp_tiered.errors import ConfigError
 from dcp_tiered.integrations._common import (
     OptimizerSnapshot,
     apply_model_state,
     apply_optimizer_state,
     call_restore,
+    from_one_object,
     model_state,
+    one_object,
     optimizer_state,
+    rng_state,
+    set_rng_state,
     to_json,
 )
 
-__all__ = ["save_state", "load_state", "state_dict", "TieredAccelerator"]
+__all__ = ["save_state", "load_state", "state_dict", "project_checkpointer", "TieredAccelerator"]
+
+log = logging.getLogger(__name__)
+_RNG_KEY = re.compile(r"rng_(\d+)")
+_PROJECT: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _models(accelerator: Any) -> list[torch.nn.Module]:
@@ -70,8 +94,13 @@ def _model_key(i: int) -> str:
     return "model" if i == 0 else f"model_{i}"
 
 
+def _rng_key(accelerator: Any) -> str:
+    return f"rng_{accelerator.process_index}"  # differs per process: DCP's dedup of replicated items keeps each
+
+
 def state_dict(accelerator: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The state dict that :func:`save_state` saves (tensors shared with the live objects)."""
+    """The state dict that :func:`save_state` saves (tensors shared with the live objects),
+    before the save hooks and without the random states."""
     models = _models(accelerator)
     sd: dict[str, Any] = {_model_key(i): model_state(m) for i, m in enumerate(models)}
     optimizers = _optimizers(accelerator)
@@ -92,37 +121,154 @@ def state_dict(accelerator: Any, extra: dict[str, Any] | None = None) -> dict[st
 Extra = dict[str, Any] | Callable[[], dict[str, Any]] | None  # a dict, or a callable building it when a save is due
 
 
-def save_state(accelerator: Any, checkpointer: Any, step: int, *, extra: Extra = None,
+def project_checkpointer(accelerator: Any, **options: Any) -> Any:
+    """The checkpointer :func:`save_state`/:func:`load_state` use when given none, built once per
+    accelerator from its ``ProjectConfiguration``: one tier ``project`` at
+    ``project_dir/checkpoints``, due on every save, ``keep=total_limit`` (every checkpoint when
+    ``total_limit`` is None).  Checkpoints are named ``step_<iteration>`` (not ``checkpoint_<i>``).
+    ``options`` go to ``TieredCheckpointer`` when it is built.  Close it (or the accelerator's
+    :class:`TieredAccelerator`) at the end of training.
+    """
+    from dcp_tiered.tiers.checkpointer import TieredCheckpointer
+    from dcp_tiered.tiers.spec import Tier
+
+    ck = _PROJECT.get(accelerator)
+    if ck is not None and not getattr(ck, "_closed", False):
+        return ck
+    pc = accelerator.project_configuration
+    if not pc.automatic_checkpoint_naming or not pc.project_dir:
+        raise ConfigError("no checkpointer given and the accelerator's ProjectConfiguration has no "
+                          f"automatic_checkpoint_naming with a project_dir (project_dir={pc.project_dir!r}): pass a "
+                          "TieredCheckpointer, or Accelerator(project_config=ProjectConfiguration(project_dir=..., "
+                          "automatic_checkpoint_naming=True))")
+    limit = pc.total_limit
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"ProjectConfiguration.total_limit must be a positive integer or None, got {limit!r}")
+    tier = Tier("project", os.path.join(os.fspath(pc.project_dir), "checkpoints"), keep=limit or 2**31 - 1)
+    ck = _PROJECT[accelerator] = TieredCheckpointer([tier], **options)
+    return ck
+
+
+def _checkpointer(accelerator: Any, checkpointer: Any) -> Any:
+    return project_checkpointer(accelerator) if checkpointer is None else checkpointer
+
+
+def _step_url(ck: Any, tier: Any, step: int) -> str:
+    from dcp_tiered.tiers.catalog import tier_storage
+    from dcp_tiered.tiers.layout import step_name
+
+    return tier_storage(tier, getattr(ck, "rank", 0), getattr(ck, "node", 0)).child(step_name(step)).url
+
+
+def _output_dir(ck: Any, step: int, force: bool) -> str | None:
+    """Where ``step`` is written first: on the fastest tier due (decided now, reused by ``maybe_save``)."""
+    tiers = list(getattr(ck, "tiers", ()))
+    due = {t.name for t in tiers} if force else set(ck.due_tiers(step)) if tiers else set()
+    if not due:
+        return None
+    first = next((t for t in tiers if t.name in due), tiers[0])
+    return _step_url(ck, first, step)
+
+
+def _payload(accelerator: Any, extra: Extra, output_dir: str | None) -> dict[str, Any]:
+    sd = state_dict(accelerator, extra() if callable(extra) else extra)
+    hooks = list(accelerator._save_model_state_pre_hook.values())
+    if hooks:
+        weights = [sd.pop(_model_key(i)) for i in range(len(accelerator._models))]
+        for hook in hooks:
+            hook(accelerator._models, weights, output_dir)
+        sd.update({_model_key(i): w for i, w in enumerate(weights)})
+    sd[_rng_key(accelerator)] = one_object(rng_state() | {"step": int(accelerator.step)})
+    return sd
+
+
+def save_state(accelerator: Any, checkpointer: Any = None, step: int | None = None, *, extra: Extra = None,
                force: bool = False) -> Any:
     """``checkpointer.maybe_save(step, state)``: saves when a tier is due (every tier with
-    ``force=True``); returns the ``SaveReport`` or None.  Call it on every process, every step.
+    ``force=True``); returns the ``SaveReport`` or None.  Call it on every process.
 
-    The state dict (and ``extra``, when it is a zero-argument callable) is built only when a
-    save is due: on the other steps this costs a few microseconds.
+    The state dict (and ``extra``, when it is a zero-argument callable) is built, and the save
+    hooks called, only when a save is due: on the other steps this costs a few microseconds.
+    ``checkpointer=None``: :func:`project_checkpointer`.  ``step=None``: the
+    ``ProjectConfiguration.iteration``, which is then incremented (as ``accelerator.save_state``
+    does); after a save at an explicit step it becomes ``step + 1``.
     """
-    return checkpointer.maybe_save(
-        step, lambda: state_dict(accelerator, extra() if callable(extra) else extra), force=force)
+    ck = _checkpointer(accelerator, checkpointer)
+    pc = accelerator.project_configuration
+    implicit = step is None
+    if implicit:
+        step = int(pc.iteration)
+    output_dir = _output_dir(ck, step, force) if accelerator._save_model_state_pre_hook else None
+    report = ck.maybe_save(step, lambda: _payload(accelerator, extra, output_dir), force=force)
+    if implicit or report is not None:
+        pc.iteration = step + 1
+    return report
 
 
-def load_state(accelerator: Any, checkpointer: Any, *, step: int | None = None, extra: dict[str, Any] | None = None,
-               broadcast: Any = False) -> int | None:
-    """Restore the newest good checkpoint (or ``step``) into the prepared objects.
+class _RestoreWatch:
+    """The tier a restore loaded from, from the checkpointer's ``restore`` event."""
 
-    ``extra``: a template dict of your own values saved with :func:`save_state` (filled in
-    place).  ``broadcast``: passed to ``TieredCheckpointer.restore`` (one reader per group,
-    replicated state).  Returns the step restored, or None (nothing is changed then).
-    Call it on every process.
-    """
-    models = _models(accelerator)
+    def __init__(self, ck: Any) -> None:
+        self.ck, self.tier = ck, None
+        self.events = getattr(getattr(ck, "events", None), "hooks", None)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "restore":
+            self.tier = event.get("tier")
+
+    def __enter__(self) -> "_RestoreWatch":
+        if self.events is not None:
+            self.events.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.events is not None:
+            self.events.remove(self)
+
+    def url(self, step: int) -> tuple[Any, str | None]:
+        tier = next((t for t in getattr(self.ck, "tiers", ()) if t.name == self.tier), None)
+        return tier, (_step_url(self.ck, tier, step) if tier is not None else None)
+
+
+def _restore_rng(accelerator: Any, tier: Any, url: str | None, step: int) -> None:
+    """This process's random states from checkpoint ``url`` (read by this process alone);
+    a warning when it has none (saved by fewer processes, or before random states were saved)."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_tiered.dcp.reader import CompressedReader
+
+    if url is None:
+        log.warning("step %d restored, but not from a tier this integration can see: random states not restored", step)
+        return
+    key = _rng_key(accelerator)
+    reader = CompressedReader(url, storage_options=tier.storage_options)
+    saved = sorted(int(m.group(1)) for k in reader.read_metadata().state_dict_metadata
+                   if (m := _RNG_KEY.fullmatch(k)))
+    now = accelerator.num_processes
+    if not saved:
+        log.warning("checkpoint %s holds no random states (saved without them, e.g. by an earlier version): "
+                    "random states are left as they are", url)
+        return
+    if key not in {f"rng_{i}" for i in saved}:
+        log.warning("checkpoint %s holds no random state for process %d (saved by %d process(es), restored on %d): "
+                    "this process's random states are left as they are", url, accelerator.process_index,
+                    len(saved), now)
+        return
+    if len(saved) != now and accelerator.is_main_process:
+        log.warning("checkpoint %s was saved by %d process(es) and is restored on %d: the random states of "
+                    "processes %s are restored, the others left as they are", url, len(saved), now,
+                    [i for i in saved if i < now])
+    sd: dict[str, Any] = {key: one_object(None)}
+    dcp.load(sd, storage_reader=CompressedReader(url, storage_options=tier.storage_options), no_dist=True)
+    state = dict(from_one_object(sd[key]))
+    if "step" in state:
+        accelerator.step = int(state.pop("step"))
+    set_rng_state(state)
+
+
+def _apply_rest(accelerator: Any, models: list[torch.nn.Module], sd: dict[str, Any], extra: dict[str, Any] | None) -> None:
+    """Optimizers, schedulers, registered objects and ``extra`` from a restored ``sd``."""
     optimizers = _optimizers(accelerator)
-    snapshot = OptimizerSnapshot(optimizers)
-    sd = state_dict(accelerator, extra)
-    restored = call_restore(checkpointer, sd, step, broadcast)
-    if restored is None:
-        snapshot.undo()
-        return None
-    for i, m in enumerate(models):
-        apply_model_state(m, sd[_model_key(i)])
     if optimizers:
         holder = _all_params(models)
         for i, o in enumerate(optimizers):
@@ -134,6 +280,49 @@ def load_state(accelerator: Any, checkpointer: Any, *, step: int | None = None, 
         obj.load_state_dict(sd["custom"][str(i)])
     if extra is not None and "extra" in sd:
         extra.update(sd["extra"])
+
+
+def load_state(accelerator: Any, checkpointer: Any = None, *, step: int | None = None,
+               extra: dict[str, Any] | None = None, broadcast: Any = False) -> int | None:
+    """Restore the newest good checkpoint (or ``step``) into the prepared objects, and this
+    process's random states; returns the step restored, or None (nothing is changed then).
+
+    ``extra``: a template dict of your own values saved with :func:`save_state` (filled in
+    place).  ``broadcast``: passed to ``TieredCheckpointer.restore`` (one reader per group,
+    replicated state).  ``checkpointer=None``: :func:`project_checkpointer`.  Load hooks run
+    once the checkpoint is chosen, before any model is loaded (the models they leave are then
+    read from the same step).  ``ProjectConfiguration.iteration`` becomes the step + 1.
+    Call it on every process.
+    """
+    ck = _checkpointer(accelerator, checkpointer)
+    models = _models(accelerator)
+    snapshot = OptimizerSnapshot(_optimizers(accelerator))
+    sd = state_dict(accelerator, extra)
+    hooks = list(accelerator._load_model_state_pre_hook.values())
+    if hooks:
+        for i in range(len(models)):
+            sd.pop(_model_key(i))
+    with _RestoreWatch(ck) as watch:
+        restored = call_restore(ck, sd, step, broadcast)
+    if restored is None:
+        snapshot.undo()
+        return None
+    tier, input_dir = watch.url(restored)
+    loading = models
+    if hooks:
+        listed = list(accelerator._models)
+        for hook in hooks:
+            hook(listed, input_dir)
+        loading = [accelerator.unwrap_model(m) for m in listed]
+        weights = {_model_key(i): model_state(m) for i, m in enumerate(loading)}
+        if weights:
+            call_restore(ck, weights, restored, broadcast)
+        sd.update(weights)
+    for i, m in enumerate(loading):
+        apply_model_state(m, sd[_model_key(i)])
+    _apply_rest(accelerator, models, sd, extra)
+    _restore_rng(accelerator, tier, input_dir, restored)
+    accelerator.project_configuration.iteration = restored + 1
     return restored
 
 
@@ -142,16 +331,18 @@ class TieredAccelerator:
 
     ``TieredAccelerator(accelerator, checkpointer)`` where ``checkpointer`` is a
     ``TieredCheckpointer``, a list of ``Tier``, a YAML path or a factory (built now, so
-    create this after ``Accelerator()``); ``**options`` go to ``TieredCheckpointer``.
+    create this after ``Accelerator()``), or None for :func:`project_checkpointer`;
+    ``**options`` go to ``TieredCheckpointer``.
     """
 
-    def __init__(self, accelerator: Any, checkpointer: Any, **options: Any) -> None:
+    def __init__(self, accelerator: Any, checkpointer: Any = None, **options: Any) -> None:
         from dcp_tiered.integrations._common import build_checkpointer
 
         self.accelerator = accelerator
-        self.checkpointer = build_checkpointer(checkpointer, options)
+        self.checkpointer = (project_checkpointer(accelerator, **options) if checkpointer is None
+                             else build_checkpointer(checkpointer, options))
 
-    def save_state(self, step: int, *, extra: Extra = None, force: bool = False) -> Any:
+    def save_state(self, step: int | None = None, *, extra: Extra = None, force: bool = False) -> Any:
         return save_state(self.accelerator, self.checkpointer, step, extra=extra, force=force)
 
     def load_state(self, *, step: int | None = None, extra: dict[str, Any] | None = None, broadcast: Any = False) -> int | None:

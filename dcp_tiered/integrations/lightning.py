@@ -27,11 +27,11 @@ The state dict is built only on steps where a tier is due (``maybe_save`` with a
 Works with the ``lightning`` package and, failing that, ``pytorch_lightning``.  Importing
 this module imports Lightning; ``import dcp_tiered`` never does.
 
-Not a ``CheckpointIO`` plugin: Lightning's ``CheckpointIO`` receives one path per save
-from ``ModelCheckpoint`` and must load a checkpoint with no template, while a
-``TieredCheckpointer`` owns paths, schedules, retention and fallback across tiers and loads
-into a template.  Use this callback with ``enable_checkpointing=False`` (or alongside
-``ModelCheckpoint`` for best-k checkpoints kept by metric).
+The callback is not a ``CheckpointIO`` plugin: a ``TieredCheckpointer`` owns paths,
+schedules, retention and fallback across tiers.  Use it with ``enable_checkpointing=False`` (or
+alongside ``ModelCheckpoint`` for best-k checkpoints kept by metric).  For Lightning's own
+checkpoint paths compressed, use the plugin ``CompressedCheckpointIO`` (re-exported here from
+:mod:`dcp_tiered.integrations.lightning_io`; docs/integrations.md says when to use which).
 """
 
 from __future__ import annotations
@@ -226,7 +226,8 @@ class TieredCheckpointCallback(pl.Callback):
         # Lightning's loops hold an epoch that a resume would close once more (an extra epoch-end
         # scheduler step), while a batch-end state resumes exactly like an uninterrupted run.
         last = self.save_on_train_end and trainer.max_steps not in (None, -1) and step >= trainer.max_steps
-        report = self.checkpointer.maybe_save(step, lambda: self.state(trainer, pl_module), force=last)
+        build = lambda: self.state(trainer, pl_module)  # noqa: E731
+        report = self.checkpointer.save_now(step, build) if last else self.checkpointer.maybe_save(step, build)
         if report is not None:
             self._last_saved = step
 
@@ -234,7 +235,7 @@ class TieredCheckpointCallback(pl.Callback):
         # training ended otherwise (max_epochs, max_time, early stopping): save the state as it is now
         step = trainer.global_step
         if self.save_on_train_end and step != self._last_saved and step > self._train_start:
-            self.checkpointer.maybe_save(step, lambda: self.state(trainer, pl_module), force=True)
+            self.checkpointer.save_now(step, lambda: self.state(trainer, pl_module))
             self._last_saved = step
 
     def _close(self) -> None:
@@ -252,3 +253,12 @@ class TieredCheckpointCallback(pl.Callback):
             self._close()
         except Exception:  # noqa: BLE001 - the training error is the one to report
             pass
+
+# The CheckpointIO plugin lives in lightning_io; re-exported here, where the issue names it.
+from dcp_tiered.integrations.lightning_io import (  # noqa: E402
+    AsyncCompressedCheckpointIO,
+    CompressedCheckpointIO,
+    load_from_checkpoint,
+)
+
+__all__ += ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]

@@ -1,21 +1,27 @@
-"""Tiers: schedules, the routing writer, background promotion, retention, catalog, restore."""
+"""Tiers: schedules, the routing writer, background promotion, retention, catalog, restore.
 
-from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
-from dcp_tiered.tiers.checkpointer import TieredCheckpointer
-from dcp_tiered.tiers.promotion import Promoter, PromotionReport
-from dcp_tiered.tiers.events import SaveReport
-from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, parse_duration
-from dcp_tiered.tiers.writer import TieredWriter
+Names load lazily, as in the top-level package: ``Tier`` and the catalog's listing work
+without torch; the checkpointer, writer and promoter import it when first used.
+"""
 
-__all__ = [
-    "CheckpointInfo",
-    "Promoter",
-    "PromotionReport",
-    "SaveReport",
-    "Tier",
-    "TieredCheckpointer",
-    "TieredWriter",
-    "list_tiers",
-    "load_tiers_yaml",
-    "parse_duration",
-]
+from __future__ import annotations
+
+from dcp_tiered.lazy import lazy_attributes
+
+_LAZY = {
+    "CheckpointInfo": "dcp_tiered.tiers.catalog",
+    "list_tiers": "dcp_tiered.tiers.catalog",
+    "TieredCheckpointer": "dcp_tiered.tiers.checkpointer",
+    "Promoter": "dcp_tiered.tiers.promotion",
+    "PromotionReport": "dcp_tiered.tiers.promotion",
+    "SaveReport": "dcp_tiered.tiers.events",
+    "Tier": "dcp_tiered.tiers.spec",
+    "load_tiers_yaml": "dcp_tiered.tiers.spec",
+    "parse_duration": "dcp_tiered.tiers.spec",
+    "TieredWriter": "dcp_tiered.tiers.writer",
+}
+
+__all__ = sorted(_LAZY)
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals(), __all__)

@@ -7,14 +7,16 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dcp_tiered.dcp.format import METADATA_FILE, record_view
-from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.layout import INTENT_FILE, parse_step, read_intent
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)
+
+#: ``dcp_tiered.dcp.format.METADATA_FILE`` (a test pins it): not imported from there, because
+#: ``dcp_tiered.dcp`` needs torch and listing with ``with_metadata=False`` must work without it.
+METADATA_FILE = ".metadata"
 
 
 @dataclass
@@ -91,6 +93,9 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
         return info
     if not (info.committed and with_metadata):
         return info
+    from dcp_tiered.dcp.format import record_view
+    from dcp_tiered.dcp.metadata_io import load_metadata
+
     try:
         md = load_metadata(child)
         info.keys = frozenset(md.state_dict_metadata)

@@ -106,6 +106,7 @@ class TieredCheckpointer:
         self._due_names: tuple[str, ...] = ()
         self.reports: list[SaveReport] = []
         self.skipped = 0
+        self._skipped_step: int | None = None
         self._saves = 0
         self._inflight: tuple[Future, SaveReport, float, TieredWriter, DowncastSavePlanner | None] | None = None
         self._failed: BaseException | None = None
@@ -167,14 +168,23 @@ class TieredCheckpointer:
         Lets a training loop skip building the state dict when nothing is due; cheap (no
         collective, no allocation) when every tier is scheduled by steps only.
         """
+        return bool(self.due_tiers(step))
+
+    def due_tiers(self, step: int) -> tuple[str, ...]:
+        """The names of the tiers due at ``step`` (empty when none): :meth:`due`, naming them."""
+        self._enter(step, background=False)
+        if self._due_step != step:
+            self._due_names = tuple(self._decide(step))
+            self._due_step = step
+        return self._due_names
+
+    def _enter(self, step: int, background: bool = True) -> None:  # the checks before a decision or save
         if self._closed:
             raise ConfigError("this TieredCheckpointer is closed")
         check_step(step)
         self._resume_promotions()
-        if self._due_step != step:
-            self._due_names = self._decide(step)
-            self._due_step = step
-        return bool(self._due_names)
+        if background and (self._inflight is not None or self._failed is not None):
+            self._check_background()
 
     def maybe_save(self, step: int, state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]]", *,
                    force: bool = False) -> SaveReport | None:
@@ -182,43 +192,50 @@ class TieredCheckpointer:
 
         ``state_dict`` may be a zero-argument callable returning the state: it is called only
         when a save is due.  A decision already made by :meth:`due` for ``step`` is reused.
+        ``force``: every tier, whatever the schedules (recorded as a save by each).
         Raises :class:`SaveError` if the previous background save failed (the save asked
         for now is then not attempted; the next one runs synchronously).
         """
-        if self._closed:
-            raise ConfigError("this TieredCheckpointer is closed")
-        check_step(step)
-        self._resume_promotions()
-        if self._inflight is not None or self._failed is not None:
-            self._check_background()
+        self._enter(step)
         if force:
-            due: tuple[str, ...] = tuple(t.name for t in self.tiers)
+            due = self.schedule.record_all(step, self.clock())
         elif self._due_step == step:
             due = self._due_names
         else:
             due = self._decide(step)
         self._due_step, self._due_names = None, ()
+        return self._save_due(step, state_dict, due)
+
+    def save_now(self, step: int, state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]]") -> SaveReport:
+        """Save ``step`` to every tier now, whatever the schedules: ``maybe_save(force=True)``, but
+        always with the optimizer state (whatever ``optimizer_every``) and never skipped as busy."""
+        self._enter(step)
+        self._due_step, self._due_names = None, ()
+        return self._save_due(step, state_dict, self.schedule.record_all(step, self.clock()), True)  # type: ignore
+
+    def _save_due(self, step: int, state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]]",
+                  due: Sequence[str], full: bool = False) -> SaveReport | None:
         if not due:
             return None
         if callable(state_dict) and not isinstance(state_dict, Mapping):
             state_dict = state_dict()
             if not isinstance(state_dict, Mapping):
-                raise ConfigError(f"the state callable passed to maybe_save returned {type(state_dict).__name__}, "
-                                  "not a mapping")
+                raise ConfigError(f"the state callable returned {type(state_dict).__name__}, not a mapping")
         if self._inflight is not None:
-            if self.options.on_busy == "skip" and not self._inflight[0].done():
-                self.skipped += 1
+            if self.options.on_busy == "skip" and not full and not self._inflight[0].done():
+                self.skipped, self._skipped_step = self.skipped + 1, step
                 log.info("step %d: a save is still in flight; skipping (on_busy='skip')", step)
                 return None
             t0 = time.perf_counter()
             self._finish_inflight(wait=True)
             waited = time.perf_counter() - t0
             self._check_background()
-            return self._save(step, state_dict, due, waited)
-        return self._save(step, state_dict, due)
+            return self._save(step, state_dict, due, full, waited)
+        return self._save(step, state_dict, due, full)
 
-    def _save(self, step: int, state_dict: Mapping[str, Any], due: Sequence[str], waited: float = 0.0) -> SaveReport:
-        sd, with_optim = self._payload(state_dict)
+    def _save(self, step: int, state_dict: Mapping[str, Any], due: Sequence[str], full: bool,
+              waited: float = 0.0) -> SaveReport:
+        sd, with_optim = self._payload(step, state_dict, full)
         primary = next(t for t in self.tiers if t.name == due[0])
         planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
         for name in due:
@@ -271,13 +288,13 @@ class TieredCheckpointer:
         self.reports.append(report)
         return report
 
-    def _payload(self, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    def _payload(self, step: int, state_dict: Mapping[str, Any], full: bool) -> tuple[dict[str, Any], bool]:
         """What this save holds (``Stateful`` objects expanded at any depth, as restore expects them;
-        without the optimizer entries unless this save is one of every ``optimizer_every``) and
-        whether it holds the optimizer state."""
+        without the optimizer entries unless ``full`` or this save is one of every ``optimizer_every``:
+        see :func:`~dcp_tiered.tiers.policy.includes_optimizer`) and whether it holds the optimizer state."""
         state_dict = expand_stateful(state_dict)[0]
         opts = self.options
-        with_optim = includes_optimizer(self._saves, opts.optimizer_every)
+        with_optim = full or includes_optimizer(self._saves, opts.optimizer_every, step, self.schedule.step_period)
         self._saves += 1
         sd, found = without_paths(state_dict, opts.optimizer_keys)
         if opts.optimizer_every > 1 and not found and not self._warned_no_optim:
@@ -351,14 +368,23 @@ class TieredCheckpointer:
         self._check_background()
         self.promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, final_step: int | None = None,
+              state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None" = None) -> None:
         """:meth:`wait` (with ``timeout``), then stop background work. Safe to call twice.
 
+        ``final_step`` (with ``state_dict``): first save that step as :meth:`save_now` does, to the
+        tiers whose last save (or restore) is not that step (a failure raises; still open).
         When ``timeout`` runs out while the save or promotions are still running, the error is
         raised and the checkpointer stays open: call ``close()`` again to keep waiting (work
         dropped by a process that exits instead resumes in the next run, from its intents)."""
         if self._closed:
             return
+        if final_step is not None:
+            if state_dict is None:
+                raise ConfigError("close(final_step=...) needs the state to save: pass state_dict=")
+            self._enter(final_step)
+            new = self._skipped_step != final_step  # a final step skipped as busy is saved now
+            self._save_due(final_step, state_dict, self.schedule.record_all(final_step, self.clock(), new), True)
         try:
             self.wait(timeout)
         except BaseException:

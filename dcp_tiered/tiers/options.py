@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dcp_tiered.dcp.writer import check_count, check_frame_size
+from dcp_tiered.checks import check_count, check_frame_size
 from dcp_tiered.errors import ConfigError
 from dcp_tiered.tiers.spec import check_str_list, parse_duration
 

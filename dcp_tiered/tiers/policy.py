@@ -33,19 +33,21 @@ class TierHistory:
 def is_due(schedule: Schedule, history: TierHistory, step: int, now: float) -> bool:
     """Whether a tier with ``schedule`` is due at ``step`` / ``now``.
 
-    A tier never saved before is due.  ``every`` and ``every_steps`` must both have elapsed
-    when both are set; ``max_per_hour`` caps saves in any rolling hour.
+    ``every_steps=N``: due at the multiples of N only (``step % N == 0``, step 0 included),
+    as Lightning's ``every_n_train_steps``, HF's ``save_steps`` and torchtitan's ``interval``,
+    so saves line up across restarts and tiers.  ``every``: due once that many seconds have
+    passed since the last save (a tier never saved, or whose last save time is unknown, is
+    due).  Both set: a multiple of N at which ``every`` has also elapsed.  A step at or
+    before the last saved step is never due; ``max_per_hour`` caps saves in any rolling hour.
     """
     if history.last_step is not None and step <= history.last_step:
+        return False
+    if schedule.every_steps is not None and step % schedule.every_steps:
         return False
     if schedule.max_per_hour is not None:
         in_hour = sum(1 for t in history.recent_times if now - t < HOUR)
         if in_hour >= schedule.max_per_hour:
             return False
-    if history.last_step is None:
-        return True
-    if schedule.every_steps is not None and step - history.last_step < schedule.every_steps:
-        return False
     if schedule.every is not None and history.last_time is not None and now - history.last_time < schedule.every:
         return False
     return True
@@ -71,9 +73,25 @@ def record_save(history: TierHistory, step: int, now: float) -> TierHistory:
     return TierHistory(step, now, recent)
 
 
-def includes_optimizer(save_index: int, optimizer_every: int) -> bool:
-    """Whether the ``save_index``-th save (0-based) carries optimizer state."""
-    return optimizer_every <= 1 or save_index % optimizer_every == 0
+def includes_optimizer(save_index: int, optimizer_every: int, step: int | None = None,
+                       every_steps: int | None = None) -> bool:
+    """Whether a save carries optimizer state, with ``optimizer_every=K``.
+
+    Step schedules (``every_steps=N``, the smallest N of the tiers scheduled by steps alone):
+    the saves at multiples of K*N, so full checkpoints line up across restarts like the saves
+    themselves.  Otherwise every Kth save of this process (``save_index`` 0-based: the first
+    save after a start or a restore is full).
+    """
+    if optimizer_every <= 1:
+        return True
+    if every_steps is not None and step is not None:
+        return step % (optimizer_every * every_steps) == 0
+    return save_index % optimizer_every == 0
+
+
+def step_period(schedules: Iterable[Schedule]) -> int | None:
+    """The smallest ``every_steps`` of the schedules by steps alone (no ``every``), or None."""
+    return min((s.every_steps for s in schedules if s.every_steps is not None and s.every is None), default=None)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save
+from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save, step_period
 from dcp_tiered.tiers.spec import Tier
 
 
@@ -28,6 +28,9 @@ class SaveSchedule:
         self.histories = {t.name: TierHistory() for t in tiers}
         #: Whether a decision reads the wall clock (then ranks must share one decision).
         self.clock_based = any(t.every is not None or t.max_per_hour is not None for t in tiers)
+        #: The smallest ``every_steps`` of the tiers scheduled by steps alone (None: none is);
+        #: ``optimizer_every`` counts in multiples of it.
+        self.step_period = step_period(self.schedules)
 
     def due(self, step: int, now: float) -> list[int]:
         """Indexes of the tiers due at ``step`` / ``now``, fastest first (nothing is recorded)."""
@@ -39,6 +42,12 @@ class SaveSchedule:
         for n in names:
             self.histories[n] = record_save(self.histories[n], step, now)
         return names
+
+    def record_all(self, step: int, now: float, new: bool = False) -> tuple[str, ...]:
+        """Record a save at ``step`` / ``now`` to every tier (with ``new``: to those whose last
+        save is not ``step`` already); return their names."""
+        idx = [i for i, n in enumerate(self.names) if not new or self.histories[n].last_step != step]
+        return self.record(idx, step, now)
 
     def decide(self, step: int, now: float, *, fallback: bool = False,
                agree: Callable[[list[int]], list[int]] | None = None) -> tuple[str, ...]:
@@ -54,6 +63,10 @@ class SaveSchedule:
         return self.record(idx or ([0] if fallback else []), step, now)
 
     def restored(self, step: int, now: float, indexes: Iterable[int]) -> None:
-        """After a restore of ``step``: the tiers at ``indexes`` count as saved at ``step`` / ``now``."""
+        """After a restore of ``step``: the tiers at ``indexes`` count as saved at ``step`` / ``now``.
+
+        Nothing becomes due at once: a tier by steps saves next at the next multiple of its
+        ``every_steps`` after ``step``; a tier by time holding ``step`` waits ``every`` from
+        ``now`` (one that does not hold it has no known last save time and is due)."""
         for i in set(indexes):
             self.histories[self.names[i]] = TierHistory(step, now, ())

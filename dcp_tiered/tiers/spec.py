@@ -12,7 +12,7 @@ from typing import Any
 import fsspec
 
 from dcp_tiered.codecs import parse_codec
-from dcp_tiered.dcp.writer import check_count
+from dcp_tiered.checks import check_count
 from dcp_tiered.errors import CodecError, ConfigError
 
 # One "number unit" part of a duration; longer unit names first so "ms" is not read as "m".

@@ -220,7 +220,7 @@ class TieredWriter(StorageWriter):
             # commit (:mod:`~dcp_tiered.tiers.node_commit`) commits it again once its files are in.
             target.remove(METADATA_FILE)
         url = target.url
-        inner = CompressedWriter(url, primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
+        inner = CompressedWriter(url, codec=primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
                                  save_id=tp.save_id or None, **kwargs)
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
         inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=RankFilePrefix(tp.prefix)))

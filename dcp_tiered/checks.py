@@ -1,0 +1,51 @@
+"""Argument checks shared by the writer, the tier specs and the options, and the torch probe.
+
+Torch-free on purpose: ``Tier``, the options, the cost model and ``dcp-tiered cost``/``ls``
+import this module in an environment without torch.
+"""
+
+from __future__ import annotations
+
+from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE
+from dcp_tiered.errors import ConfigError
+
+#: What the CLI and the no-torch paths tell a user whose environment lacks torch.
+INSTALL_TORCH = "install torch first (pip install torch)"
+
+
+def check_count(value: object, field: str, minimum: int = 1, maximum: int | None = None, optional: bool = False) -> int | None:
+    """``value`` as an int in ``[minimum, maximum]`` (None allowed when ``optional``), else a ConfigError naming ``field``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{field} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ConfigError(f"{field} must be {bound}, got {value!r}")
+    return value
+
+
+def check_frame_size(value: object, optional: bool = False) -> int | None:
+    """A valid ``frame_size`` (bytes, ``MIN_FRAME_SIZE`` .. ``MAX_FRAME_SIZE``) or a ConfigError."""
+    return check_count(value, "frame_size", MIN_FRAME_SIZE, MAX_FRAME_SIZE, optional)
+
+
+def is_missing_torch(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the error it was raised ``from``) is torch not being installed."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ModuleNotFoundError) and (seen.name or "").split(".")[0] == "torch":
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def torch_available() -> bool:
+    """Whether ``import torch`` works here (imports it when it does)."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if not is_missing_torch(exc):
+            raise
+        return False
+    return True
