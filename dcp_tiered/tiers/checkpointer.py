@@ -304,8 +304,7 @@ class TieredCheckpointer:
                         opts.optimizer_every, list(opts.optimizer_keys), sorted(state_dict)[:8])
         return (dict(state_dict) if with_optim else sd), with_optim and found
 
-    def _complete(self, report: SaveReport, writer: TieredWriter, planner: DowncastSavePlanner | None,
-                  metadata: Any = None) -> None:
+    def _complete(self, report: SaveReport, writer: TieredWriter, planner: DowncastSavePlanner | None, metadata: Any) -> None:
         report.ok = True
         stats = writer.last_stats
         if stats is not None:
@@ -314,9 +313,7 @@ class TieredCheckpointer:
         if planner is not None:
             report.downcast_kept = dict(planner.report.kept)
         primary = next(t for t in self.tiers if t.name == report.tiers[0])
-        if primary.node_local:
-            # DCP commits (and queues retention) in the coordinator's directory only: the leader of
-            # every other node-local directory commits it, then queues its retention.
+        if primary.node_local:  # DCP commits the coordinator's directory only: commit the others (their leaders)
             commit_after_save(primary, report.step, metadata, rank=self.rank, world=self.world,
                               promoter=self.promoter, events=self.events)
         self.events.emit(report.as_dict())
