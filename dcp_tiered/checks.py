@@ -30,6 +30,13 @@ def check_frame_size(value: object, optional: bool = False) -> int | None:
     return check_count(value, "frame_size", MIN_FRAME_SIZE, MAX_FRAME_SIZE, optional)
 
 
+def check_timeout(timeout: object) -> None:
+    """A wait/close timeout: None or a finite number of seconds >= 0."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 <= timeout < float("inf")):
+        raise ConfigError(f"timeout must be None or a non-negative number of seconds, got {timeout!r}")
+
+
 def is_missing_torch(exc: BaseException) -> bool:
     """Whether ``exc`` (or the error it was raised ``from``) is torch not being installed."""
     seen: BaseException | None = exc

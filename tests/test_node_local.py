@@ -142,6 +142,8 @@ def _save(root: Path, out: Path, scenario: str, mesh, rank: int) -> None:
         ckpt.close()
     commits = [{k: e[k] for k in ("step", "ok", "error", "ranks")} for e in events if e.get("event") == "node_commit"]
     (out / f"commits[{scenario}].rank{rank}.json").write_text(json.dumps(commits))
+    sizes = [(e["step"], e["raw_bytes"], e["stored_bytes"]) for e in events if e.get("event") == "save" and e.get("ok")]
+    (out / f"sizes[{scenario}].rank{rank}.json").write_text(json.dumps(sizes))
 
 
 def _direct(root: Path, out: Path, mesh, rank: int) -> None:
@@ -261,6 +263,10 @@ def test_every_node_commits_its_own_files(saved, root: Path, scenario: str) -> N
     assert [c["step"] for c in commits[LOCAL] if c["ok"]] == STEPS, commits[LOCAL]
     assert all(c["ranks"] == [2, 3] for c in commits[LOCAL]), commits[LOCAL]
     assert all(commits[r] == [] for r in range(WS) if r != LOCAL), commits
+    # every rank reports the save's sizes from the committed metadata (not 0 off the coordinator)
+    sizes = _facts(saved[0], f"sizes[{scenario}]")
+    assert [s[0] for s in sizes[0]] == STEPS and all(raw > 0 and 0 < stored for _, raw, stored in sizes[0]), sizes
+    assert all(sizes[r] == sizes[0] for r in range(WS)), sizes
 
 
 def test_save_returns_the_committed_metadata_on_every_rank(saved) -> None:

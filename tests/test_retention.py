@@ -189,25 +189,26 @@ def test_an_unreadable_checkpoint_does_not_stand_in_for_the_optimizer_state(tmp_
     assert 1 not in {i.step for i in retention.plan(tiers[0]).victims}
 
 
-@pytest.mark.xfail(strict=True, reason="a non-coordinator rank cannot tell which node-local step holds the optimizer "
-                   "state (no .metadata on its node), so it deletes the files of the full step the coordinator keeps")
 def test_node_local_ranks_keep_the_step_the_coordinator_keeps_for_the_optimizer(tmp_path: Path) -> None:
     """keep=1, ``optimizer_every=2``: step 1 holds the optimizer state, step 2 the model only.
     The coordinator keeps both (step 1 as the newest full one); every other rank must keep its
-    files of step 1 too, or step 1 is whole on no node and a resume loses the optimizer state."""
+    files of step 1 too, or step 1 is whole on no node and a resume loses the optimizer state.
+    Each node's directory holds its own ``.metadata`` (node commit), which says what it holds;
+    a directory with data files but no ``.metadata`` (a refused node commit) is not committed."""
     local = tmp_path / "local"
     for step, keys in ((1, ("model", "optim")), (2, ("model",))):
         dcp.save({k: torch.arange(64.0) + step for k in keys}, storage_writer=CompressedWriter(local / "0" / step_name(step)),
                  no_dist=True)
         shutil.copytree(local / "0" / step_name(step), local / "1" / step_name(step))
-        (local / "1" / step_name(step) / ".metadata").unlink()  # only the coordinator's node holds it
+    shutil.copytree(local / "1" / step_name(2), local / "1" / step_name(3))
+    (local / "1" / step_name(3) / ".metadata").unlink()  # node 1's commit of step 3 was refused
     tier = Tier("local", str(local / "{rank}"), keep=1)
     kept = {}
     for rank in (0, 1):
         retention = Retention([tier], rank=rank, is_coordinator=rank == 0, leftover_grace=0.0, optimizer_keys=("optim",))
         kept[rank] = {1, 2} - {i.step for i in retention.plan(tier).victims}
     assert kept[0] == {1, 2}
-    assert kept[1] == kept[0]
+    assert kept[1] == kept[0]  # step 3 (uncommitted on node 1) does not push step 2 out
 
 
 def test_promote_keeps_the_newest_checkpoint_with_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

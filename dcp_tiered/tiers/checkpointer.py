@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from dcp_tiered.checks import check_timeout
 from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.planners import DowncastSavePlanner
 from dcp_tiered.dcp.statedict import expand_stateful
@@ -36,19 +37,13 @@ from dcp_tiered.tiers.events import EventLog, SaveReport, describe_error, root_c
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.spec import Tier, check_step, load_tiers_yaml, validate_tiers
-from dcp_tiered.tiers.state import state_bytes, without_paths
+from dcp_tiered.tiers.state import committed_stats, state_bytes, without_paths
 from dcp_tiered.tiers.writer import TieredWriter, node_of
 
 log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: CPU priority offset of background saves and promotions, so the training loop keeps the cores.
 BACKGROUND_NICE = 10
-
-
-def _check_timeout(timeout: Any) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 <= timeout < float("inf")):
-        raise ConfigError(f"timeout must be None or a non-negative number of seconds, got {timeout!r}")
 
 
 class TieredCheckpointer:
@@ -306,7 +301,7 @@ class TieredCheckpointer:
 
     def _complete(self, report: SaveReport, writer: TieredWriter, planner: DowncastSavePlanner | None, metadata: Any) -> None:
         report.ok = True
-        stats = writer.last_stats
+        stats = committed_stats(writer.last_stats, metadata)
         if stats is not None:
             report.stored_bytes = stats.stored_bytes
             report.raw_bytes = stats.raw_bytes or report.raw_bytes
@@ -348,7 +343,7 @@ class TieredCheckpointer:
 
         With ``timeout`` (seconds, for both together) raise :class:`SaveError` if the save is
         still in flight, or :class:`PromotionError` naming the promotions still pending."""
-        _check_timeout(timeout)
+        check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._closed:
             self._resume_promotions()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dcp_tiered.dcp.format import DATA_SUFFIX, METADATA_FILE
+from dcp_tiered.dcp.format import METADATA_FILE
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tier, tier_storage
@@ -60,17 +60,16 @@ class StepMarks:
 
 
 def checkpoint_facts(info: CheckpointInfo, *, ages: dict[str, float], busy: Collection[int], own: Collection[int],
-                     known_tiers: Collection[str], is_coordinator: bool = True,
-                     optimizer_keys: Sequence[str] = ()) -> CheckpointFacts:
+                     known_tiers: Collection[str], optimizer_keys: Sequence[str] = ()) -> CheckpointFacts:
     """The retention facts of one (usable) checkpoint directory.
 
     Busy: in ``busy``, or with a pending intent naming a known tier (one naming no known tier
-    pins nothing), or uncommitted with promotion fragments (an incoming promotion).  A rank
-    other than the coordinator counts a directory holding data files as committed (node-local
-    tiers: only the coordinator's node holds ``.metadata``).  A step in ``own`` has an infinite
+    pins nothing), or uncommitted with promotion fragments (an incoming promotion).  Committed
+    means ``.metadata`` is there, on every rank: each node's directory of a node-local tier gets
+    its own once that node's files are in (``tiers/node_commit.py``).  A step in ``own`` has an infinite
     age (no grace period); else the age of its newest file, from ``ages`` (path -> seconds).
     """
-    committed = info.committed or (not is_coordinator and any(f.endswith(DATA_SUFFIX) for f in info.files))
+    committed = info.committed
     intents = bool(set(info.pending_promotions) & set(known_tiers))
     incoming = any(f.endswith(FRAGMENT_SUFFIX) for f in info.files)
     file_ages = [a for n, a in ages.items() if n.startswith(info.name + "/")]
@@ -128,7 +127,7 @@ class Retention:
         known = {t.name for t in self.tiers}
         usable = [i for i in infos if not i.unusable]  # a link (or a .metadata that is no file): never deleted
         facts = [checkpoint_facts(i, ages=ages, busy=busy_now, own=own, known_tiers=known,
-                                  is_coordinator=self.is_coordinator, optimizer_keys=self.optimizer_keys) for i in usable]
+                                  optimizer_keys=self.optimizer_keys) for i in usable]
         victims = set(retention_victims(facts, tier.keep, protect, self.leftover_grace))
         return RetentionPlan(tier, storage, [i for i in usable if i.step in victims], [i for i in infos if i.unusable])
 

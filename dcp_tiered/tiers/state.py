@@ -39,3 +39,14 @@ def state_bytes(state_dict: Mapping[str, Any]) -> int:
         elif isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size()
     return total
+
+
+def committed_stats(writer_stats: Any, metadata: Any) -> Any:
+    """Sizes of a committed save: the coordinator's writer computed them at commit; every other
+    rank reads them from the committed ``Metadata`` that ``dcp.save`` returns everywhere (so a
+    save's raw/stored bytes are the same on every rank, for its report and the metrics)."""
+    if writer_stats is not None or not getattr(metadata, "storage_data", None):
+        return writer_stats
+    from dcp_tiered.dcp.save_stats import stats_from_records
+
+    return stats_from_records((getattr(k, "fqn", k), r) for k, r in metadata.storage_data.items())
