@@ -17,7 +17,14 @@ def lazy_attributes(package: str, names: Mapping[str, str], namespace: dict[str,
         module = names.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        try:
+            value = getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch" or not module.startswith("dcp_tiered"):
+                raise
+            raise ModuleNotFoundError(f"{package}.{name} needs torch: install torch first (pip install torch); "
+                                      "Tier, the cost model and `dcp-tiered cost`/`ls` work without it",
+                                      name="torch") from exc
         namespace[name] = value
         return value
 

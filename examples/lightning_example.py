@@ -3,7 +3,7 @@
     python examples/lightning_example.py [--dir DIR] [--steps 12] [--crash-at 5]
 
 A tiny regression model is trained with a ``TieredCheckpointCallback`` (a fast local tier
-every 2 steps, a compressed "durable" tier every 4 steps; the durable copies are promoted in
+every 5 steps, a compressed "durable" tier every 10 steps, at multiples of N; the durable copies are promoted in
 the background).  The first fit crashes (an exception) at ``--crash-at``; the second fit,
 with a fresh model, resumes from the newest checkpoint (weights, optimizer, scheduler, loops
 and callback states), finishes, and saves its last step when training ends.  Its final

@@ -49,6 +49,17 @@ def make_checkpoint(tier_dir: Path, step: int) -> Path:
     return path
 
 
+def test_library_names_that_need_torch_say_so_on_import():
+    res = run_without_torch(
+        "for name in ('CompressedWriter', 'TieredCheckpointer'):\n"
+        "    try:\n        getattr(__import__('dcp_tiered'), name)\n"
+        "    except ModuleNotFoundError as e:\n        print(e.name, '|', e)\n"
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("torch | dcp_tiered.") and INSTALL_TORCH in line for line in lines), lines
+
+
 def test_tier_options_and_cost_import_without_torch():
     res = run_without_torch(
         "from dcp_tiered import Tier, ConfigError\n"
