@@ -81,6 +81,30 @@ class _WriteClock:
 
 
 @contextlib.contextmanager
+def timed_methods(times: dict[str, float]) -> Iterator[None]:
+    """Add the calling thread's CPU time in ``CompressedWriter.write_data`` and ``finish`` to ``times``
+    (the rest of the save is DCP's planning and its per-key wrappers)."""
+    saved = {name: getattr(CompressedWriter, name) for name in ("write_data", "finish")}
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
+            c = time.thread_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                times[f"{name}_cpu_s"] = times.get(f"{name}_cpu_s", 0.0) + time.thread_time() - c
+        return run
+
+    for name, fn in saved.items():
+        setattr(CompressedWriter, name, timed(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(CompressedWriter, name, fn)
+
+
+@contextlib.contextmanager
 def timed_writes(clock: _WriteClock) -> Iterator[None]:
     real = local_storage.LocalStorage._open_write
 
@@ -99,8 +123,9 @@ def timed_writes(clock: _WriteClock) -> Iterator[None]:
 def one_save(state: dict, root: str, threads: int, codec: str) -> dict[str, float]:
     path = tempfile.mkdtemp(dir=root)
     clock = _WriteClock()
+    times: dict[str, float] = {}
     try:
-        with timed_writes(clock):
+        with timed_writes(clock), timed_methods(times):
             c0, w0 = time.thread_time(), time.perf_counter()
             r0 = time.process_time()
             dcp.save(state, storage_writer=CompressedWriter(path, codec=codec, threads=threads, overwrite=True), no_dist=True)
@@ -108,7 +133,7 @@ def one_save(state: dict, root: str, threads: int, codec: str) -> dict[str, floa
     finally:
         shutil.rmtree(path, ignore_errors=True)
     return {"wall_s": wall, "main_cpu_s": cpu, "process_cpu_s": proc, "main_write_cpu_s": clock.cpu,
-            "main_write_wall_s": clock.wall, "write_calls": clock.calls}
+            "main_write_wall_s": clock.wall, "write_calls": clock.calls, **times}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
     args = ap.parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="profile_save_")
+    os.makedirs(root, exist_ok=True)
     try:
         for kind in args.state or ["minilm-bf16"]:
             state = make_state(kind, args.items, args.mb)

@@ -154,7 +154,8 @@ def write_items(
                 inflight += raw
             pending.append(_Pending(src, frames))
             while inflight > max_inflight_bytes:
-                submit_batch()
+                if batch is not None and any(job is batch for job, _i, _r in pending[0].frames):
+                    submit_batch()  # only when the oldest item waits on it: batches stay full
                 drain_one()
         submit_batch()
         while pending:
