@@ -7,7 +7,6 @@ order, so compression and I/O overlap.  ``.metadata`` is committed last, atomica
 
 from __future__ import annotations
 
-import collections
 import collections.abc
 import dataclasses
 import os
@@ -24,8 +23,9 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.thread_priority import lower_thread_priority
-from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, frame_bounds, get_codec, parse_codec
+from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, get_codec, parse_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
+from dcp_tiered.dcp.frame_pipeline import ItemSource, write_items
 from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
@@ -37,6 +37,8 @@ from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.checks import check_count, check_frame_size  # noqa: F401  (importable from here, as before)
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
 from dcp_tiered.storage import FileLock, Storage
+
+_FILTER_BYTES = filter_for(False, 1)
 
 #: Lock file a local checkpoint directory holds while a save writes it (removed at commit).
 LOCK_FILE = ".lock"
@@ -328,97 +330,57 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
 
     # -- encoding -------------------------------------------------------------------
 
-    def _item_source(self, item: WriteItem, planner: SavePlanner) -> tuple[Any, dict]:
-        """Resolve one item to (uint8 array, keep-alive, :class:`ItemRecord` fields)."""
+    def _item_source(self, item: WriteItem, planner: SavePlanner, group: bool) -> ItemSource:
+        """Resolve one item to its raw bytes and its :class:`ItemRecord` fields (``group``: byte-group floats)."""
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             raw, extra = encode_object(item, data, planner, self.safe_globals, self.storage.url)
-            arr = np.frombuffer(raw, dtype=np.uint8)
-            return (arr, raw), {"kind": KIND_BYTES, "itemsize": 1, "filter_name": filter_for(False, 1),
-                                "object_kind": extra.get(OBJECT_FIELD)}
+            return ItemSource(item, np.frombuffer(raw, dtype=np.uint8), raw, {
+                "kind": KIND_BYTES, "itemsize": 1, "filter_name": _FILTER_BYTES, "object_kind": extra.get(OBJECT_FIELD)})
         if not isinstance(data, torch.Tensor):
             raise ConfigError(f"planner resolved tensor item {item.index.fqn!r} to {type(data).__name__}, not a tensor")
         arr, keep = tensor_bytes(data)
-        orig = item.tensor_data.properties.dtype if item.tensor_data is not None else keep.dtype
-        fields = {
+        dtype = keep.dtype
+        name = dtype_name(dtype)
+        orig = item.tensor_data.properties.dtype if item.tensor_data is not None else dtype
+        size = keep.element_size()
+        return ItemSource(item, arr, keep, {
             "kind": KIND_TENSOR,
-            "itemsize": keep.element_size(),
-            "filter_name": filter_for(keep.dtype.is_floating_point, keep.element_size(),
-                                      self.byte_group and get_codec(self.codec).compresses),
-            "dtype": dtype_name(keep.dtype),
-            "orig_dtype": dtype_name(orig),
-            "shape": tuple(int(d) for d in keep.shape),
-        }
-        return (arr, keep), fields
+            "itemsize": size,
+            "filter_name": filter_for(dtype.is_floating_point, size, group),
+            "dtype": name,
+            "orig_dtype": name if orig is dtype else dtype_name(orig),
+            "shape": tuple(keep.shape),
+        })
 
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         threads = self.threads or default_threads()
         codecs: dict[tuple[str, int], FrameCodec] = {}
+        group = self.byte_group and get_codec(self.codec).compresses
         # Bytes items first: they are small and let tensor frames stream without gaps.
         ordered = sorted(items, key=lambda it: 0 if it.type == WriteItemType.BYTE_IO else 1)
         results: list[WriteResult] = []
-        max_inflight = 2 * threads + 2
 
-        def jobs(pool: ThreadPoolExecutor):
-            for item in ordered:
-                (arr, keep), fields = self._item_source(item, planner)
-                key = (fields["filter_name"], fields["itemsize"])
-                fc = codecs.get(key) or codecs.setdefault(key, FrameCodec(self.codec, *key))
-                fields["frame_size"] = record_frame_size(arr.nbytes, self.frame_size)
-                bounds = frame_bounds(arr.nbytes, fields["frame_size"], fields["itemsize"])
-                yield ("start", item, fields, arr.nbytes, len(bounds))
-                for s, e in bounds:
-                    yield ("frame", pool.submit(fc.encode, arr[s:e]), keep)
+        def codec_for(fields: dict) -> FrameCodec:
+            key = (fields["filter_name"], fields["itemsize"])
+            fc = codecs.get(key)
+            return fc if fc is not None else codecs.setdefault(key, FrameCodec(self.codec, *key))
+
+        def on_item(src: ItemSource, start: int, lengths: list, sums: list) -> None:
+            results.append(self._result(file_name, src, start, lengths, sums))
 
         lower_thread_priority(self.nice)  # the calling thread is a background one when nice is set
         with self.storage.open_write(file_name, durable=self.sync_files) as f, ThreadPoolExecutor(
             threads, thread_name_prefix="dcp_tiered-encode", initializer=lower_thread_priority, initargs=(self.nice,)
         ) as pool:
-            offset = 0
-            pending: collections.deque = collections.deque()
-            current: dict | None = None
-            inflight = 0
-
-            def drain_one() -> None:
-                nonlocal offset, current, inflight
-                kind, *rest = pending.popleft()
-                if kind == "start":
-                    item, fields, raw_len, n_frames = rest
-                    current = {"item": item, "fields": fields, "raw": raw_len, "left": n_frames,
-                               "start": offset, "frames": [], "sums": []}
-                else:
-                    inflight -= 1
-                    enc = rest[0].result()
-                    for piece in enc.pieces:
-                        f.write(piece)
-                    offset += enc.stored_len
-                    current["frames"].append(enc.stored_len)
-                    current["sums"].append(enc.digest)
-                    current["left"] -= 1
-                if current is not None and current["left"] == 0:
-                    results.append(self._result(file_name, current))
-                    current = None
-
-            try:
-                for job in jobs(pool):
-                    pending.append(job)
-                    inflight += job[0] == "frame"
-                    while inflight > max_inflight:
-                        drain_one()
-                while pending:
-                    drain_one()
-            except BaseException:
-                for job in pending:
-                    if job[0] == "frame":
-                        job[1].cancel()
-                raise
+            sources = (self._item_source(item, planner, group) for item in ordered)
+            write_items(f, sources, codec_for, self.frame_size, pool, (2 * threads + 2) * self.frame_size, on_item)
         return results
 
-    def _result(self, file_name: str, cur: dict) -> WriteResult:
+    def _result(self, file_name: str, src: ItemSource, start: int, lengths: list, sums: list) -> WriteResult:
         record = ItemRecord(
-            version=FORMAT_VERSION, file=file_name, offset=cur["start"], length=sum(cur["frames"]), raw_length=cur["raw"],
-            codec=self.codec, frame_lengths=tuple(cur["frames"]), frame_sums=tuple(cur["sums"]),
-            checksum=CHECKSUM_ALGORITHM, **cur["fields"],
+            version=FORMAT_VERSION, file=file_name, offset=start, length=sum(lengths), raw_length=src.arr.nbytes,
+            codec=self.codec, frame_lengths=tuple(lengths), frame_sums=tuple(sums),
+            checksum=CHECKSUM_ALGORITHM, **src.fields,
         )
-        return WriteResult(index=cur["item"].index, size_in_bytes=record.length, storage_data=record.to_builtin())
-
+        return WriteResult(index=src.item.index, size_in_bytes=record.length, storage_data=record.to_builtin())

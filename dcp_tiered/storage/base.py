@@ -66,6 +66,21 @@ def storage_errors(url: str, action: str) -> Iterator[None]:
         raise _map_error(exc, url, action) from exc
 
 
+def write_pieces(f: BinaryIO, pieces: "list[object] | tuple[object, ...]") -> None:
+    """Write buffers, in order, to a file opened by :meth:`Storage.open_write`.
+
+    A backend's file may offer the optional primitive ``writev(pieces)`` (local files:
+    ``os.writev``, which releases the GIL and joins nothing); other files (object stores,
+    which stream their parts) get one ``write`` per piece.
+    """
+    writev = getattr(f, "writev", None)
+    if writev is not None:
+        writev(pieces)
+        return
+    for piece in pieces:
+        f.write(piece)  # type: ignore[arg-type]
+
+
 _BACKENDS: list[type["Storage"]] = []
 
 
@@ -144,7 +159,11 @@ class Storage:
     # -- primitives: each backend implements these ------------------------------------
 
     def _open_write(self, name: str, durable: bool) -> "contextlib.AbstractContextManager[BinaryIO]":
-        """Open ``name`` for writing; on clean exit the bytes are durable (as the backend allows) and closed."""
+        """Open ``name`` for writing; on clean exit the bytes are durable (as the backend allows) and closed.
+
+        The file may also offer ``writev(pieces)`` (see :func:`write_pieces`): every byte of
+        the buffers written in order, or an error.
+        """
         raise NotImplementedError
 
     def _commit(self, name: str, data: bytes, exclusive: bool) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcp_tiered.storage.base import write_pieces
 from dcp_tiered.codecs import FrameCodec, get_codec, verify_frame
 from dcp_tiered.codecs.bytegroup import FILTER_NONE
 from dcp_tiered.dcp.format import record_view
@@ -50,8 +51,7 @@ def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[obj
                 raw = np.empty(e - s, dtype=np.uint8)
                 old.decode(stored, raw)
                 enc = new.encode(raw)
-                for piece in enc.pieces:
-                    f.write(piece)
+                write_pieces(f, enc.pieces)
                 frames.append(enc.stored_len)
                 sums.append(enc.digest)
             moved = rec.reencoded(target.spec, new_filter, offset, frames, sums)

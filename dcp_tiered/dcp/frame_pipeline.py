@@ -1,0 +1,170 @@
+"""The encode-and-write pipeline of one data file: frames encoded on a pool, written in order.
+
+Large frames are one pool job each; frames smaller than :data:`SMALL_FRAME` (the items of a
+state with thousands of small tensors) are encoded in batches of about :data:`BATCH_BYTES`, so
+that a pool hand-off (queue, wake-up, GIL switch) is paid per batch, not per tensor.  Every
+frame stays its own frame and every item its own record: the bytes written are the same.
+
+The pieces of finished frames are gathered and written with one vectored call
+(:func:`~dcp_tiered.storage.write_pieces`: ``os.writev`` on local files, which releases the GIL)
+instead of one ``write`` per piece, and never joined into one buffer first.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from dcp_tiered.codecs import FrameCodec, frame_bounds
+from dcp_tiered.codecs.frames import EncodedFrame, record_frame_size
+from dcp_tiered.storage.base import write_pieces
+from dcp_tiered.storage.writeback import IOV_MAX
+
+#: Frames below this many raw bytes are encoded in batches (one pool job per batch).
+SMALL_FRAME = 256 << 10
+#: Raw bytes (and frames) per batch of small frames.
+BATCH_BYTES = 1 << 20
+BATCH_FRAMES = 512
+#: Encoded bytes gathered before they are written (a large frame is written at once).
+FLUSH_BYTES = 1 << 20
+
+
+def _encode_all(jobs: list[tuple[FrameCodec, np.ndarray]]) -> list[EncodedFrame]:
+    return [fc.encode(arr) for fc, arr in jobs]
+
+
+class _Batch:
+    """Small frames encoded by one pool job; ``future`` is set when the batch is submitted."""
+
+    __slots__ = ("jobs", "raw", "future")
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[FrameCodec, np.ndarray]] = []
+        self.raw = 0
+        self.future: Future | None = None
+
+
+@dataclasses.dataclass
+class ItemSource:
+    """One item to write: its raw bytes, what keeps them alive, and its record fields."""
+
+    item: Any
+    arr: np.ndarray
+    keep: Any
+    fields: dict
+
+
+@dataclasses.dataclass
+class _Pending:
+    source: ItemSource
+    frames: list  # (Future | _Batch, index in the batch's results or -1, raw bytes)
+
+
+class PieceWriter:
+    """Writes the pieces of finished frames in order, gathered into few vectored writes."""
+
+    def __init__(self, f: BinaryIO, flush_bytes: int = FLUSH_BYTES) -> None:
+        self._f = f
+        self._flush_bytes = flush_bytes
+        self._pieces: list[object] = []
+        self._bytes = 0
+
+    def add(self, frame: EncodedFrame) -> None:
+        self._pieces.extend(frame.pieces)
+        self._bytes += frame.stored_len
+        if self._bytes >= self._flush_bytes or len(self._pieces) >= IOV_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pieces:
+            pieces, self._pieces, self._bytes = self._pieces, [], 0
+            write_pieces(self._f, pieces)
+
+
+#: Called per finished item: (source, start offset, frame lengths, frame checksums).
+OnItem = Callable[[ItemSource, int, list, list], None]
+
+
+def write_items(
+    f: BinaryIO,
+    sources: Iterable[ItemSource],
+    codec_for: Callable[[dict], FrameCodec],
+    frame_size: int,
+    pool: ThreadPoolExecutor,
+    max_inflight_bytes: int,
+    on_item: OnItem,
+) -> None:
+    """Encode every item's frames on ``pool`` and write them to ``f`` in item order.
+
+    At most about ``max_inflight_bytes`` raw bytes are submitted and not yet written.
+    ``fields["frame_size"]`` is set on each item's fields before its frames are cut.
+    """
+    out = PieceWriter(f)
+    pending: collections.deque[_Pending] = collections.deque()
+    batch: _Batch | None = None
+    inflight = 0
+    offset = 0
+
+    def submit_batch() -> None:
+        nonlocal batch
+        if batch is not None:
+            batch.future = pool.submit(_encode_all, batch.jobs)
+            batch = None
+
+    def drain_one() -> None:
+        nonlocal inflight, offset
+        entry = pending.popleft()
+        start, lengths, sums = offset, [], []
+        for job, index, raw in entry.frames:
+            fut = job.future if isinstance(job, _Batch) else job
+            if not fut.done():
+                out.flush()  # hand the gathered bytes to the kernel while the encoders finish
+            enc = fut.result()[index] if index >= 0 else fut.result()
+            out.add(enc)
+            offset += enc.stored_len
+            lengths.append(enc.stored_len)
+            sums.append(enc.digest)
+            inflight -= raw
+        on_item(entry.source, start, lengths, sums)
+
+    try:
+        for src in sources:
+            fc = codec_for(src.fields)
+            fields = src.fields
+            fields["frame_size"] = record_frame_size(src.arr.nbytes, frame_size)
+            frames = []
+            for s, e in frame_bounds(src.arr.nbytes, fields["frame_size"], fields["itemsize"]):
+                raw = max(e - s, 1 << 12)  # tiny frames still count toward the bound
+                if e - s < SMALL_FRAME:
+                    if batch is None:
+                        batch = _Batch()
+                    frames.append((batch, len(batch.jobs), raw))
+                    batch.jobs.append((fc, src.arr[s:e]))
+                    batch.raw += e - s
+                    if batch.raw >= BATCH_BYTES or len(batch.jobs) >= BATCH_FRAMES:
+                        submit_batch()
+                else:
+                    submit_batch()
+                    frames.append((pool.submit(fc.encode, src.arr[s:e]), -1, raw))
+                inflight += raw
+            pending.append(_Pending(src, frames))
+            while inflight > max_inflight_bytes:
+                if batch is not None and any(job is batch for job, _i, _r in pending[0].frames):
+                    submit_batch()  # only when the oldest item waits on it: batches stay full
+                drain_one()
+        submit_batch()
+        while pending:
+            drain_one()
+        out.flush()
+    except BaseException:
+        for entry in pending:
+            for job, _index, _raw in entry.frames:
+                fut = job.future if isinstance(job, _Batch) else job
+                if fut is not None:
+                    fut.cancel()
+        raise
