@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from isolated import run_isolated
 from dcp_tiered import CompressedWriter
+from dcp_tiered.dcp.metadata_io import unpack_metadata
 
 FRAME = 4096
 DCP_MD = "torch.distributed.checkpoint.metadata"
@@ -99,7 +100,7 @@ def save(path: Path, codec: str = "zstd") -> Path:
 
 
 def plain_metadata(path: Path):
-    return pickle.loads((path / ".metadata").read_bytes())
+    return unpack_metadata((path / ".metadata").read_bytes())
 
 
 def write_metadata(path: Path, md, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:

@@ -143,7 +143,7 @@ def test_frames_tile_the_item_and_batches_tile_the_frames(rec: dict, limit: int)
 
 
 _BAD = [  # (mutation, expected error)
-    (lambda r: r.update(fmt=2), UnsupportedFormatError),
+    (lambda r: r.update(fmt=3), UnsupportedFormatError),
     (lambda r: r.update(fmt="1"), UnsupportedFormatError),
     (lambda r: r.pop("fmt"), UnsupportedFormatError),
     (lambda r: r.pop("sums"), CorruptCheckpointError),

@@ -12,6 +12,7 @@ through the allow-list, and every table and record is then checked for types and
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import pickle
@@ -38,6 +39,7 @@ from dcp_tiered.dcp.format import (
     chunk_sizes,
     is_native_record,
 )
+from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.errors import CorruptCheckpointError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage, safe_relative_name
@@ -48,7 +50,13 @@ _MAX_TRANSFORMS = 8
 
 
 def encode_metadata(metadata: Metadata) -> bytes:
-    """Pickle ``metadata`` and append the integrity trailer."""
+    """Pickle ``metadata`` (native records as format 2's record table) and append the integrity trailer."""
+    sdm, storage = metadata.state_dict_metadata, metadata.storage_data
+    if type(sdm) is dict and type(storage) is dict:
+        packed = pack_storage(sdm, storage)
+        if packed is not storage:
+            metadata = copy.copy(metadata)
+            metadata.storage_data = packed
     body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
 
@@ -66,7 +74,24 @@ def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" 
     md = safe_loads(body, source)
     if type(md) is not Metadata:
         raise UnsafeCheckpointError(f"{source} holds a {type(md).__name__}, not DCP Metadata")
-    check_metadata(md, source, max_object_bytes)
+    _check_tables(md, source)
+    if is_table(md.storage_data):
+        md.storage_data = unpack_storage(md.state_dict_metadata, md.storage_data, source)
+    _check_records(md, source, max_object_bytes)
+    return md
+
+
+def unpack_metadata(data: bytes) -> Metadata:
+    """The ``Metadata`` of a ``.metadata`` file *we trust* (plain pickle, no checks), records as dicts.
+
+    For tools and tests that edit a checkpoint of their own; untrusted files go through
+    :func:`decode_metadata`.  Re-pickle the edited object with plain ``pickle`` (records stay
+    dicts, which every reader accepts) or with :func:`encode_metadata`.
+    """
+    body = data[:-_TRAILER] if len(data) >= _TRAILER and data[-_TRAILER:-8] == _MAGIC else data
+    md = pickle.loads(body)
+    if is_table(md.storage_data):
+        md.storage_data = unpack_storage(md.state_dict_metadata, md.storage_data, "trusted metadata")
     return md
 
 
@@ -190,6 +215,12 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
 
     ``source`` names the file in messages; ``max_object_bytes`` caps non-tensor items.
     """
+    _check_tables(md, source)
+    _check_records(md, source, max_object_bytes)
+
+
+def _check_tables(md: Metadata, source: str) -> None:
+    """Everything but the storage records: DCP's tensor table, planner data, storage meta, version."""
     sdm, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
     if type(sdm) is not dict or type(storage) is not dict:
         raise CorruptCheckpointError(f"{source} lacks DCP's state_dict_metadata or storage_data tables")
@@ -203,6 +234,11 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
     version = getattr(md, "version", None)
     if not (version is None or type(version) is str):
         raise _bad(source, "version is not a string")
+
+
+def _check_records(md: Metadata, source: str, max_object_bytes: "int | None") -> None:
+    """Every storage record, against the (already checked) tensor table."""
+    sdm, storage = md.state_dict_metadata, md.storage_data
     checkpoint = source.rsplit("/", 1)[0] if source.endswith(METADATA_FILE) else source
     sizes = chunk_sizes(sdm)
     files: set[str] = set()  # data file names already checked
