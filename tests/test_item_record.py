@@ -1,9 +1,11 @@
-"""ItemRecord: the typed view of a format-1 item record, and StockRecord for stock DCP records."""
+"""ItemRecord: the typed view of a native item record, StockRecord for stock DCP records, and the
+format-2 record table that stores native records in ``.metadata``."""
 
 from __future__ import annotations
 
 import io
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -12,14 +14,19 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
 
-from dcp_tiered import CompressedWriter
+import dcp_tiered.dcp.format as format_mod
+from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.codecs import FILTERS
 from dcp_tiered.codecs.frames import stored_frame_bounds
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
+    FORMAT_VERSION,
     KIND_TENSOR,
     METADATA_FILE,
+    READ_VERSIONS,
     ItemRecord,
     StockRecord,
     check_record,
@@ -28,7 +35,8 @@ from dcp_tiered.dcp.format import (
     record_view,
     records_in_file,
 )
-from dcp_tiered.dcp.metadata_io import decode_metadata
+from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
+from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 
 GOLDEN = Path(__file__).parent / "golden" / "v1"
@@ -220,3 +228,74 @@ def test_writer_records_keep_their_fields_and_order(tmp_path: Path) -> None:
     dcp.save(state, storage_writer=CompressedWriter(tmp_path), no_dist=True)
     md = decode_metadata((tmp_path / METADATA_FILE).read_bytes(), "new")
     assert {i.fqn: list(r) for i, r in md.storage_data.items()} == _WRITTEN
+
+
+# --------------------------------------------------------------------------- format 2 record table
+
+
+def _layout(recs: list, data: st.DataObject) -> tuple[dict, dict]:
+    """``(state_dict_metadata, storage_data)`` holding ``recs``: tensors as one chunk of a drawn
+    chunk grid, index hints drawn, some records not fit for the table (unknown field, stock)."""
+    sdm, storage = {}, {}
+    for i, rec in enumerate(recs):
+        rec = {**rec, "fmt": data.draw(st.sampled_from(READ_VERSIONS))}
+        fqn = f"model.{i}"
+        if rec["kind"] == KIND_TENSOR:
+            shape, count = rec["shape"], data.draw(st.integers(1, 3))
+            pos = data.draw(st.integers(0, count - 1))
+            chunks = [ChunkStorageMetadata(torch.Size([j * shape[0], *[0] * (len(shape) - 1)]), torch.Size(shape))
+                      for j in range(count)]
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                             torch.Size([count * shape[0], *shape[1:]]), chunks)
+            index = MetadataIndex(fqn, chunks[pos].offsets, data.draw(st.sampled_from([None, pos, 7])))
+        else:
+            sdm[fqn] = BytesStorageMetadata()
+            index = MetadataIndex(fqn, None, data.draw(st.sampled_from([None, 0])))
+        odd = data.draw(st.sampled_from([None, None, None, "extra", "stock"]))
+        if odd == "extra":
+            rec["future_field"] = 1
+        storage[index] = _StorageInfo("__0_0.distcp", 0, 1) if odd == "stock" else rec
+    return sdm, storage
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(records(), min_size=1, max_size=6), st.data())
+def test_record_table_round_trips_exactly(recs: list, data: st.DataObject) -> None:
+    sdm, storage = _layout(recs, data)
+    packed = pickle.loads(pickle.dumps(pack_storage(sdm, storage)))
+    back = unpack_storage(sdm, packed, "ckpt/.metadata")
+    assert back == storage
+    assert {i: (i.index, list(r) if type(r) is dict else r) for i in back for r in [back[i]]} == \
+        {i: (i.index, list(r) if type(r) is dict else r) for i in storage for r in [storage[i]]}
+    fits = [r for r in storage.values() if type(r) is dict and "future_field" not in r]
+    assert is_table(packed) == bool(fits) and len(packed) == len(storage) - max(len(fits) - 1, 0)
+
+
+def test_golden_v1_metadata_reencodes_as_a_table_with_the_same_records() -> None:
+    for d in sorted(GOLDEN.iterdir()):
+        md = decode_metadata((d / METADATA_FILE).read_bytes(), d.name)
+        data = encode_metadata(md)
+        assert is_table(pickle.loads(data[:-23]).storage_data)
+        assert decode_metadata(data, d.name).storage_data == md.storage_data
+
+
+def test_metadata_is_no_larger_than_stock_per_tensor(tmp_path: Path) -> None:
+    """Issue 15: ``.metadata`` bytes per tensor, ours against stock FileSystemWriter, on many small tensors."""
+    state = {f"model.layers.{i}.mlp.weight": torch.full((16,), float(i)) for i in range(2000)}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ours"), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    ours, stock = ((tmp_path / d / METADATA_FILE).stat().st_size for d in ("ours", "stock"))
+    assert ours <= stock, (ours / 2000, stock / 2000)
+    back = {k: torch.zeros(16) for k in state}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "ours"), no_dist=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_a_format_1_reader_refuses_a_table_asking_for_an_upgrade(tmp_path: Path, monkeypatch) -> None:
+    dcp.save({"w": torch.arange(10.0)}, storage_writer=CompressedWriter(tmp_path), no_dist=True)
+    raw = pickle.loads((tmp_path / METADATA_FILE).read_bytes()[:-23])
+    head = next(iter(raw.storage_data.values()))
+    assert head["fmt"] == FORMAT_VERSION == 2
+    monkeypatch.setattr(format_mod, "READ_VERSIONS", (1,))  # what format 1 readers check first
+    with pytest.raises(UnsupportedFormatError, match="format version 2.*upgrade dcp_tiered"):
+        check_record(head, "w", str(tmp_path))
