@@ -338,7 +338,7 @@ def _edit_table(path: Path, fn) -> Path:
     """Edit the record table of ``.metadata`` as written (``fn(head, table, md)``) and write it back."""
     md = pickle.loads((path / ".metadata").read_bytes()[:-23])  # our own checkpoint: plain pickle is fine here
     head = next(iter(md.storage_data.values()))
-    assert set(head) == {"fmt", "table"} and head["table"]["n"] == 3
+    assert set(head) == {"fmt", "table", "items", "paths"} and head["table"]["n"] == 3
     fn(head, head["table"], md)
     write_metadata(path, md)
     return path
@@ -377,6 +377,25 @@ TABLE_CASES = {
     "same-index-as-a-dict-record": lambda head, t, md: md.storage_data.update(
         {MetadataIndex(i.fqn, i.offset): {"fmt": 2} for i in list(md.storage_data)[:1]}),
     "two-million-frames": _two_million_frames,
+    # the item table (DCP's state_dict_metadata) and the path table (planner_data)
+    "items-not-a-dict": lambda head, t, md: head.__setitem__("items", 5),
+    "items-duplicate-names": lambda head, t, md: head["items"].__setitem__("fqns", ("w", "w", "note")),
+    "items-props-not-properties": lambda head, t, md: head["items"].__setitem__("props", ("float32",)),
+    "items-prop-id-out-of-range": lambda head, t, md: head["items"].__setitem__("prop", _u([9, 9, 9])),
+    "items-ndim-65": lambda head, t, md: head["items"].__setitem__("ndim", _u([65, 65, 65])),
+    "items-billion-chunks-of-a-scalar": lambda head, t, md: head["items"].update(
+        ndim=_u([0, 0, 0]), nchunks=_u([1 << 30] * 3), size=b"", offsets=b"", chunk_sizes=b""),
+    "items-huge-chunk-count": lambda head, t, md: head["items"].__setitem__("nchunks", _u([1 << 40] * 3)),
+    "items-size-column-short": lambda head, t, md: head["items"].__setitem__("size", head["items"]["size"][:-1]),
+    "items-size-2^63": lambda head, t, md: head["items"].__setitem__(
+        "size", b"\xff" * len(head["items"]["size"])),
+    "items-chunk-outside": lambda head, t, md: head["items"].__setitem__(
+        "offsets", b"\x07" * len(head["items"]["offsets"])),
+    "items-bytes-with-dims": lambda head, t, md: head["items"].__setitem__("kind", _u([1, 1, 1])),
+    "paths-parts-float": lambda head, t, md: head["paths"].__setitem__("parts", (1.5,) * 9),
+    "paths-id-out-of-range": lambda head, t, md: head["paths"].__setitem__("ids", b"\x63" * len(head["paths"]["ids"])),
+    "paths-4097-parts": lambda head, t, md: head["paths"].update(nparts=_u([4097] * 3), ids=bytes(3 * 4097)),
+    "paths-not-a-dict": lambda head, t, md: head.__setitem__("paths", ()),
 }
 
 

@@ -36,6 +36,7 @@ from dcp_tiered.dcp.format import (
     records_in_file,
 )
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
+from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 
@@ -299,3 +300,59 @@ def test_a_format_1_reader_refuses_a_table_asking_for_an_upgrade(tmp_path: Path,
     monkeypatch.setattr(format_mod, "READ_VERSIONS", (1,))  # what format 1 readers check first
     with pytest.raises(UnsupportedFormatError, match="format version 2.*upgrade dcp_tiered"):
         check_record(head, "w", str(tmp_path))
+
+
+@st.composite
+def _entries(draw) -> tuple[dict, dict]:
+    """A random ``state_dict_metadata`` (tensors of 0-3 dims cut into 1-3 chunks, bytes items) and planner paths."""
+    sdm, paths = {}, {}
+    for i in range(draw(st.integers(1, 6))):
+        fqn = f"opt.state.{i}.exp_avg" if i % 2 else f"m.w{i}"
+        paths[fqn] = tuple(draw(st.lists(st.one_of(st.sampled_from(["opt", "state", "m"]), st.integers(-3, 1 << 40)),
+                                         max_size=5)))
+        if draw(st.booleans()):
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        dims = draw(st.lists(st.integers(0, 1 << 33), max_size=3))
+        cuts = draw(st.integers(1, 3)) if dims else 1
+        chunks = [ChunkStorageMetadata(torch.Size([j * (dims[0] // cuts), *[0] * (len(dims) - 1)]),
+                                       torch.Size([dims[0] // cuts, *dims[1:]])) for j in range(cuts)] if dims else \
+            [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+        props = TensorProperties(dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64])),
+                                 requires_grad=draw(st.booleans()))
+        sdm[fqn] = TensorStorageMetadata(props, torch.Size(dims), chunks)
+    return sdm, paths
+
+
+@settings(max_examples=150, deadline=None)
+@given(_entries())
+def test_item_and_path_tables_round_trip_exactly(case: tuple) -> None:
+    sdm, paths = case
+    items = pickle.loads(pickle.dumps(pack_items(sdm)))
+    back = unpack_items(items, "ckpt/.metadata")
+    assert back == sdm and list(back) == list(sdm)
+    props = [e.properties for e in back.values() if type(e) is TensorStorageMetadata]
+    assert len({id(p) for p in props}) == len(props)  # one TensorProperties per item, as unpickling gives
+    table = pickle.loads(pickle.dumps(pack_paths(paths, list(sdm))))
+    assert unpack_paths(table, list(sdm), "ckpt/.metadata") == paths
+    assert pack_paths(paths, list(reversed(sdm))) is None or len(sdm) == 1  # keys must be in item order
+
+
+def test_nested_state_round_trips_through_all_three_tables(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
+             "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, 4)}},
+                       "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "epoch": 7}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ours"), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    ours = decode_metadata((tmp_path / "ours" / METADATA_FILE).read_bytes(), "ours")
+    stock = dcp.FileSystemReader(str(tmp_path / "stock")).read_metadata()
+    assert ours.state_dict_metadata == stock.state_dict_metadata and ours.planner_data == stock.planner_data
+    on_disk = pickle.loads((tmp_path / "ours" / METADATA_FILE).read_bytes()[:-23])
+    assert on_disk.planner_data is None and len(on_disk.state_dict_metadata) == 1
+    back = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
+            "optim": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": torch.ones(3, 4)}},
+                      "param_groups": [{"lr": 0.0, "params": []}]}, "epoch": 0}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "ours"), no_dist=True)
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["epoch"] == 7
+    assert back["optim"]["param_groups"] == state["optim"]["param_groups"]

@@ -33,6 +33,8 @@ from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 #: Format version of a ``.metadata`` holding a record table.
 TABLE_VERSION = 2
 TABLE_FIELD = "table"
+#: Fields of the head record: the record table, and the item and path tables (``dcp.item_table``).
+_HEAD = frozenset(("fmt", TABLE_FIELD, "items", "paths"))
 _NAMES = ("file", "codec", "filter", "checksum", "dtype", "orig_dtype", "object")
 _INTS = ("fmt", "offset", "raw", "itemsize", "frame")
 _KINDS = ("tensor", "bytes")
@@ -158,7 +160,7 @@ def is_table(storage: Any) -> bool:
 
 def _columns(head: dict, sdm: dict, source: str) -> tuple[dict, list, list, tuple]:
     """Check the table's shape and ranges (vectorized), then return its columns as lists."""
-    if head.get("fmt") != TABLE_VERSION or len(head) != 2:
+    if head.get("fmt") != TABLE_VERSION or not head.keys() <= _HEAD:
         raise UnsupportedFormatError(f"{source} holds a record table of format {head.get('fmt')!r}; "
                                      f"this version reads {TABLE_VERSION}: upgrade dcp_tiered")
     table = head[TABLE_FIELD]
