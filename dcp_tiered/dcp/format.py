@@ -121,7 +121,7 @@ def _check_frames(record: dict, key: str, checkpoint: str, where: str) -> None:
     if frames:
         bounds = lambda n: stored_frame_bounds(record["codec"], record["filter"], itemsize, n)  # noqa: E731
         full, last = frames[:-1], frames[-1]
-        lo, hi = bounds(step)
+        lo, hi = bounds(step) if full else (0, 0)  # one frame (most small tensors): one bounds lookup
         lo_last, hi_last = bounds(raw - (len(frames) - 1) * step)
         if (full and (min(full) < lo or max(full) > hi)) or not lo_last <= last <= hi_last:
             raise CorruptCheckpointError(
