@@ -76,20 +76,40 @@ def format1_bytes(md: Metadata) -> bytes:
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
 
 
+def _save_both(state: dict, d: str) -> tuple[bytes, bytes, bytes]:
+    """``.metadata`` bytes: ours (format 2), ours as format 1 stored it, stock."""
+    dcp.save(state, storage_writer=CompressedWriter(os.path.join(d, "ours")), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(d, "stock")), no_dist=True)
+    ours, stock = (open(os.path.join(d, k, METADATA_FILE), "rb").read() for k in ("ours", "stock"))
+    md = decode_metadata(ours, "ours")
+    assert encode_metadata(md) == ours
+    return ours, format1_bytes(md), stock
+
+
+def _print_sizes(label: str, sizes: tuple[bytes, bytes, bytes], items: int) -> None:
+    print(f".metadata of {label}: bytes per tensor")
+    for name, data in zip(("ours, format 2", "ours, format 1", "stock FileSystemWriter"), sizes):
+        print(f"  {name:28s} {len(data) / items:8.1f}")
+
+
+def minilm_sizes() -> None:
+    try:
+        from benchmarks.common import minilm_weights
+
+        state = {k: v.to(torch.bfloat16) for k, v in minilm_weights().items()}
+    except ImportError as exc:
+        print(f"MiniLM not installed ({exc}); skipped")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        _print_sizes(f"MiniLM bf16 ({len(state)} tensors)", _save_both(state, d), len(state))
+
+
 def metadata_sizes_and_open_times(items: int, runs: int) -> None:
     state = {f"model.layers.{i}.mlp.weight": torch.full((16,), float(i)) for i in range(items)}
     with tempfile.TemporaryDirectory() as d:
-        dcp.save(state, storage_writer=CompressedWriter(os.path.join(d, "ours")), no_dist=True)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(d, "stock")), no_dist=True)
-        ours = open(os.path.join(d, "ours", METADATA_FILE), "rb").read()
+        ours, v1, stock = _save_both(state, d)
         stock_path = os.path.join(d, "stock")
-        stock = open(os.path.join(stock_path, METADATA_FILE), "rb").read()
-        md = decode_metadata(ours, "ours")
-        assert encode_metadata(md) == ours
-        v1 = format1_bytes(md)
-        print(f".metadata of {items} tensors: bytes per tensor")
-        for name, data in (("ours, format 2", ours), ("ours, format 1", v1), ("stock FileSystemWriter", stock)):
-            print(f"  {name:28s} {len(data) / items:8.1f}")
+        _print_sizes(f"{items} tensors of 16 floats", (ours, v1, stock), items)
         print(f"open .metadata of {items} tensors (best of {runs})")
         cases = {
             "ours, format 2 (decode_metadata)": lambda: decode_metadata(ours, "ours"),
@@ -105,6 +125,7 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=20000)
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
+    minilm_sizes()
     metadata_sizes_and_open_times(args.items, args.runs)
     print("validating records (in memory)")
     md = build(args.items)
