@@ -1,6 +1,13 @@
-"""Cost of validating and parsing item records: ``.metadata`` of many tensors is checked on every load.
+"""Size and open time of ``.metadata`` with many tensors, and the cost of validating item records.
 
 Run:  .venv/bin/python -m benchmarks.bench_records [--items 20000] [--runs 7]
+
+First saves ``--items`` small tensors (16 floats each) with ``CompressedWriter`` and stock
+``FileSystemWriter`` and prints ``.metadata`` bytes per tensor, ours (format 2: records, items
+and planner paths as column tables) against stock and against format 1 (the same Metadata
+pickled as it is, what format-1 writers stored).  Then times opening each ``.metadata``
+(``decode_metadata``: allow-list unpickler, structure scan, every check; stock: DCP's plain
+``pickle.load``), best of ``--runs``.
 
 Builds a ``Metadata`` with ``--items`` native records (1 to 5 frames each, zstd, byte-grouped
 fp32) and times, best of ``--runs``: ``check_record`` on every record (the validation
@@ -12,11 +19,15 @@ validated dict, what the reader builds once per requested item).
 from __future__ import annotations
 
 import argparse
+import os
+import pickle
 import random
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -25,8 +36,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_tiered.dcp.format import ItemRecord, check_record, record_view
-from dcp_tiered.dcp.metadata_io import check_metadata
+from dcp_tiered import CompressedWriter
+from dcp_tiered.codecs import checksum
+from dcp_tiered.dcp.format import METADATA_FILE, ItemRecord, check_record, record_view
+from dcp_tiered.dcp.metadata_io import _MAGIC, check_metadata, decode_metadata, encode_metadata
 
 
 def build(items: int) -> Metadata:
@@ -57,11 +70,64 @@ def best_ms(fn: Callable[[], object], runs: int) -> float:
     return min(times) * 1e3
 
 
+def format1_bytes(md: Metadata) -> bytes:
+    """``md`` as a format-1 writer stored it: the Metadata pickled as it is, plus the trailer."""
+    body = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+    return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
+
+
+def _save_both(state: dict, d: str) -> tuple[bytes, bytes, bytes]:
+    """``.metadata`` bytes: ours (format 2), ours as format 1 stored it, stock."""
+    dcp.save(state, storage_writer=CompressedWriter(os.path.join(d, "ours")), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(d, "stock")), no_dist=True)
+    ours, stock = (open(os.path.join(d, k, METADATA_FILE), "rb").read() for k in ("ours", "stock"))
+    md = decode_metadata(ours, "ours")
+    assert encode_metadata(md) == ours
+    return ours, format1_bytes(md), stock
+
+
+def _print_sizes(label: str, sizes: tuple[bytes, bytes, bytes], items: int) -> None:
+    print(f".metadata of {label}: bytes per tensor")
+    for name, data in zip(("ours, format 2", "ours, format 1", "stock FileSystemWriter"), sizes):
+        print(f"  {name:28s} {len(data) / items:8.1f}")
+
+
+def minilm_sizes() -> None:
+    try:
+        from benchmarks.common import minilm_weights
+
+        state = {k: v.to(torch.bfloat16) for k, v in minilm_weights().items()}
+    except ImportError as exc:
+        print(f"MiniLM not installed ({exc}); skipped")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        _print_sizes(f"MiniLM bf16 ({len(state)} tensors)", _save_both(state, d), len(state))
+
+
+def metadata_sizes_and_open_times(items: int, runs: int) -> None:
+    state = {f"model.layers.{i}.mlp.weight": torch.full((16,), float(i)) for i in range(items)}
+    with tempfile.TemporaryDirectory() as d:
+        ours, v1, stock = _save_both(state, d)
+        stock_path = os.path.join(d, "stock")
+        _print_sizes(f"{items} tensors of 16 floats", (ours, v1, stock), items)
+        print(f"open .metadata of {items} tensors (best of {runs})")
+        cases = {
+            "ours, format 2 (decode_metadata)": lambda: decode_metadata(ours, "ours"),
+            "ours, format 1 (decode_metadata)": lambda: decode_metadata(v1, "v1"),
+            "stock (FileSystemReader)": lambda: dcp.FileSystemReader(stock_path).read_metadata(),
+        }
+        for name, fn in cases.items():
+            print(f"  {name:34s} {best_ms(fn, runs):9.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=20000)
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
+    minilm_sizes()
+    metadata_sizes_and_open_times(args.items, args.runs)
+    print("validating records (in memory)")
     md = build(args.items)
     recs = [(i.fqn, r) for i, r in md.storage_data.items()]
     cases = {
@@ -72,7 +138,7 @@ def main() -> None:
     }
     for name, fn in cases.items():
         ms = best_ms(fn, args.runs)
-        print(f"{name:30s} {ms:8.1f} ms  {ms * 1e3 / args.items:6.2f} us/record")
+        print(f"  {name:30s} {ms:8.1f} ms  {ms * 1e3 / args.items:6.2f} us/record")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Committed checkpoints of every released format version still load, bit for bit.
 
-tests/golden/v1/ was written once by tests/golden/make_v1.py and is never regenerated."""
+tests/golden/v1/ was written once by tests/golden/make_v1.py, tests/golden/v2/ (records in a
+columnar table) by tests/golden/make_v2.py; they are never regenerated."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -12,31 +14,59 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import CompressedReader
+from dcp_tiered.dcp.metadata_io import decode_metadata
+from dcp_tiered.dcp.record_table import is_table
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
 from values import golden_state  # noqa: E402
 
+V2 = ["zstd_3", "zstd_bf16_downcast"]
 
-@pytest.mark.parametrize("name", ["none", "lz4", "zstd_3", "zstd_bf16_downcast"])
-def test_golden_v1_checkpoint_loads_exactly(name: str) -> None:
+
+def _assert_loads_exactly(path: Path) -> None:
     want = golden_state()
     got = {"model": {n: torch.zeros_like(t) for n, t in want["model"].items()}, "step": 0,
            "extra": {"name": "", "lr": 0.0, "sizes": []}}
-    dcp.load(got, storage_reader=CompressedReader(GOLDEN / "v1" / name), no_dist=True)
+    dcp.load(got, storage_reader=CompressedReader(path), no_dist=True)
     for n, t in want["model"].items():
         expected = t
-        if name.endswith("bf16_downcast") and t.dtype in (torch.float32, torch.float64):
+        if path.name.endswith("bf16_downcast") and t.dtype in (torch.float32, torch.float64):
             expected = t.to(torch.bfloat16).to(t.dtype)  # stored in bf16, original dtype back on load
         assert got["model"][n].dtype == t.dtype, n
-        assert torch.equal(got["model"][n], expected), f"{name}: {n} differs"
+        assert torch.equal(got["model"][n], expected), f"{path}: {n} differs"
     assert got["step"] == 1234
     assert got["extra"] == {"name": "golden-v1", "lr": 0.001, "sizes": [1, 2, 3]}
 
 
-def test_golden_v1_verifies_clean(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["none", "lz4", "zstd_3", "zstd_bf16_downcast"])
+def test_golden_v1_checkpoint_loads_exactly(name: str) -> None:
+    _assert_loads_exactly(GOLDEN / "v1" / name)
+
+
+@pytest.mark.parametrize("name", V2)
+def test_golden_v2_checkpoint_loads_exactly(name: str) -> None:
+    path = GOLDEN / "v2" / name
+    on_disk = pickle.loads((path / ".metadata").read_bytes()[:-23])  # committed test data: plain pickle is fine
+    assert is_table(on_disk.storage_data) and len(on_disk.storage_data) == 1  # every record in the table
+    _assert_loads_exactly(path)
+
+
+@pytest.mark.parametrize("name", V2)
+def test_golden_v2_holds_the_records_of_v1(name: str) -> None:
+    """Format 2 changes how records are stored, not what they say (bar the version and the new frames)."""
+    v1, v2 = (decode_metadata((GOLDEN / v / name / ".metadata").read_bytes(), v).storage_data for v in ("v1", "v2"))
+    assert v1.keys() == v2.keys()
+    for index, rec in v1.items():
+        new = v2[index]
+        assert rec["fmt"] == 1 and new["fmt"] == 2
+        same = set(rec) - {"fmt", "offset", "length", "frames", "sums"}
+        assert {k: rec[k] for k in same} == {k: new[k] for k in same}, index.fqn
+
+
+def test_golden_checkpoints_verify_clean(tmp_path: Path) -> None:
     """The `verify` command reads every frame of every golden checkpoint and finds no problem."""
     from dcp_tiered.cli.__main__ import main
 
-    for d in sorted((GOLDEN / "v1").iterdir()):
+    for d in sorted((GOLDEN / "v1").iterdir()) + sorted((GOLDEN / "v2").iterdir()):
         assert main(["verify", str(d)]) == 0, d.name

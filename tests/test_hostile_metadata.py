@@ -15,6 +15,7 @@ import pickle
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from isolated import run_isolated
 from dcp_tiered import CompressedWriter
+from dcp_tiered.dcp.metadata_io import unpack_metadata
 
 FRAME = 4096
 DCP_MD = "torch.distributed.checkpoint.metadata"
@@ -99,7 +101,7 @@ def save(path: Path, codec: str = "zstd") -> Path:
 
 
 def plain_metadata(path: Path):
-    return pickle.loads((path / ".metadata").read_bytes())
+    return unpack_metadata((path / ".metadata").read_bytes())
 
 
 def write_metadata(path: Path, md, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -318,6 +320,96 @@ def test_impossible_frame_tables_are_refused_before_reading(tmp_path):
     # the 2M-item frame tuple is now refused earlier, by the pickle structure scan (stack cap)
     assert_refused(out, str(tmp_path), cls=("CorruptCheckpointError", "UnsafeCheckpointError"))
     assert all(o["grew_mb"] < 1500 for o in out.values()), out
+
+
+# --------------------------------------------------------------------------- format 2 record table
+
+
+def _u(values, width: int = 8) -> bytes:
+    return np.array(values, dtype=np.uint64).astype(f"<u{width}").tobytes()
+
+
+def _col(table: dict, name: str) -> list:
+    raw = table[name]
+    return np.frombuffer(raw, dtype=f"<u{len(raw) // table['n']}").tolist()
+
+
+def _edit_table(path: Path, fn) -> Path:
+    """Edit the record table of ``.metadata`` as written (``fn(head, table, md)``) and write it back."""
+    md = pickle.loads((path / ".metadata").read_bytes()[:-23])  # our own checkpoint: plain pickle is fine here
+    head = next(iter(md.storage_data.values()))
+    assert set(head) == {"fmt", "table", "items", "paths"} and head["table"]["n"] == 3
+    fn(head, head["table"], md)
+    write_metadata(path, md)
+    return path
+
+
+def _set_col(name: str, fn):
+    return lambda head, t, md: t.__setitem__(name, _u(fn(_col(t, name), t)))
+
+
+def _two_million_frames(head, t, md) -> None:
+    counts = _col(t, "nframes")
+    counts[0] = 2_000_000
+    t["nframes"], t["frames"], t["sums"] = _u(counts, 4), b"\1" * sum(counts), bytes(8 * sum(counts))
+
+
+TABLE_CASES = {
+    "n-huge": lambda head, t, md: t.__setitem__("n", 1 << 40),
+    "n-zero": lambda head, t, md: t.__setitem__("n", 0),
+    "n-bool": lambda head, t, md: t.__setitem__("n", True),
+    "width-3": lambda head, t, md: t.__setitem__("offset", bytes(9)),
+    "column-missing": lambda head, t, md: t.pop("raw"),
+    "column-str": lambda head, t, md: t.__setitem__("raw", "abc"),
+    "not-a-dict": lambda head, t, md: head.__setitem__("table", [t]),
+    "names-not-str": lambda head, t, md: t.__setitem__("names", (b"x", *t["names"][1:])),
+    "item-out-of-range": _set_col("item", lambda v, t: [v[0], v[1], 99]),
+    "name-id-out-of-range": _set_col("file", lambda v, t: [200, *v[1:]]),
+    "dtype-id-is-a-codec": _set_col("dtype", lambda v, t: [_col(t, "codec")[0]] * 3),
+    "kind-2": _set_col("kind", lambda v, t: [2, *v[1:]]),
+    "kind-swapped": _set_col("kind", lambda v, t: [1 - k for k in v]),
+    "chunk-out-of-range": _set_col("chunk", lambda v, t: [c and 5 for c in v]),
+    "nframes-above-limit": _set_col("nframes", lambda v, t: [1 << 21, *v[1:]]),
+    "frames-column-short": lambda head, t, md: t.__setitem__("frames", t["frames"][:-1]),
+    "sums-column-long": lambda head, t, md: t.__setitem__("sums", t["sums"] + bytes(16)),
+    "frame-lengths-2^64": lambda head, t, md: t.__setitem__("frames", b"\xff" * len(t["frames"])),
+    "duplicate-rows": _set_col("item", lambda v, t: [v[0]] * 3),
+    "same-index-as-a-dict-record": lambda head, t, md: md.storage_data.update(
+        {MetadataIndex(i.fqn, i.offset): {"fmt": 2} for i in list(md.storage_data)[:1]}),
+    "two-million-frames": _two_million_frames,
+    # the item table (DCP's state_dict_metadata) and the path table (planner_data)
+    "items-not-a-dict": lambda head, t, md: head.__setitem__("items", 5),
+    "items-duplicate-names": lambda head, t, md: head["items"].__setitem__("fqns", ("w", "w", "note")),
+    "items-props-not-properties": lambda head, t, md: head["items"].__setitem__("props", ("float32",)),
+    "items-prop-id-out-of-range": lambda head, t, md: head["items"].__setitem__("prop", _u([9, 9, 9])),
+    "items-ndim-65": lambda head, t, md: head["items"].__setitem__("ndim", _u([65, 65, 65])),
+    "items-billion-chunks-of-a-scalar": lambda head, t, md: head["items"].update(
+        ndim=_u([0, 0, 0]), nchunks=_u([1 << 30] * 3), size=b"", offsets=b"", chunk_sizes=b""),
+    "items-huge-chunk-count": lambda head, t, md: head["items"].__setitem__("nchunks", _u([1 << 40] * 3)),
+    "items-size-column-short": lambda head, t, md: head["items"].__setitem__("size", head["items"]["size"][:-1]),
+    "items-size-2^63": lambda head, t, md: head["items"].__setitem__(
+        "size", b"\xff" * len(head["items"]["size"])),
+    "items-chunk-outside": lambda head, t, md: head["items"].__setitem__(
+        "offsets", b"\x07" * len(head["items"]["offsets"])),
+    "items-bytes-with-dims": lambda head, t, md: head["items"].__setitem__("kind", _u([1, 1, 1])),
+    "paths-parts-float": lambda head, t, md: head["paths"].__setitem__("parts", (1.5,) * 9),
+    "paths-id-out-of-range": lambda head, t, md: head["paths"].__setitem__("ids", b"\x63" * len(head["paths"]["ids"])),
+    "paths-4097-parts": lambda head, t, md: head["paths"].update(nparts=_u([4097] * 3), ids=bytes(3 * 4097)),
+    "paths-not-a-dict": lambda head, t, md: head.__setitem__("paths", ()),
+}
+
+
+def test_crafted_record_tables_are_refused_in_bounded_memory(tmp_path):
+    """Format 2's columnar table: every shape and range is checked before a record is built."""
+    cases = {name: _edit_table(save(tmp_path / name), fn) for name, fn in TABLE_CASES.items()}
+    out = run_cases(tmp_path, cases, timeout=240)
+    assert_refused(out, str(tmp_path), cls=("CorruptCheckpointError", "UnsupportedFormatError"))
+    assert all(o["grew_mb"] < 300 for o in out.values()), out
+
+
+def test_a_newer_table_format_asks_for_an_upgrade(tmp_path):
+    cases = {"fmt-3": _edit_table(save(tmp_path / "fmt3"), lambda head, t, md: head.__setitem__("fmt", 3))}
+    assert_refused(run_cases(tmp_path, cases), "upgrade dcp_tiered", cls=("UnsupportedFormatError",))
 
 
 # --------------------------------------------------------------------------- stock items

@@ -1,9 +1,11 @@
-"""ItemRecord: the typed view of a format-1 item record, and StockRecord for stock DCP records."""
+"""ItemRecord: the typed view of a native item record, StockRecord for stock DCP records, and the
+format-2 record table that stores native records in ``.metadata``."""
 
 from __future__ import annotations
 
 import io
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -12,14 +14,19 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
 
-from dcp_tiered import CompressedWriter
+import dcp_tiered.dcp.format as format_mod
+from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.codecs import FILTERS
 from dcp_tiered.codecs.frames import stored_frame_bounds
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
+    FORMAT_VERSION,
     KIND_TENSOR,
     METADATA_FILE,
+    READ_VERSIONS,
     ItemRecord,
     StockRecord,
     check_record,
@@ -28,7 +35,9 @@ from dcp_tiered.dcp.format import (
     record_view,
     records_in_file,
 )
-from dcp_tiered.dcp.metadata_io import decode_metadata
+from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
+from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
+from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 
 GOLDEN = Path(__file__).parent / "golden" / "v1"
@@ -143,7 +152,7 @@ def test_frames_tile_the_item_and_batches_tile_the_frames(rec: dict, limit: int)
 
 
 _BAD = [  # (mutation, expected error)
-    (lambda r: r.update(fmt=2), UnsupportedFormatError),
+    (lambda r: r.update(fmt=3), UnsupportedFormatError),
     (lambda r: r.update(fmt="1"), UnsupportedFormatError),
     (lambda r: r.pop("fmt"), UnsupportedFormatError),
     (lambda r: r.pop("sums"), CorruptCheckpointError),
@@ -220,3 +229,130 @@ def test_writer_records_keep_their_fields_and_order(tmp_path: Path) -> None:
     dcp.save(state, storage_writer=CompressedWriter(tmp_path), no_dist=True)
     md = decode_metadata((tmp_path / METADATA_FILE).read_bytes(), "new")
     assert {i.fqn: list(r) for i, r in md.storage_data.items()} == _WRITTEN
+
+
+# --------------------------------------------------------------------------- format 2 record table
+
+
+def _layout(recs: list, data: st.DataObject) -> tuple[dict, dict]:
+    """``(state_dict_metadata, storage_data)`` holding ``recs``: tensors as one chunk of a drawn
+    chunk grid, index hints drawn, some records not fit for the table (unknown field, stock)."""
+    sdm, storage = {}, {}
+    for i, rec in enumerate(recs):
+        rec = {**rec, "fmt": data.draw(st.sampled_from(READ_VERSIONS))}
+        fqn = f"model.{i}"
+        if rec["kind"] == KIND_TENSOR:
+            shape, count = rec["shape"], data.draw(st.integers(1, 3))
+            pos = data.draw(st.integers(0, count - 1))
+            chunks = [ChunkStorageMetadata(torch.Size([j * shape[0], *[0] * (len(shape) - 1)]), torch.Size(shape))
+                      for j in range(count)]
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                             torch.Size([count * shape[0], *shape[1:]]), chunks)
+            index = MetadataIndex(fqn, chunks[pos].offsets, data.draw(st.sampled_from([None, pos, 7])))
+        else:
+            sdm[fqn] = BytesStorageMetadata()
+            index = MetadataIndex(fqn, None, data.draw(st.sampled_from([None, 0])))
+        odd = data.draw(st.sampled_from([None, None, None, "extra", "stock"]))
+        if odd == "extra":
+            rec["future_field"] = 1
+        storage[index] = _StorageInfo("__0_0.distcp", 0, 1) if odd == "stock" else rec
+    return sdm, storage
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(records(), min_size=1, max_size=6), st.data())
+def test_record_table_round_trips_exactly(recs: list, data: st.DataObject) -> None:
+    sdm, storage = _layout(recs, data)
+    packed = pickle.loads(pickle.dumps(pack_storage(sdm, storage)))
+    back = unpack_storage(sdm, packed, "ckpt/.metadata")
+    assert back == storage
+    assert {i: (i.index, list(r) if type(r) is dict else r) for i in back for r in [back[i]]} == \
+        {i: (i.index, list(r) if type(r) is dict else r) for i in storage for r in [storage[i]]}
+    fits = [r for r in storage.values() if type(r) is dict and "future_field" not in r]
+    assert is_table(packed) == bool(fits) and len(packed) == len(storage) - max(len(fits) - 1, 0)
+
+
+def test_golden_v1_metadata_reencodes_as_a_table_with_the_same_records() -> None:
+    for d in sorted(GOLDEN.iterdir()):
+        md = decode_metadata((d / METADATA_FILE).read_bytes(), d.name)
+        data = encode_metadata(md)
+        assert is_table(pickle.loads(data[:-23]).storage_data)
+        assert decode_metadata(data, d.name).storage_data == md.storage_data
+
+
+def test_metadata_is_no_larger_than_stock_per_tensor(tmp_path: Path) -> None:
+    """Issue 15: ``.metadata`` bytes per tensor, ours against stock FileSystemWriter, on many small tensors."""
+    state = {f"model.layers.{i}.mlp.weight": torch.full((16,), float(i)) for i in range(2000)}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ours"), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    ours, stock = ((tmp_path / d / METADATA_FILE).stat().st_size for d in ("ours", "stock"))
+    assert ours <= stock, (ours / 2000, stock / 2000)
+    back = {k: torch.zeros(16) for k in state}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "ours"), no_dist=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_a_format_1_reader_refuses_a_table_asking_for_an_upgrade(tmp_path: Path, monkeypatch) -> None:
+    dcp.save({"w": torch.arange(10.0)}, storage_writer=CompressedWriter(tmp_path), no_dist=True)
+    raw = pickle.loads((tmp_path / METADATA_FILE).read_bytes()[:-23])
+    head = next(iter(raw.storage_data.values()))
+    assert head["fmt"] == FORMAT_VERSION == 2
+    monkeypatch.setattr(format_mod, "READ_VERSIONS", (1,))  # what format 1 readers check first
+    with pytest.raises(UnsupportedFormatError, match="format version 2.*upgrade dcp_tiered"):
+        check_record(head, "w", str(tmp_path))
+
+
+@st.composite
+def _entries(draw) -> tuple[dict, dict]:
+    """A random ``state_dict_metadata`` (tensors of 0-3 dims cut into 1-3 chunks, bytes items) and planner paths."""
+    sdm, paths = {}, {}
+    for i in range(draw(st.integers(1, 6))):
+        fqn = f"opt.state.{i}.exp_avg" if i % 2 else f"m.w{i}"
+        paths[fqn] = tuple(draw(st.lists(st.one_of(st.sampled_from(["opt", "state", "m"]), st.integers(-3, 1 << 40)),
+                                         max_size=5)))
+        if draw(st.booleans()):
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        dims = draw(st.lists(st.integers(0, 1 << 33), max_size=3))
+        cuts = draw(st.integers(1, 3)) if dims else 1
+        chunks = [ChunkStorageMetadata(torch.Size([j * (dims[0] // cuts), *[0] * (len(dims) - 1)]),
+                                       torch.Size([dims[0] // cuts, *dims[1:]])) for j in range(cuts)] if dims else \
+            [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+        props = TensorProperties(dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64])),
+                                 requires_grad=draw(st.booleans()))
+        sdm[fqn] = TensorStorageMetadata(props, torch.Size(dims), chunks)
+    return sdm, paths
+
+
+@settings(max_examples=150, deadline=None)
+@given(_entries())
+def test_item_and_path_tables_round_trip_exactly(case: tuple) -> None:
+    sdm, paths = case
+    items = pickle.loads(pickle.dumps(pack_items(sdm)))
+    back = unpack_items(items, "ckpt/.metadata")
+    assert back == sdm and list(back) == list(sdm)
+    props = [e.properties for e in back.values() if type(e) is TensorStorageMetadata]
+    assert len({id(p) for p in props}) == len(props)  # one TensorProperties per item, as unpickling gives
+    table = pickle.loads(pickle.dumps(pack_paths(paths, list(sdm))))
+    assert unpack_paths(table, list(sdm), "ckpt/.metadata") == paths
+    assert pack_paths(paths, list(reversed(sdm))) is None or len(sdm) == 1  # keys must be in item order
+
+
+def test_nested_state_round_trips_through_all_three_tables(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
+             "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, 4)}},
+                       "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "epoch": 7}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ours"), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    ours = decode_metadata((tmp_path / "ours" / METADATA_FILE).read_bytes(), "ours")
+    stock = dcp.FileSystemReader(str(tmp_path / "stock")).read_metadata()
+    assert ours.state_dict_metadata == stock.state_dict_metadata and ours.planner_data == stock.planner_data
+    on_disk = pickle.loads((tmp_path / "ours" / METADATA_FILE).read_bytes()[:-23])
+    assert on_disk.planner_data is None and len(on_disk.state_dict_metadata) == 1
+    back = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
+            "optim": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": torch.ones(3, 4)}},
+                      "param_groups": [{"lr": 0.0, "params": []}]}, "epoch": 0}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "ours"), no_dist=True)
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["epoch"] == 7
+    assert back["optim"]["param_groups"] == state["optim"]["param_groups"]

@@ -1,4 +1,4 @@
-"""On-disk format version 1: the per-item record kept in ``Metadata.storage_data``.
+"""On-disk formats 1 and 2: the per-item record kept in ``Metadata.storage_data``.
 
 Records hold plain builtins only (str, int, tuple, dict) so that ``.metadata`` stays
 loadable by the allow-list unpickler without importing anything from this package.
@@ -21,7 +21,10 @@ from dcp_tiered.codecs import FILTERS
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MAX_FRAMES_PER_RECORD, MIN_FRAME_SIZE, stored_frame_bounds
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 
-FORMAT_VERSION = 1
+#: Format the writer emits.  Format 2 records are format 1's; only ``.metadata`` stores them
+#: as one record table (``dcp.record_table``).  Readers accept every version in READ_VERSIONS.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
 KIND_TENSOR = "tensor"
@@ -118,7 +121,7 @@ def _check_frames(record: dict, key: str, checkpoint: str, where: str) -> None:
     if frames:
         bounds = lambda n: stored_frame_bounds(record["codec"], record["filter"], itemsize, n)  # noqa: E731
         full, last = frames[:-1], frames[-1]
-        lo, hi = bounds(step)
+        lo, hi = bounds(step) if full else (0, 0)  # one frame (most small tensors): one bounds lookup
         lo_last, hi_last = bounds(raw - (len(frames) - 1) * step)
         if (full and (min(full) < lo or max(full) > hi)) or not lo_last <= last <= hi_last:
             raise CorruptCheckpointError(
@@ -189,10 +192,10 @@ class ItemRecord:
     def validate(record: Any, key: str, checkpoint: str, max_object_bytes: "int | None" = MAX_OBJECT_BYTES) -> None:
         """Check a plain-builtin record's types and ranges (see :func:`check_record`)."""
         fmt = record.get("fmt")
-        if type(fmt) is not int or fmt != FORMAT_VERSION:
+        if type(fmt) is not int or fmt not in READ_VERSIONS:
             raise UnsupportedFormatError(
                 f"tensor {key!r} in {checkpoint} uses dcp_tiered format version {fmt!r}; "
-                f"this version reads {FORMAT_VERSION}: upgrade dcp_tiered"
+                f"this version reads {' and '.join(map(str, READ_VERSIONS))}: upgrade dcp_tiered"
             )
         where = f"record of {key!r} in {checkpoint}"
         _check_fields(record, where)

@@ -12,6 +12,7 @@ through the allow-list, and every table and record is then checked for types and
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import pickle
@@ -38,6 +39,8 @@ from dcp_tiered.dcp.format import (
     chunk_sizes,
     is_native_record,
 )
+from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
+from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.errors import CorruptCheckpointError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage, safe_relative_name
@@ -48,9 +51,39 @@ _MAX_TRANSFORMS = 8
 
 
 def encode_metadata(metadata: Metadata) -> bytes:
-    """Pickle ``metadata`` and append the integrity trailer."""
-    body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    """Pickle ``metadata`` (native records as format 2's record table) and append the integrity trailer."""
+    body = pickle.dumps(_packed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
+
+
+def _packed(metadata: Metadata) -> Metadata:
+    """``metadata`` as format 2 stores it: records, items and planner paths as tables in the head record."""
+    sdm, storage = metadata.state_dict_metadata, metadata.storage_data
+    if type(sdm) is not dict or type(storage) is not dict:
+        return metadata
+    packed = pack_storage(sdm, storage)
+    if packed is storage:
+        return metadata
+    out = copy.copy(metadata)
+    out.storage_data = packed
+    first, head = next(iter(packed.items()))
+    items = pack_items(sdm)
+    if items is not None:
+        head["items"] = items
+        out.state_dict_metadata = {first.fqn: sdm[first.fqn]}  # a format-1 reader reaches the head, asks to upgrade
+        paths = pack_paths(metadata.planner_data, list(sdm))
+        if paths is not None:
+            head["paths"], out.planner_data = paths, None
+    return out
+
+
+def _unpacked(md: Metadata, source: str) -> None:
+    """Replace the item and path tables of a format-2 head record by DCP's own tables."""
+    head = next(iter(md.storage_data.values()))
+    if "items" in head:
+        md.state_dict_metadata = unpack_items(head["items"], source)
+        if "paths" in head:
+            md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
 
 
 def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" = None) -> Metadata:
@@ -66,7 +99,28 @@ def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" 
     md = safe_loads(body, source)
     if type(md) is not Metadata:
         raise UnsafeCheckpointError(f"{source} holds a {type(md).__name__}, not DCP Metadata")
-    check_metadata(md, source, max_object_bytes)
+    table = is_table(getattr(md, "storage_data", None))
+    if table:
+        _unpacked(md, source)
+    _check_tables(md, source)
+    if table:
+        md.storage_data = unpack_storage(md.state_dict_metadata, md.storage_data, source)
+    _check_records(md, source, max_object_bytes)
+    return md
+
+
+def unpack_metadata(data: bytes) -> Metadata:
+    """The ``Metadata`` of a ``.metadata`` file *we trust* (plain pickle, no checks), records as dicts.
+
+    For tools and tests that edit a checkpoint of their own; untrusted files go through
+    :func:`decode_metadata`.  Re-pickle the edited object with plain ``pickle`` (records stay
+    dicts, which every reader accepts) or with :func:`encode_metadata`.
+    """
+    body = data[:-_TRAILER] if len(data) >= _TRAILER and data[-_TRAILER:-8] == _MAGIC else data
+    md = pickle.loads(body)
+    if is_table(md.storage_data):
+        _unpacked(md, "trusted metadata")
+        md.storage_data = unpack_storage(md.state_dict_metadata, md.storage_data, "trusted metadata")
     return md
 
 
@@ -190,6 +244,12 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
 
     ``source`` names the file in messages; ``max_object_bytes`` caps non-tensor items.
     """
+    _check_tables(md, source)
+    _check_records(md, source, max_object_bytes)
+
+
+def _check_tables(md: Metadata, source: str) -> None:
+    """Everything but the storage records: DCP's tensor table, planner data, storage meta, version."""
     sdm, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
     if type(sdm) is not dict or type(storage) is not dict:
         raise CorruptCheckpointError(f"{source} lacks DCP's state_dict_metadata or storage_data tables")
@@ -203,6 +263,11 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
     version = getattr(md, "version", None)
     if not (version is None or type(version) is str):
         raise _bad(source, "version is not a string")
+
+
+def _check_records(md: Metadata, source: str, max_object_bytes: "int | None") -> None:
+    """Every storage record, against the (already checked) tensor table."""
+    sdm, storage = md.state_dict_metadata, md.storage_data
     checkpoint = source.rsplit("/", 1)[0] if source.endswith(METADATA_FILE) else source
     sizes = chunk_sizes(sdm)
     files: set[str] = set()  # data file names already checked

@@ -1,0 +1,144 @@
+"""Format 2 ``.metadata``: DCP's item table (``state_dict_metadata``) and ``planner_data`` as columns.
+
+Pickled as DCP builds them, these cost ~140 bytes and ~40 pure-Python unpickler steps per
+tensor (three dataclasses, ``torch.Size`` reductions, a path tuple), most of a large
+checkpoint's open time.  Next to the record table (:mod:`dcp_tiered.dcp.record_table`) the
+head record then holds:
+
+* ``items``: the names in order; per item its kind (0 tensor, 1 bytes), an id into a tuple of
+  the distinct ``TensorProperties``, its number of dimensions and of chunks; then the sizes,
+  and the chunk offsets and sizes, of all tensors as flat columns;
+* ``paths``: per item the length of its planner path, and ids into a tuple of the distinct
+  path parts (``str`` or ``int``).
+
+``state_dict_metadata`` on disk keeps only the entry of the head record's item (so a format-1
+reader reaches that record and asks for an upgrade) and ``planner_data`` is None.  Either
+table is written only when every entry fits exactly; ``unpack`` of ``pack`` is equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+                                                   TensorStorageMetadata)
+
+from dcp_tiered.dcp.record_table import _bad, _column, _read
+
+_MAX_DIMS = 64
+_MAX_DIM = 1 << 62
+_ITEM_ROW = ("kind", "prop", "ndim", "nchunks")
+
+
+def _tensor_ok(entry: Any) -> bool:
+    size, chunks = entry.size, entry.chunks
+    return (type(entry.properties) is TensorProperties and type(size) is torch.Size and len(size) <= _MAX_DIMS
+            and type(chunks) is list and all(d >= 0 for d in size)
+            and all(type(c) is ChunkStorageMetadata and type(c.offsets) is torch.Size and type(c.sizes) is torch.Size
+                    and len(c.offsets) == len(c.sizes) == len(size) for c in chunks))
+
+
+def pack_items(sdm: dict) -> "dict | None":
+    """The item table of ``sdm``, or None when an entry does not fit it exactly."""
+    props: dict[tuple, tuple[int, TensorProperties]] = {}
+    rows, sizes, offsets, chunk_sizes = [], [], [], []
+    for fqn, entry in sdm.items():
+        if type(fqn) is not str:
+            return None
+        if type(entry) is BytesStorageMetadata and not vars(entry):
+            rows.append((1, 0, 0, 0))
+            continue
+        if type(entry) is not TensorStorageMetadata or not _tensor_ok(entry):
+            return None
+        p = entry.properties
+        key = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory, tuple(sorted(vars(p))))
+        pid = props.setdefault(key, (len(props) + 1, p))[0]
+        rows.append((0, pid, len(entry.size), len(entry.chunks)))
+        sizes.extend(entry.size)
+        for c in entry.chunks:
+            offsets.extend(c.offsets)
+            chunk_sizes.extend(c.sizes)
+    if max(sizes + offsets + chunk_sizes, default=0) >= _MAX_DIM:
+        return None
+    columns = list(zip(*rows))
+    return {"fqns": tuple(sdm), "props": tuple(p for _, p in props.values()),
+            **{c: _column(list(v)) for c, v in zip(_ITEM_ROW, columns)},
+            "size": _column(sizes), "offsets": _column(offsets), "chunk_sizes": _column(chunk_sizes)}
+
+
+def pack_paths(planner_data: Any, fqns: list) -> "dict | None":
+    """The path table of ``planner_data`` (keys in ``fqns`` order), or None when it does not fit."""
+    if type(planner_data) is not dict or list(planner_data) != fqns:
+        return None
+    parts: dict[tuple, int] = {}
+    counts, ids = [], []
+    for path in planner_data.values():
+        if type(path) is not tuple:
+            return None
+        counts.append(len(path))
+        for part in path:
+            if type(part) not in (str, int):
+                return None
+            ids.append(parts.setdefault((type(part), part), len(parts)))
+    return {"parts": tuple(v for _, v in parts), "nparts": _column(counts), "ids": _column(ids)}
+
+
+def _limits(cols: dict, limits: dict, source: str, table: str) -> None:
+    for c, top in limits.items():
+        if len(cols[c]) and int(cols[c].max()) > top:
+            raise _bad(source, f"{table} column {c!r} holds values above {top}")
+
+
+def unpack_items(items: Any, source: str) -> dict:
+    """``state_dict_metadata`` from its item table (shapes and ranges checked before anything is built)."""
+    fqns, props = (items.get(k) if type(items) is dict else None for k in ("fqns", "props"))
+    if type(fqns) is not tuple or not fqns or not set(map(type, fqns)) <= {str} or len(set(fqns)) != len(fqns):
+        raise _bad(source, "has an item table without distinct names")
+    if type(props) is not tuple or not set(map(type, props)) <= {TensorProperties}:
+        raise _bad(source, "has tensor properties of the wrong type")
+    n = len(fqns)
+    cols = {c: _read(items, c, n, source) for c in _ITEM_ROW}
+    _limits(cols, {"kind": 1, "prop": len(props), "ndim": _MAX_DIMS, "nchunks": 1 << 32}, source, "item")
+    kind, prop, ndim, nchunks = (cols[c].astype(np.uint64) for c in _ITEM_ROW)
+    tensor = kind == 0
+    if ((prop == 0) != ~tensor).any() or (ndim[~tensor] != 0).any() or (nchunks[~tensor] != 0).any() or (
+            nchunks[tensor & (ndim == 0)] > 1).any():
+        raise _bad(source, "has items whose kind, properties, dimensions and chunks disagree")
+    dims = _read(items, "size", int(ndim.sum()), source)
+    count = int((ndim * nchunks).sum())
+    offs, csz = (_read(items, c, count, source) for c in ("offsets", "chunk_sizes"))
+    if any(len(a) and int(a.max()) >= _MAX_DIM for a in (dims, offs, csz)):
+        raise _bad(source, "has a dimension above 2**62")
+    dims, offs, csz = dims.tolist(), offs.tolist(), csz.tolist()
+    sdm, at, cat, size, chunk = {}, 0, 0, torch.Size, ChunkStorageMetadata
+    for fqn, k, p, d, c in zip(fqns, *(cols[name].tolist() for name in _ITEM_ROW)):
+        if k:
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        properties = object.__new__(TensorProperties)  # a copy per item, as unpickling makes
+        properties.__dict__.update(props[p - 1].__dict__)
+        chunks = []
+        for _ in range(c):
+            chunks.append(chunk(size(offs[cat:cat + d]), size(csz[cat:cat + d])))
+            cat += d
+        sdm[fqn] = TensorStorageMetadata(properties, size(dims[at:at + d]), chunks)
+        at += d
+    return sdm
+
+
+def unpack_paths(paths: Any, fqns: list, source: str) -> dict:
+    """``planner_data`` from its path table."""
+    parts = paths.get("parts") if type(paths) is dict else None
+    if type(parts) is not tuple or not set(map(type, parts)) <= {str, int}:
+        raise _bad(source, "has path parts that are not names or indices")
+    counts = _read(paths, "nparts", len(fqns), source)
+    _limits({"nparts": counts}, {"nparts": 4096}, source, "path")
+    ids = _read(paths, "ids", int(counts.sum(dtype=np.uint64)), source)
+    _limits({"ids": ids}, {"ids": len(parts) - 1}, source, "path")
+    ids, out, at = ids.tolist(), {}, 0
+    for fqn, k in zip(fqns, counts.tolist()):
+        out[fqn] = tuple(parts[i] for i in ids[at:at + k])
+        at += k
+    return out
