@@ -152,7 +152,7 @@ def test_inspect_and_verify(data: dict) -> None:
         ["verify", root / "native", root / "stock", bad, short, "--json"], ["verify", root / "nothing-here"])
 
     info = json.loads(ok(ins_native).stdout)
-    assert info["format"] == "dcp_tiered v1" and info["format_version"] == 1 and info["codecs"] == ["zstd:1"]
+    assert info["format"] == "dcp_tiered v2" and info["format_version"] == 2 and info["codecs"] == ["zstd:1"]
     rows = {r["key"]: r for r in info["tensors"]}
     assert rows["model.w"]["dtype"] == "float32" and rows["model.w"]["shape"] == [128, 96]
     assert rows["model.w"]["raw_bytes"] == 128 * 96 * 4 and 0 < rows["model.w"]["stored_bytes"] < 128 * 96 * 4

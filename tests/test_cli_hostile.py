@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from isolated import run_isolated
 
+from dcp_tiered.dcp.metadata_io import unpack_metadata
 from dcp_tiered import CompressedWriter
 from dcp_tiered.cli import output as common
 
@@ -92,7 +93,7 @@ def _clone(root: Path, good: Path, name: str) -> Path:
 
 
 def _edit_metadata(ckpt: Path, edit) -> None:
-    md = pickle.loads((ckpt / ".metadata").read_bytes())  # our own checkpoint: plain pickle is fine here
+    md = unpack_metadata((ckpt / ".metadata").read_bytes())  # our own checkpoint: plain pickle is fine here
     edit(md)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 
 from failures import failure_of
+from dcp_tiered.dcp.metadata_io import unpack_metadata
 from dcp_tiered import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -316,7 +317,7 @@ def _edit_records(path, edit) -> None:
     """Rewrite each storage record ``rec`` of ``fqn`` as ``edit(fqn, rec)`` (``_DELETE`` drops it)."""
     meta = os.path.join(path, ".metadata")
     with open(meta, "rb") as f:
-        md = pickle.load(f)  # our own checkpoint: plain pickle is fine here
+        md = unpack_metadata(f.read())  # our own checkpoint: plain pickle is fine here
     for idx in list(md.storage_data):
         new = edit(idx.fqn, md.storage_data[idx])
         if new is _DELETE:
@@ -404,7 +405,7 @@ def test_malformed_storage_data_is_a_clear_error(tmp_path, case):
     else:
         meta = os.path.join(path, ".metadata")
         with open(meta, "rb") as f:
-            md = pickle.load(f)
+            md = unpack_metadata(f.read())
         md.storage_data = None if case == "storage_data is None" else list(md.storage_data.values())
         with open(meta, "wb") as f:
             pickle.dump(md, f)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from dcp_tiered.dcp.metadata_io import unpack_metadata
 from dcp_tiered import CompressedReader, CompressedWriter, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage
 from failures import failure_of
@@ -140,7 +141,7 @@ def test_subdirectory_linked_outside_the_checkpoint_is_not_followed(tmp_path):
     import pickle
 
     with open(ckpt / ".metadata", "rb") as f:
-        md = pickle.load(f)  # our own checkpoint: plain pickle is fine here
+        md = unpack_metadata(f.read())  # our own checkpoint: plain pickle is fine here
     for idx, rec in list(md.storage_data.items()):
         md.storage_data[idx] = {**rec, "file": "sub/__0_0.distcp"}
     with open(ckpt / ".metadata", "wb") as f:

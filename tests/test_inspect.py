@@ -91,7 +91,7 @@ def test_import_loads_no_torch() -> None:
 
 def test_describe_native_and_stock(ckpts: dict[str, Path]) -> None:
     native = ckpt.describe(ckpts["native"])
-    assert native.format == "dcp_tiered v1" and native.format_version == 1 and native.codecs == ["zstd:1"]
+    assert native.format == "dcp_tiered v2" and native.format_version == 2 and native.codecs == ["zstd:1"]
     rows = {r.key: r for r in native.rows}
     assert [r.key for r in native.rows] == sorted(rows)
     w = rows["model.w"]

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 
 from failures import failure_of
+from dcp_tiered.dcp.metadata_io import unpack_metadata
 from dcp_tiered import (
     CheckpointNotFoundError,
     CompressedReader,
@@ -143,12 +144,12 @@ def assert_same(a, b) -> None:
 
 def records(ckpt: Path) -> dict:
     """``{fqn: record}`` of a checkpoint we wrote ourselves (so plain pickle is fine here)."""
-    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    md = unpack_metadata((ckpt / ".metadata").read_bytes())
     return {idx.fqn: rec for idx, rec in md.storage_data.items()}
 
 
 def rewrite_metadata(ckpt: Path, edit) -> None:
-    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    md = unpack_metadata((ckpt / ".metadata").read_bytes())
     edit(md)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
 
@@ -245,7 +246,7 @@ def _payloads(marker: Path) -> dict[str, bytes]:
 
 def _metadata_with_payload(ckpt: Path, marker: Path) -> bytes:
     """A real checkpoint's metadata with a payload hidden in a field DCP never inspects."""
-    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    md = unpack_metadata((ckpt / ".metadata").read_bytes())
     md.planner_data = {"x": _Reduce(os.system, f"touch {shlex.quote(str(marker))}")}
     return pickle.dumps(md)
 

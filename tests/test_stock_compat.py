@@ -332,9 +332,10 @@ def test_stock_readers_cannot_read_compressed_checkpoints_and_the_readme_says_wh
     # the README's Errors section must change with it.
     path = tmp_path / "ckpt"
     dcp.save(full_state(), storage_writer=CompressedWriter(path, sync_files=False), no_dist=True)
-    with pytest.raises(BaseException, match="relative_path") as err:
+    # format 2: the tensor table stock sees lists only the records table's head item
+    with pytest.raises(BaseException, match="relative_path|Missing key in checkpoint state_dict") as err:
         dcp.load(blank_like(full_state()), storage_reader=FileSystemReader(path), no_dist=True)
-    assert isinstance(_failure(err.value), AttributeError)
+    assert isinstance(_failure(err.value), (AttributeError, RuntimeError))
     with pytest.raises(BaseException, match="relative_path"):
         dcp_to_torch_save(path, tmp_path / "stock.pt")
     readme = " ".join((ROOT / "README.md").read_text().split())

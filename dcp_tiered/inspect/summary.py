@@ -116,10 +116,10 @@ def _rows(md: Metadata) -> dict[str, ItemRow]:
 
 
 def _describe(path: str, md: Metadata) -> Description:
-    from dcp_tiered.dcp.format import FORMAT_VERSION, record_view
+    from dcp_tiered.dcp.format import record_view
 
     rows = _rows(md)
-    formats, codecs = set(), set()
+    formats, codecs, versions = set(), set(), set()
     for index, rec in md.storage_data.items():
         row = rows.get(index.fqn)
         if row is None:
@@ -128,6 +128,7 @@ def _describe(path: str, md: Metadata) -> Description:
         row.stored_bytes += item.length
         if item.native:
             formats.add(f"dcp_tiered v{item.version}")
+            versions.add(item.version)
             codec = item.codec + ("+" + item.filter_name if item.filter_name != "none" else "")
             codecs.add(item.codec)
             if item.kind == "tensor":
@@ -143,8 +144,7 @@ def _describe(path: str, md: Metadata) -> Description:
         row.codec = codec if not row.codec or row.codec == codec else "mixed"
         if item.file not in row.files:
             row.files.append(item.file)
-    native = any(f.startswith("dcp_tiered") for f in formats)
-    return Description(path, ", ".join(sorted(formats)) or "empty", FORMAT_VERSION if native else None,
+    return Description(path, ", ".join(sorted(formats)) or "empty", max(versions) if versions else None,
                        getattr(md, "version", None), sorted(codecs), sorted(rows.values(), key=lambda r: r.key),
                        fp32_bytes(md))
 
