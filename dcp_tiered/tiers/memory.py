@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dcp_tiered.errors import ConfigError, MemoryBudgetError
+from dcp_tiered.tiers.layout import parse_step
 
 #: File system types whose files live in RAM.
 MEMORY_FSTYPES = frozenset({"tmpfs", "ramfs"})
@@ -30,6 +31,7 @@ ITEM_OVERHEAD = 512
 #: Largest frame header (one plane per byte of an 8-byte element: 1 + 8 * 5 bytes).
 FRAME_HEADER_MAX = 41
 _DEFAULT_FRAME = 4 << 20
+METADATA_FILE = ".metadata"  # the commit marker of a checkpoint (as dcp.format names it, without torch)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -110,10 +112,24 @@ def node_save_bytes(plans: Sequence[Any], node_of: Any, frame_size: int | None =
     return dict(out)
 
 
-def held_bytes(sizes: Mapping[str, int], replacing: str | None = None) -> int:
-    """Bytes the tier holds now (``Storage.file_sizes``), leaving out the checkpoint ``replacing`` rewrites."""
-    skip = (replacing.rstrip("/") + "/") if replacing else None
-    return sum(n for name, n in sizes.items() if skip is None or not name.startswith(skip))
+def held_bytes(sizes: Mapping[str, int], keep: int, replacing: str | None = None) -> int:
+    """Bytes of what the tier holds (``Storage.file_sizes``) that retention keeps next to a new save: its
+    ``keep`` newest committed checkpoints, leaving out the checkpoint ``replacing`` rewrites.
+
+    Older committed checkpoints (retention deletes them, maybe still in the background) and the
+    leftovers of interrupted saves (retention removes them) are not counted: they would otherwise refuse
+    every save until they are gone.  The free-space check still sees them.  Pure.
+    """
+    per_step: dict[int, int] = defaultdict(int)
+    committed: set[int] = set()
+    for name, n in sizes.items():
+        top, _, rest = name.partition("/")
+        step = parse_step(top)
+        if step is None or not rest or top == replacing:
+            continue
+        per_step[step] += n
+        committed.update([step] if rest == METADATA_FILE else [])
+    return sum(per_step[s] for s in sorted(committed, reverse=True)[: max(1, keep)])
 
 
 def budget_problem(tier_name: str, needed: int, held: int, budget: int | None, free: int | None,
@@ -166,7 +182,7 @@ def check_save_fits(tier: Any, plans: Sequence[Any], checkpoint: str | None, *, 
     storage = Storage(tier.resolved_url(rank, node), tier.storage_options)
     per_node = node_save_bytes(plans, node_of, frame_size)
     busiest, needed = max(per_node.items(), key=lambda kv: kv[1], default=(node, 0))
-    held = held_bytes(storage.file_sizes(), checkpoint)
+    held = held_bytes(storage.file_sizes(), tier.keep, checkpoint)
     free = _free_bytes(storage.root) if storage.is_local else None
     problem = budget_problem(tier.name, needed, held, budget, free, tier.keep, busiest)
     if problem is not None:
