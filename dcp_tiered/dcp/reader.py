@@ -48,6 +48,8 @@ from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 # Largest single ranged read; bounds host memory held by one read.
 READ_CHUNK = 64 << 20
+# Smallest ``none``-codec tensor read straight into its destination (two reads per frame, no copy).
+RAW_DIRECT_MIN = 64 << 10
 
 
 @dataclass
@@ -351,9 +353,10 @@ class CompressedReader(UrlCheckpointId, StorageReader):
 
     def _reads_raw(self, r: _Request) -> bool:
         """Whether ``r`` takes the raw fast path: a whole tensor of ``none``-codec frames (one raw plane
-        each) on a local file, read straight into its destination tensor with no buffer in between."""
+        each) on a local file, read straight into its destination tensor with no buffer in between.
+        Small tensors keep the batched path: one read for many of them costs less than a copy."""
         rec = r.record
-        return (r.direct and self.storage.is_local and rec.filter_name == FILTER_NONE
+        return (r.direct and self.storage.is_local and rec.raw_length >= RAW_DIRECT_MIN and rec.filter_name == FILTER_NONE
                 and not self._codec(rec).codec.compresses)
 
     def _read_raw(self, r: _Request) -> _Request:
