@@ -24,6 +24,7 @@ from dcp_tiered.tiers import memory
 from dcp_tiered.tiers.events import root_cause
 from dcp_tiered.tiers.memory import budget_problem, held_bytes, is_memory_path, mount_fstype, node_save_bytes, parse_bytes
 
+from gloo_ranks import run_ranks
 from isolated import run_isolated
 
 SHM = Path("/dev/shm")
@@ -255,6 +256,25 @@ def test_fitting_save_commits_with_none_codec_and_restores_bit_exact(shm_dir):
     reader = CompressedReader(shm_dir / "ckpt" / "step_000000007")
     codecs = {record_view(r).codec for r in reader.read_metadata().storage_data.values()}
     assert codecs == {"none"}
+
+
+def _two_rank_budget(rank: int, world: int, root: str) -> None:
+    """Each rank's 1 MiB fits the 2 MiB budget alone, both together do not: the node's sum is checked."""
+    url = f"{root}/ckpt"
+    with TieredCheckpointer([Tier("mem", url, memory_budget=2 * MIB)]) as ck:
+        big = {f"w{rank}": torch.full((1 << 18,) if rank else (1 << 15,), float(rank))}  # 1 MiB + 128 KiB
+        with pytest.raises(SaveError, match="memory tier 'mem' refuses the save"):
+            ck.save_now(1, {f"v{rank}": torch.ones(1 << 18) * rank})  # 1 MiB per rank, 2 MiB + headers on the node
+        assert _files(Path(url)) == {}
+        ck.save_now(2, big)
+        out = {f"w{rank}": torch.zeros_like(big[f"w{rank}"])}
+        assert ck.restore(out) == 2 and torch.equal(out[f"w{rank}"], big[f"w{rank}"])
+    Path(root, f"ok{rank}").write_text("ok")
+
+
+def test_budget_counts_every_rank_of_the_node(shm_dir, tmp_path):
+    run_ranks(_two_rank_budget, 2, tmp_path, str(shm_dir), timeout=300)
+    assert (shm_dir / "ok0").is_file() and (shm_dir / "ok1").is_file()
 
 
 # --------------------------------------------------------------------------- crash survival

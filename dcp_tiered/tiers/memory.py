@@ -169,7 +169,7 @@ def check_save_fits(tier: Any, plans: Sequence[Any], checkpoint: str | None, *, 
     before anything is written; DCP then fails the save on every rank).
 
     Checked for the node with the most bytes of this save (``plans`` index = rank), next to what the tier
-    holds on this rank's node (nodes are alike).  Raises :class:`MemoryBudgetError`.  A tier that is neither
+    holds on this rank's node (nodes are alike; with ``{rank}`` in the URL, in every directory of the node).  Raises :class:`MemoryBudgetError`.  A tier that is neither
     a memory tier nor given a budget is not checked.
     """
     from dcp_tiered.storage import Storage
@@ -179,11 +179,14 @@ def check_save_fits(tier: Any, plans: Sequence[Any], checkpoint: str | None, *, 
     if budget is None and getattr(tier, "kind", None) != "memory":
         return
     node = node_of(rank)
-    storage = Storage(tier.resolved_url(rank, node), tier.storage_options)
+    # This node's directories of the tier: one, or one per rank with '{rank}' in the URL.
+    urls = sorted({tier.resolved_url(r, node) for r in range(len(plans)) if node_of(r) == node} or
+                  {tier.resolved_url(rank, node)})
+    dirs = [Storage(url, tier.storage_options) for url in urls]
     per_node = node_save_bytes(plans, node_of, frame_size)
     busiest, needed = max(per_node.items(), key=lambda kv: kv[1], default=(node, 0))
-    held = held_bytes(storage.file_sizes(), tier.keep, checkpoint)
-    free = _free_bytes(storage.root) if storage.is_local else None
+    held = sum(held_bytes(d.file_sizes(), tier.keep, checkpoint) for d in dirs)
+    free = _free_bytes(dirs[0].root) if dirs[0].is_local else None
     problem = budget_problem(tier.name, needed, held, budget, free, tier.keep, busiest)
     if problem is not None:
         raise MemoryBudgetError(problem, tier=tier.name, needed=needed + held, budget=budget)
