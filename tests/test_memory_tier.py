@@ -95,7 +95,7 @@ def test_shm_tier_is_memory_with_defaults(shm_dir, tmp_path):
     assert (t2.kind, t2.keep, t2.codec, t2.memory_budget) == ("memory", 2, "zstd:1", 512 * MIB)
     # an explicit kind turns detection off
     t3 = Tier("mem", shm_dir / "c3", kind="storage")
-    assert (t3.keep, t3.codec) == (2, "zstd:1") or (t3.keep, t3.codec[:4]) == (2, "zstd")
+    assert t3.keep == 2 and t3.codec.startswith("zstd")
     assert Tier("s3", "s3://bucket/ckpt").kind == "storage"
     if not is_memory_path(str(tmp_path)):
         disk = Tier("disk", tmp_path / "d")
