@@ -23,6 +23,7 @@ from dcp_tiered.errors import (
     PromotionIOError,
     LeaderLoadError,
     MissingFileError,
+    MemoryBudgetError,
 )
 from dcp_tiered.lazy import lazy_attributes
 
@@ -81,6 +82,7 @@ __all__ = [
     "Codec",
     "register_codec",
     "get_codec",
+    "MemoryBudgetError",
 ]
 
 

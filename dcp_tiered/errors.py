@@ -87,3 +87,18 @@ class PromotionIOError(PromotionError, StorageError):
 class LeaderLoadError(DcpTieredError, RuntimeError):
     """Raised on the receivers of a ``load_and_broadcast`` group whose leader failed to load
     (its error is in the message)."""
+
+
+class MemoryBudgetError(StorageError):
+    """A save to a memory tier (``/dev/shm``, tmpfs) would not fit its ``memory_budget`` or the free RAM;
+    raised before anything is written.  ``tier``, ``needed`` (bytes with what the tier holds) and ``budget``."""
+
+    def __init__(self, message: str, tier: str = "", needed: int = 0, budget: "int | None" = None) -> None:
+        super().__init__(message)
+        self.tier, self.needed, self.budget = tier, needed, budget
+
+    def __str__(self) -> str:  # OSError's str of one argument is the argument
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):  # picklable across processes (DCP gathers a rank's failure) with its fields
+        return (type(self), (str(self), self.tier, self.needed, self.budget))

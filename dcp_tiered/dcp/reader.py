@@ -24,6 +24,7 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.codecs import FrameCodec, verify_frame
+from dcp_tiered.codecs.bytegroup import FILTER_NONE
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
     MAX_OBJECT_BYTES,
@@ -38,6 +39,7 @@ from dcp_tiered.dcp.dropin import refuse_positional, storage_options_with
 from dcp_tiered.dcp.metadata_io import check_metadata, load_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
 from dcp_tiered.dcp.pickle_scan import check_torch_payload
+from dcp_tiered.dcp.raw_frames import read_raw_frames
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
 from dcp_tiered.dcp.writer import default_threads
@@ -46,6 +48,8 @@ from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 # Largest single ranged read; bounds host memory held by one read.
 READ_CHUNK = 64 << 20
+# Smallest ``none``-codec tensor read straight into its destination (two reads per frame, no copy).
+RAW_DIRECT_MIN = 64 << 10
 
 
 @dataclass
@@ -253,6 +257,8 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         if not native:
             return
         requests = [self._plan_request(req, planner) for req in native]
+        raw = [r for r in requests if self._reads_raw(r)]
+        requests = [r for r in requests if not self._reads_raw(r)]
         tasks = [t for r in requests for t in self._frame_tasks(r)]
         chunks = self._chunks(tasks)
         for r in requests:
@@ -264,6 +270,8 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         with ThreadPoolExecutor(1, thread_name_prefix="dcp_tiered-read") as reader, ThreadPoolExecutor(
             self.threads or default_threads(), thread_name_prefix="dcp_tiered-decode"
         ) as pool:
+            for r in pool.map(self._read_raw, raw):
+                self._finish(r, planner)
             pending = reader.submit(self._fetch, chunks[0], buffers[0]) if chunks else None
             for i, chunk in enumerate(chunks):
                 data = pending.result()
@@ -342,6 +350,18 @@ class CompressedReader(UrlCheckpointId, StorageReader):
                 f"got {got}; restore from another tier or an older step"
             )
         return view
+
+    def _reads_raw(self, r: _Request) -> bool:
+        """Whether ``r`` takes the raw fast path: a whole tensor of ``none``-codec frames (one raw plane
+        each) on a local file, read straight into its destination tensor with no buffer in between.
+        Small tensors keep the batched path: one read for many of them costs less than a copy."""
+        rec = r.record
+        return (r.direct and self.storage.is_local and rec.raw_length >= RAW_DIRECT_MIN and rec.filter_name == FILTER_NONE
+                and not self._codec(rec).codec.compresses)
+
+    def _read_raw(self, r: _Request) -> _Request:
+        read_raw_frames(self.storage, r.record, r.frames, r.buf, r.key, self.verify)
+        return r
 
     def _decode(self, t: _FrameTask, chunk: _ReadChunk, data: memoryview) -> _Request:
         r = t.owner

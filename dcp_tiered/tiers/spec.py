@@ -14,6 +14,7 @@ import fsspec
 from dcp_tiered.codecs import parse_codec
 from dcp_tiered.checks import check_count
 from dcp_tiered.errors import CodecError, ConfigError
+from dcp_tiered.tiers.memory import is_memory_path, parse_bytes
 
 # One "number unit" part of a duration; longer unit names first so "ms" is not read as "m".
 # ASCII only: Python's \s also matches control characters such as \x1f, which float() refuses.
@@ -22,6 +23,17 @@ _NUMBER = re.compile(r"\s*(\d+(?:\.\d+)?)\s*", re.ASCII)
 _SPACE = " \t\n\r\f\v"
 _UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
 DTYPES = ("bf16", "fp16")
+KINDS = ("memory", "storage")
+
+
+class _Default:
+    """Marks a field left to its default, which depends on the tier's kind (see :class:`Tier`)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+DEFAULT: Any = _Default()
 
 
 def _duration_seconds(text: str) -> float | None:
@@ -74,12 +86,19 @@ class Tier:
         every: minimum time between saves to this tier (``"5m"``, ``"30s"``, seconds).
         every_steps: minimum steps between saves to this tier.
         max_per_hour: cap on saves per rolling hour (for object stores billed per request).
-        keep: committed checkpoints kept by retention (at least 1).
-        codec: ``"none"``, ``"lz4"``, ``"zstd"``, ``"zstd:N"``, or a registered codec's spec.
+        keep: committed checkpoints kept by retention (at least 1; default 2, 1 for a memory tier).
+        codec: ``"none"``, ``"lz4"``, ``"zstd"``, ``"zstd:N"``, or a registered codec's spec (default
+            ``"zstd"``, ``"none"`` for a memory tier).
         storage_options: passed to fsspec.
         dtype: ``"bf16"`` or ``"fp16"`` to store floating tensors in 16 bits (safe downcast).
+        memory_budget: most bytes the tier may hold on one node, as bytes or ``"8GiB"``/``"512MiB"``;
+            a save that would not fit fails before writing anything (see :mod:`dcp_tiered.tiers.memory`).
+        kind: ``"memory"`` or ``"storage"``; inferred when omitted: ``"memory"`` for a local path on
+            ``/dev/shm`` or another tmpfs.
 
-    A tier with neither ``every`` nor ``every_steps`` is due on every save.
+    A tier with neither ``every`` nor ``every_steps`` is due on every save.  A memory tier survives a
+    crashed training process, not a lost node; it is always checked against the free RAM of its file
+    system before a save, and against ``memory_budget`` when given.
     """
 
     name: str
@@ -87,10 +106,12 @@ class Tier:
     every: float | None = None
     every_steps: int | None = None
     max_per_hour: int | None = None
-    keep: int = 2
-    codec: str = "zstd"
+    keep: int = DEFAULT  # type: ignore[assignment]
+    codec: str = DEFAULT  # type: ignore[assignment]
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     dtype: str | None = None
+    memory_budget: int | str | None = None
+    kind: str | None = None
 
     def __post_init__(self) -> None:
         where = f"tier {self.name!r}"
@@ -102,6 +123,7 @@ class Tier:
         if any(ord(c) < 32 for c in self.url):
             raise ConfigError(f"{where}: field 'url' contains a control character: {self.url!r}")
         object.__setattr__(self, "every", parse_duration(self.every, f"{where}: field 'every'"))
+        self._memory_fields(where)
         for name in ("every_steps", "max_per_hour", "keep"):
             value = getattr(self, name)
             if value is None and name != "keep":
@@ -117,6 +139,21 @@ class Tier:
         object.__setattr__(self, "storage_options", dict(self.storage_options))
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"{where}: field 'dtype' must be one of {DTYPES} or omitted, got {self.dtype!r}")
+
+    def _memory_fields(self, where: str) -> None:
+        """Resolve ``kind``, ``memory_budget`` and the defaults of ``keep``/``codec`` that depend on the kind."""
+        if self.kind is not None and self.kind not in KINDS:
+            raise ConfigError(f"{where}: field 'kind' must be one of {KINDS} or omitted, got {self.kind!r}")
+        object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget, f"{where}: field 'memory_budget'"))
+        if self.kind is None:
+            protocol, path = fsspec.core.split_protocol(self.resolved_url())
+            memory = protocol in (None, "file", "local") and is_memory_path(path)
+            object.__setattr__(self, "kind", "memory" if memory else "storage")
+        memory = self.kind == "memory"
+        if self.keep is DEFAULT:
+            object.__setattr__(self, "keep", 1 if memory else 2)
+        if self.codec is DEFAULT:
+            object.__setattr__(self, "codec", "none" if memory else "zstd")
 
     def __hash__(self) -> int:
         return hash((self.name, self.url))

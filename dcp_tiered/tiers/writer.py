@@ -29,6 +29,7 @@ from dcp_tiered.dcp.writer import (
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
+from dcp_tiered.tiers.memory import check_save_fits
 from dcp_tiered.tiers.node_commit import NodeCommit, commit_node, node_of
 from dcp_tiered.tiers.promotion import Promoter
 from dcp_tiered.tiers.schedule import SaveSchedule
@@ -188,6 +189,8 @@ class TieredWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         tiers = self._due()
+        # A memory tier refuses a save that would not fit before anything (even the claim) is written.
+        check_save_fits(self.by_name[tiers[0]], plans, self.name, rank=self.rank, frame_size=self.frame_size)
         target = self._target(self.by_name[tiers[0]])
         # Claimed before any rank writes: of two concurrent saves to one path exactly one goes on.
         self._release()
