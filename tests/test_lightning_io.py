@@ -452,3 +452,28 @@ def test_routed_reference_without_checkpointer_says_what_it_is(tmp_path):
         CompressedCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
     with pytest.raises(ConfigError, match="reference to step 4.*checkpoint_io="):
         load_from_checkpoint(script.Net, tmp_path / "last.ckpt")
+
+
+def test_routed_reference_swap_killed_keeps_the_previous_reference(tmp_path):
+    code = f"""
+    import os, signal, torch
+    import dcp_tiered.integrations._lightning_files as files
+    from dcp_tiered import Tier, TieredCheckpointer
+    from dcp_tiered.integrations.lightning import CompressedCheckpointIO
+    d = {str(tmp_path)!r}
+    io_ = CompressedCheckpointIO(checkpointer=TieredCheckpointer([Tier("local", d + "/tiers", keep=3)],
+                                                                 resume_promotions=False))
+    io_.save_checkpoint({{"global_step": 3, "w": torch.ones(2)}}, d + "/last.ckpt")
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+    files.swap_in = die  # step 6 is committed in the tiers, its reference written but not swapped in
+    io_.save_checkpoint({{"global_step": 6, "w": torch.ones(2) * 2}}, d + "/last.ckpt")
+    """
+    res = run_isolated(code, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.describe()
+    io = CompressedCheckpointIO(checkpointer=_tiers(tmp_path))
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 3  # never without a last.ckpt
+    io.save_checkpoint({"global_step": 9, "w": torch.ones(2) * 3}, tmp_path / "last.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "tiers"]
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 9
+    io._ck.close()

@@ -35,6 +35,7 @@ def parse_ref(head: bytes) -> dict[str, Any] | None:
 
 def write_ref(path: str, step: int) -> None:
     """Atomically put a reference to ``step`` at local ``path`` (whatever was there is replaced)."""
+    _files.recover(path)  # a reference or save killed before its swap
     tmp = _files.hidden(path, "partial")
     with open(tmp, "w") as f:
         json.dump({REF_KEY: 1, "step": step}, f)

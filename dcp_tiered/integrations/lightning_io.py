@@ -20,7 +20,8 @@ the structure in one object avoids DCP's flattening, under which ``optimizer_sta
 ``weights_only`` (give ``safe_globals=``), else the save raises ``UnsafeObjectError``
 naming them.
 
-Regular files (checkpoints of the stock ``TorchCheckpointIO``) still load through the plugin.
+Regular files (checkpoints of the stock ``TorchCheckpointIO``) still load through the plugin,
+locally and on fsspec URLs.  Local saves are swapped in atomically (``_lightning_files``).
 Lightning calls save and remove on global rank 0 only, so the save is ``dcp.save(no_dist=True)``;
 every rank loads.  ``LightningModule.load_from_checkpoint`` does not use the plugin: use
 :func:`load_from_checkpoint` here.
@@ -114,7 +115,10 @@ def _check_skeleton(flat: Mapping[str, Any], path: Any, limit: int) -> None:
     """Refuse at save a non-tensor part the reader (``max_object_bytes``) would refuse at load."""
     def size(value: Any) -> int:
         buf = io.BytesIO()
-        torch.save(value, buf)
+        try:
+            torch.save(value, buf)
+        except Exception:  # noqa: BLE001 - not picklable: the writer raises it, naming the object
+            return 0
         return buf.tell()
 
     total = size(flat[SKELETON])
@@ -366,6 +370,8 @@ def load_from_checkpoint(cls: Any, path: Any, *, checkpoint_io: CompressedCheckp
 
     Loads the checkpoint dict, ``torch.save``s it into memory and hands that to
     ``cls.load_from_checkpoint(buffer, **kwargs)``: it costs twice the checkpoint in memory.
+    For a reference written with ``checkpointer=``, pass ``checkpoint_io=`` a plugin routing
+    into the same tiers.
     """
     ckpt = (checkpoint_io or CompressedCheckpointIO()).load_checkpoint(path)
     buf = io.BytesIO()
