@@ -230,7 +230,7 @@ def test_routes_into_tiered_checkpointer_single_process(tmp_path):
     ck2.close()
     assert sorted(i.step for i in make().list() if i.committed) == [6, 9]  # the tier's keep=2 applies
     (tmp_path / "old.ckpt").write_text(json.dumps({**ref, "step": 3}))
-    with pytest.raises(CheckpointNotFoundError, match="no tier holds"):
+    with pytest.raises(CheckpointNotFoundError, match="no tier holds.*retention.*keep >= save_top_k"):
         CompressedCheckpointIO(checkpointer=make()).load_checkpoint(tmp_path / "old.ckpt")
 
 
@@ -287,3 +287,193 @@ def test_damaged_checkpoints_raise_named_errors(tmp_path):
         join_checkpoint({**flat, "skeleton": ({**skel, "tensors": [("a", 5)]},)}, "x.ckpt")
     with pytest.raises(UnsupportedFormatError, match="x.ckpt"):
         join_checkpoint({**flat, "skeleton": ({**skel, "format": "dcp_tiered.lightning/9"},)}, "x.ckpt")
+
+
+# -- review 14h: hostile cases ------------------------------------------------------------------
+
+from tests.isolated import run_isolated  # noqa: E402
+
+_KILL_PRELUDE = """
+import os, signal, torch
+import dcp_tiered.integrations._lightning_files as files
+from dcp_tiered.integrations.lightning import CompressedCheckpointIO
+io_ = CompressedCheckpointIO()
+io_.save_checkpoint({{"global_step": 3, "w": torch.ones(4)}}, {p!r})
+def die(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+_KILL_AT = {
+    # the new checkpoint is committed under its hidden name; the swap never starts
+    "committed": "files.swap_in = die",
+    # the atomic exchange is done; the previous checkpoint (now under the hidden name) is not deleted yet
+    "exchanged": "real = files.exchange\nfiles.exchange = lambda a, b: real(a, b) and die()",
+    # no atomic exchange (another OS or file system): killed between moving the old one aside and the rename
+    "moved_aside": ("files.exchange = lambda a, b: False\nreal = os.rename\n"
+                    "def rename(a, b):\n    real(a, b)\n    if b.endswith('.old'): die()\nfiles.os.rename = rename"),
+}
+
+
+@pytest.mark.parametrize("point", sorted(_KILL_AT))
+def test_sigkill_at_each_point_of_the_last_ckpt_swap_loses_nothing(tmp_path, point):
+    p = str(tmp_path / "last.ckpt")
+    code = _KILL_PRELUDE.format(p=p) + _KILL_AT[point] + '\nio_.save_checkpoint({"global_step": 6, "w": torch.ones(4) * 2}, ' + repr(p) + ")\n"
+    res = run_isolated(code, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.describe()
+    io = CompressedCheckpointIO()
+    if point != "moved_aside":  # what Lightning's ckpt_path="last" needs: last.ckpt exists and loads
+        assert (tmp_path / "last.ckpt" / ".metadata").is_file(), sorted(os.listdir(tmp_path))
+    assert io.load_checkpoint(p)["global_step"] == (3 if point == "committed" else 6)
+    from dcp_tiered.integrations import _lightning_files
+
+    _lightning_files.recover(p)  # what the next save does first: the newest committed checkpoint is kept
+    assert io.load_checkpoint(p)["global_step"] == 6
+    assert os.listdir(tmp_path) == ["last.ckpt"]  # no leaked .old / .partial
+    io.save_checkpoint({"global_step": 9, "w": torch.ones(4) * 3}, p)
+    assert os.listdir(tmp_path) == ["last.ckpt"] and io.load_checkpoint(p)["global_step"] == 9
+
+
+def _tiers(tmp_path, **kw):
+    from dcp_tiered import Tier, TieredCheckpointer
+
+    return TieredCheckpointer([Tier("local", str(tmp_path / "tiers"), keep=3)], resume_promotions=False, **kw)
+
+
+def test_routed_async_reference_is_written_only_once_the_step_committed(tmp_path):
+    code = f"""
+    import os, signal, torch
+    from dcp_tiered import Tier, TieredCheckpointer
+    from dcp_tiered.integrations.lightning import CompressedCheckpointIO
+    d = {str(tmp_path)!r}
+    ck = TieredCheckpointer([Tier("local", d + "/tiers", keep=3)], async_save=True, resume_promotions=False)
+    io_ = CompressedCheckpointIO(checkpointer=ck)
+    big = torch.randn(4 << 20)
+    io_.save_checkpoint({{"global_step": 3, "w": big}}, d + "/last.ckpt")
+    ck.wait()
+    io_.save_checkpoint({{"global_step": 6, "w": big + 1}}, d + "/last.ckpt")
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+    res = run_isolated(code, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.describe()
+    io = CompressedCheckpointIO(checkpointer=lambda: _tiers(tmp_path))
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 3
+    # a dangling reference (written by an older version) says what happened, not "retention"
+    (tmp_path / "new.ckpt").write_text(json.dumps({"dcp_tiered_tier_ref": 1, "step": 12}))
+    with pytest.raises(CheckpointNotFoundError, match="never committed"):
+        io.load_checkpoint(tmp_path / "new.ckpt")
+
+
+@pytest.mark.parametrize("full_first", [False, True])
+def test_routed_saves_of_one_step_with_other_content_are_kept(tmp_path, full_first):
+    io = CompressedCheckpointIO(checkpointer=_tiers(tmp_path))
+    weights = {"global_step": 6, "state_dict": {"w": torch.ones(2)}}
+    full = {**weights, "optimizer_states": [{"m": 1}]}
+    saves = [(full, "last.ckpt"), (weights, "top.ckpt")] if full_first else [(weights, "top.ckpt"), (full, "last.ckpt")]
+    for ckpt, name in saves:
+        io.save_checkpoint(ckpt, tmp_path / name)
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["optimizer_states"] == [{"m": 1}]
+    assert torch.equal(io.load_checkpoint(tmp_path / "top.ckpt")["state_dict"]["w"], torch.ones(2))
+    io._ck.close()
+
+
+def test_routed_save_without_global_step_is_refused(tmp_path):
+    from dcp_tiered.errors import ConfigError
+
+    io = CompressedCheckpointIO(checkpointer=_tiers(tmp_path))
+    for it in range(2):  # Fabric's fabric.save(path, state): no global_step
+        with pytest.raises(ConfigError, match="global_step"):
+            io.save_checkpoint({"iteration": it, "w": torch.full((2,), float(it))}, tmp_path / f"ckpt-{it}.ckpt")
+    assert not list(tmp_path.glob("*.ckpt"))
+    io.save_checkpoint({"iteration": 2, "global_step": 2, "w": torch.ones(2)}, tmp_path / "ckpt-2.ckpt")
+    assert io.load_checkpoint(tmp_path / "ckpt-2.ckpt")["iteration"] == 2
+    io._ck.close()
+
+
+@pytest.mark.parametrize("kind", ["quantized", "sparse", "meta", "quantized_linear"])
+def test_quantized_sparse_and_meta_tensors_are_refused_naming_the_key(tmp_path, kind):
+    from dcp_tiered.errors import UnsupportedFormatError
+
+    if kind == "quantized_linear":
+        value = {"fc": torch.ao.nn.quantized.Linear(4, 2).state_dict()}
+        key = "fc._packed_params._packed_params.0"
+    else:
+        value = {"x": {"quantized": torch.quantize_per_tensor(torch.tensor([1.0, 2.5]), 0.1, 3, torch.qint8),
+                       "sparse": torch.eye(3).to_sparse(), "meta": torch.empty(3, device="meta")}[kind]}
+        key = "x"
+    with pytest.raises(UnsupportedFormatError, match=f"'state_dict.{key}'.*not supported"):
+        CompressedCheckpointIO().save_checkpoint({"state_dict": value}, tmp_path / "q.ckpt")
+    assert not (tmp_path / "q.ckpt").exists()
+
+
+def test_non_tensor_part_over_max_object_bytes_is_refused_at_save(tmp_path):
+    from dcp_tiered.errors import ConfigError
+
+    ckpt = {"global_step": 1, "w": torch.ones(2), "datamodule_state": {"seen": b"\x01" * 20_000}}
+    with pytest.raises(ConfigError, match="'datamodule_state'.*max_object_bytes=10000"):
+        CompressedCheckpointIO(max_object_bytes=10_000).save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+    io = CompressedCheckpointIO(max_object_bytes=100_000)
+    io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    assert len(io.load_checkpoint(tmp_path / "a.ckpt")["datamodule_state"]["seen"]) == 20_000
+    from dcp_tiered.errors import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError):  # the reader's limit is the plugin's
+        CompressedCheckpointIO(max_object_bytes=10_000).load_checkpoint(tmp_path / "a.ckpt")
+
+
+def test_stock_ckpt_file_on_s3_loads_through_the_plugin(s3_bucket):
+    import io as _io
+
+    import fsspec
+
+    url, opts = s3_bucket
+    buf = _io.BytesIO()
+    torch.save({"global_step": 5, "state_dict": {"w": torch.ones(2)}}, buf)
+    with fsspec.filesystem("s3", **opts).open(f"{url}/run/last.ckpt", "wb") as f:
+        f.write(buf.getvalue())
+    plugin = CompressedCheckpointIO(storage_options=opts)
+    assert plugin.load_checkpoint(f"{url}/run/last.ckpt")["global_step"] == 5
+    plugin.save_checkpoint({"global_step": 6, "w": torch.ones(2)}, f"{url}/run/ours.ckpt")  # a directory still loads
+    assert plugin.load_checkpoint(f"{url}/run/ours.ckpt")["global_step"] == 6
+
+
+def test_async_refuses_checkpoint_io_with_other_arguments():
+    with pytest.raises(TypeError, match="codec='lz4', safe_globals, threads"):
+        AsyncCompressedCheckpointIO("lz4", checkpoint_io=CompressedCheckpointIO("zstd"), threads=8, safe_globals=[int])
+    assert AsyncCompressedCheckpointIO(checkpoint_io=CompressedCheckpointIO("lz4")).checkpoint_io.codec == "lz4"
+
+
+def test_routed_reference_without_checkpointer_says_what_it_is(tmp_path):
+    from dcp_tiered.errors import ConfigError
+
+    io = CompressedCheckpointIO(checkpointer=_tiers(tmp_path))
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
+    io._ck.close()
+    with pytest.raises(ConfigError, match="reference to step 4 of a TieredCheckpointer.*checkpointer="):
+        CompressedCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    with pytest.raises(ConfigError, match="reference to step 4.*checkpoint_io="):
+        load_from_checkpoint(script.Net, tmp_path / "last.ckpt")
+
+
+def test_routed_reference_swap_killed_keeps_the_previous_reference(tmp_path):
+    code = f"""
+    import os, signal, torch
+    import dcp_tiered.integrations._lightning_files as files
+    from dcp_tiered import Tier, TieredCheckpointer
+    from dcp_tiered.integrations.lightning import CompressedCheckpointIO
+    d = {str(tmp_path)!r}
+    io_ = CompressedCheckpointIO(checkpointer=TieredCheckpointer([Tier("local", d + "/tiers", keep=3)],
+                                                                 resume_promotions=False))
+    io_.save_checkpoint({{"global_step": 3, "w": torch.ones(2)}}, d + "/last.ckpt")
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+    files.swap_in = die  # step 6 is committed in the tiers, its reference written but not swapped in
+    io_.save_checkpoint({{"global_step": 6, "w": torch.ones(2) * 2}}, d + "/last.ckpt")
+    """
+    res = run_isolated(code, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.describe()
+    io = CompressedCheckpointIO(checkpointer=_tiers(tmp_path))
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 3  # never without a last.ckpt
+    io.save_checkpoint({"global_step": 9, "w": torch.ones(2) * 3}, tmp_path / "last.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "tiers"]
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 9
+    io._ck.close()

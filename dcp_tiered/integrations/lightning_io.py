@@ -20,7 +20,8 @@ the structure in one object avoids DCP's flattening, under which ``optimizer_sta
 ``weights_only`` (give ``safe_globals=``), else the save raises ``UnsafeObjectError``
 naming them.
 
-Regular files (checkpoints of the stock ``TorchCheckpointIO``) still load through the plugin.
+Regular files (checkpoints of the stock ``TorchCheckpointIO``) still load through the plugin,
+locally and on fsspec URLs.  Local saves are swapped in atomically (``_lightning_files``).
 Lightning calls save and remove on global rank 0 only, so the save is ``dcp.save(no_dist=True)``;
 every rank loads.  ``LightningModule.load_from_checkpoint`` does not use the plugin: use
 :func:`load_from_checkpoint` here.
@@ -29,41 +30,40 @@ every rank loads.  ``LightningModule.load_from_checkpoint`` does not use the plu
 from __future__ import annotations
 
 import contextlib
-import glob
 import io
-import json
 import os
-import shutil
-import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.utilities.cloud_io import _load as pl_load
     from lightning.fabric.utilities.data import AttributeDict
     from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 except ImportError:  # pragma: no cover - the standalone package
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
-    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO  # type: ignore[no-redef]
+    from lightning_fabric.utilities.cloud_io import _load as pl_load  # type: ignore[no-redef]
     from lightning_fabric.utilities.data import AttributeDict  # type: ignore[no-redef]
     from pytorch_lightning.plugins.io.async_plugin import AsyncCheckpointIO  # type: ignore[no-redef]
 
+from dcp_tiered.dcp.format import MAX_OBJECT_BYTES
 from dcp_tiered.dcp.statedict import set_leaf
 from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedFormatError
-from dcp_tiered.integrations._common import CheckpointerSource, build_checkpointer, from_one_object, one_object
+from dcp_tiered.integrations import _lightning_files as _files
+from dcp_tiered.integrations._common import CheckpointerSource, from_one_object, one_object
+from dcp_tiered.integrations._lightning_routed import RoutedMixin, parse_ref
 from dcp_tiered.storage.base import storage_errors
 
 __all__ = ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
 
 SKELETON = "skeleton"
 _FORMAT = "dcp_tiered.lightning/1"
-_REF_KEY = "dcp_tiered_tier_ref"
 _Path = tuple[Any, ...]
 
 
@@ -77,6 +77,7 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
     def strip(value: Any, path: _Path) -> Any:
         if isinstance(value, torch.Tensor):
+            _check_tensor(value, path)
             tensors.append(value.detach())
             paths.append(path)
             return None
@@ -97,6 +98,37 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {f"t.{n}": t for n, t in enumerate(tensors)}
     flat[SKELETON] = one_object({"format": _FORMAT, "tree": tree, "tensors": paths, "kinds": kinds})
     return flat
+
+
+def _check_tensor(value: torch.Tensor, path: _Path) -> None:
+    kind = ("quantized" if value.is_quantized else "meta" if value.is_meta
+            else None if value.layout == torch.strided else f"sparse ({value.layout})")
+    if kind is not None:
+        key = ".".join(map(str, path))
+        raise UnsupportedFormatError(
+            f"checkpoint key {key!r}: a {kind} tensor is not supported by CompressedCheckpointIO (it would not "
+            "load back as it was saved); dequantize() / to_dense() / materialize it first, or save this "
+            "checkpoint with Lightning's stock TorchCheckpointIO")
+
+
+def _check_skeleton(flat: Mapping[str, Any], path: Any, limit: int) -> None:
+    """Refuse at save a non-tensor part the reader (``max_object_bytes``) would refuse at load."""
+    def size(value: Any) -> int:
+        buf = io.BytesIO()
+        try:
+            torch.save(value, buf)
+        except Exception:  # noqa: BLE001 - not picklable: the writer raises it, naming the object
+            return 0
+        return buf.tell()
+
+    total = size(flat[SKELETON])
+    if total > limit:
+        tree = flat[SKELETON][0]["tree"]
+        key = max(tree, key=lambda k: size(tree[k])) if tree else None
+        raise ConfigError(
+            f"{path}: the checkpoint's non-tensor part is {total} bytes (largest key {key!r}), over "
+            f"max_object_bytes={limit}, so it could not be loaded back: store large data as tensors, or pass "
+            "CompressedCheckpointIO(max_object_bytes=...) a larger limit (for saving and loading)")
 
 
 def join_checkpoint(flat: Mapping[str, Any], where: str = "checkpoint") -> dict[str, Any]:
@@ -172,7 +204,7 @@ def _local(path: "str | os.PathLike[str]") -> bool:
 
 # -- the plugin -----------------------------------------------------------------------------
 
-class CompressedCheckpointIO(CheckpointIO):
+class CompressedCheckpointIO(RoutedMixin, CheckpointIO):
     """Write each Lightning checkpoint as a compressed, checksummed, atomically committed DCP directory.
 
     Args:
@@ -183,14 +215,17 @@ class CompressedCheckpointIO(CheckpointIO):
             beyond ``weights_only``'s allow-list; for writer and reader.
         checkpointer: route saves into a ``TieredCheckpointer`` (or a list of ``Tier``, a YAML
             path, a factory) instead of Lightning's path: see docs/integrations.md.  Single
-            process only; Lightning's path then receives a small reference file.
+            process only; Lightning's path then receives a small reference file, written once
+            the step is committed in the tiers.  Each checkpoint needs a ``global_step``.
+        max_object_bytes: the largest non-tensor part (hyper-parameters, loop and callback
+            states) saved and loaded; a save over it raises ``ConfigError`` naming the largest key.
 
     Lightning re-saves ``last.ckpt`` in place, so saves overwrite (``overwrite=True``).
     """
 
     def __init__(self, codec: str = "zstd", *, storage_options: dict[str, Any] | None = None,
                  threads: int | None = None, safe_globals: Any = None,
-                 checkpointer: CheckpointerSource | None = None) -> None:
+                 checkpointer: CheckpointerSource | None = None, max_object_bytes: int = MAX_OBJECT_BYTES) -> None:
         super().__init__()
         from dcp_tiered.codecs import parse_codec
 
@@ -198,9 +233,8 @@ class CompressedCheckpointIO(CheckpointIO):
         self.storage_options = dict(storage_options or {})
         self.threads = threads
         self.safe_globals = list(safe_globals or [])
-        self._source = checkpointer
-        self._ck: Any = None
-        self._last_routed: int | None = None
+        self.max_object_bytes = int(max_object_bytes)
+        self._init_routing(checkpointer)
 
     # -- Lightning API --------------------------------------------------------------------------
 
@@ -209,6 +243,7 @@ class CompressedCheckpointIO(CheckpointIO):
             raise TypeError("CompressedCheckpointIO takes storage_options in its constructor, not per save "
                             f"(got {storage_options!r} for {path})")
         flat = split_checkpoint(checkpoint)
+        self._check_skeleton(flat, path)
         if self._source is not None:
             self._save_routed(checkpoint, flat, path)
             return
@@ -216,39 +251,37 @@ class CompressedCheckpointIO(CheckpointIO):
         if not _local(path):
             self._write(flat, path, overwrite=True)  # replaced in place: un-committed while it is rewritten
             return
-        parent, name = os.path.split(os.path.abspath(path))
         with storage_errors(path, "prepare the checkpoint directory"):
-            os.makedirs(parent, exist_ok=True)
-            for leftover in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.*.partial")):
-                shutil.rmtree(leftover, ignore_errors=True)  # of a save that was killed
-        tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.partial")
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            _files.recover(path)  # what a killed save or swap left: a newer committed one is kept
+        tmp = _files.hidden(path, "partial")
         self._write(flat, tmp, overwrite=False)
         # Swap the committed directory in: the previous checkpoint at the path (last.ckpt is re-saved) stays
-        # whole until then, so a save killed at any point leaves the old checkpoint or the new one.
+        # whole until then, and the swap is atomic, so a save killed at any point leaves the old one or the new one.
         with storage_errors(path, f"move the committed checkpoint {tmp} to its name"):
-            old = self._move_aside(path)
-            os.rename(tmp, path)
-            _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _files.swap_in(tmp, path)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
         path = os.fspath(path)
         if _local(path):
-            path = os.path.realpath(path)  # save_last="link" makes last.ckpt a symlink; the reader refuses links
+            # save_last="link" makes last.ckpt a symlink (the reader refuses links); a swap killed half-way
+            # without an atomic exchange leaves the checkpoint under a hidden name
+            path = os.path.realpath(_files.resolve(path))
             if os.path.isfile(path):
-                ref = _read_ref(path)
-                if ref is None:
-                    return TorchCheckpointIO().load_checkpoint(path, map_location=map_location,
-                                                               weights_only=weights_only)
-                return _map(self._load_routed(ref, path), map_location)
+                with open(path, "rb") as f:
+                    return self._load_file(f, path, map_location, weights_only)
             if not os.path.exists(path):
                 raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
+        else:
+            fs, _ = fsspec.core.url_to_fs(path, **self.storage_options)
+            if fs.isfile(path):  # a stock .ckpt file (or a reference) on an object store
+                with fs.open(path, "rb") as f:
+                    return self._load_file(f, path, map_location, weights_only)
         from dcp_tiered.dcp.reader import CompressedReader
 
         reader = CompressedReader(path, storage_options=self.storage_options, threads=self.threads,
-                                  safe_globals=self.safe_globals)
+                                  safe_globals=self.safe_globals, max_object_bytes=self.max_object_bytes)
         flat = template_from(reader)
         with _unwrapped():
             dcp.load(flat, storage_reader=reader, no_dist=True)
@@ -259,11 +292,10 @@ class CompressedCheckpointIO(CheckpointIO):
         from dcp_tiered.storage import Storage
 
         path = os.fspath(path)
+        self._pending = [(p, r) for p, r in self._pending if p != os.path.abspath(path)]
         if _local(path):
             with storage_errors(path, "remove"):
-                old = self._move_aside(path)  # gone from its name at once, then deleted
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                _files.remove(path)
             return
         storage = Storage(path, self.storage_options)
         if storage.exists(METADATA_FILE):
@@ -271,8 +303,7 @@ class CompressedCheckpointIO(CheckpointIO):
         storage.remove_tree()
 
     def teardown(self) -> None:
-        if self._ck is not None:
-            self._ck.wait()
+        self._finish_routing()  # the references of the steps committed meanwhile
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -284,79 +315,16 @@ class CompressedCheckpointIO(CheckpointIO):
         with _unwrapped():
             dcp.save(flat, storage_writer=writer, no_dist=True)
 
-    @staticmethod
-    def _move_aside(path: str) -> str | None:
-        """Unlink a file or link at local ``path``, or rename a directory to a hidden name returned for deletion."""
-        if os.path.islink(path) or os.path.isfile(path):  # save_last="link", or a stock .ckpt file
-            os.unlink(path)
-        elif os.path.isdir(path):
-            parent, name = os.path.split(os.path.abspath(path))
-            old = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:12]}.old")
-            os.rename(path, old)
-            return old
-        return None
+    def _check_skeleton(self, flat: dict[str, Any], path: Any) -> None:
+        _check_skeleton(flat, path, self.max_object_bytes)
 
-    def _checkpointer(self) -> Any:
-        if self._ck is None:
-            self._ck = build_checkpointer(self._source, {})
-        if self._ck.distributed and torch.distributed.get_world_size() > 1:
-            raise ConfigError(
-                "CompressedCheckpointIO(checkpointer=...) supports a single process only: Lightning calls "
-                "save_checkpoint on rank 0 alone, while a TieredCheckpointer saves collectively. With several "
-                "ranks use TieredCheckpointCallback (dcp_tiered.integrations.lightning) for the tiers"
-            )
-        return self._ck
-
-    def _save_routed(self, checkpoint: Mapping[str, Any], flat: dict[str, Any], path: Any) -> None:
-        ck = self._checkpointer()
-        step = int(checkpoint.get("global_step", 0))
-        if step != self._last_routed:  # ModelCheckpoint saves one step twice with save_last=True
-            ck.maybe_save(step, flat, force=True)
-            self._last_routed = step
-        path = os.fspath(path)
-        if not _local(path):
-            raise ConfigError(f"with checkpointer=..., Lightning's checkpoint path must be local, got {path}")
-        self.remove_checkpoint(path)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({_REF_KEY: 1, "step": step}, f)
-        os.replace(tmp, path)
-
-    def _load_routed(self, ref: dict[str, Any], path: str) -> dict[str, Any]:
-        from dcp_tiered.dcp.reader import CompressedReader
-
-        ck = self._checkpointer()
-        step = ref["step"]
-        infos = [i for i in ck.list() if i.step == step and i.committed]
-        if not infos:
-            raise CheckpointNotFoundError(f"{path} refers to step {step}, which no tier holds committed any more "
-                                          "(tier retention removed it, or its save failed)")
-        flat = template_from(CompressedReader(infos[0].url, storage_options=self.storage_options,
-                                              safe_globals=self.safe_globals))
-        if ck.restore(flat, step=step) != step:
-            raise CheckpointNotFoundError(f"{path}: step {step} could not be restored from the tiers")
-        return join_checkpoint(flat, f"{path} (step {step} of the tiers)")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_ref(path: str) -> dict[str, Any] | None:
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    if not head.startswith(b"{"):
-        return None
-    try:
-        ref = json.loads(head)
-    except ValueError:
-        return None
-    return ref if isinstance(ref, dict) and ref.get(_REF_KEY) == 1 else None
+    def _load_file(self, f: Any, path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        """A regular file: a reference into the tiers, or a stock ``torch.save`` checkpoint."""
+        ref = parse_ref(f.read(4096))
+        if ref is not None:
+            return _map(self._load_routed(ref, path), map_location)
+        f.seek(0)
+        return pl_load(f, map_location=map_location, weights_only=weights_only)
 
 
 class AsyncCompressedCheckpointIO(AsyncCheckpointIO):
@@ -367,9 +335,14 @@ class AsyncCompressedCheckpointIO(AsyncCheckpointIO):
     Takes the arguments of :class:`CompressedCheckpointIO` (or ``checkpoint_io=`` one).
     """
 
-    def __init__(self, codec: str = "zstd", *, checkpoint_io: CompressedCheckpointIO | None = None,
+    def __init__(self, codec: str | None = None, *, checkpoint_io: CompressedCheckpointIO | None = None,
                  **kwargs: Any) -> None:
-        inner = checkpoint_io or CompressedCheckpointIO(codec, **kwargs)
+        if checkpoint_io is not None and (codec is not None or kwargs):
+            given = ([f"codec={codec!r}"] if codec is not None else []) + sorted(kwargs)
+            raise TypeError(f"AsyncCompressedCheckpointIO takes checkpoint_io= or the arguments of "
+                            f"CompressedCheckpointIO, not both (got checkpoint_io= and {', '.join(given)}): "
+                            "set them on the CompressedCheckpointIO you pass")
+        inner = checkpoint_io or CompressedCheckpointIO(codec or "zstd", **kwargs)
         if inner._source is not None:
             raise ConfigError("AsyncCompressedCheckpointIO cannot route into a TieredCheckpointer (it would save from "
                               "a second thread): use CompressedCheckpointIO(checkpointer=...) with the checkpointer's "
@@ -397,6 +370,8 @@ def load_from_checkpoint(cls: Any, path: Any, *, checkpoint_io: CompressedCheckp
 
     Loads the checkpoint dict, ``torch.save``s it into memory and hands that to
     ``cls.load_from_checkpoint(buffer, **kwargs)``: it costs twice the checkpoint in memory.
+    For a reference written with ``checkpointer=``, pass ``checkpoint_io=`` a plugin routing
+    into the same tiers.
     """
     ckpt = (checkpoint_io or CompressedCheckpointIO()).load_checkpoint(path)
     buf = io.BytesIO()
