@@ -165,6 +165,9 @@ def test_cli_cost_prices_what_retention_keeps_with_optimizer_every(tmp_path) -> 
     on_disk = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
     tier = _cost_json(["-m", "dcp_tiered.cli", "cost", "--tiers", str(tmp_path / "t.yaml"), "--json"])["tiers"][0]
     assert tier["kept_bytes"] >= 0.9 * on_disk, (tier["kept_bytes"], on_disk)
+    # without the YAML's optimizer_every, the model-only checkpoints are told apart by their keys
+    flags = _cost_json(["-m", "dcp_tiered.cli", "cost", "--local-path", str(d), "--keep-local", "2", "--json"])
+    assert flags["tiers"][0]["kept_bytes"] == tier["kept_bytes"]
     # the fp32 baseline is the full checkpoint's (model + optimizer: 150k floats), not the model-only newest
     assert tier["fp32_bytes"] >= 150_000 * 4 and tier["fp32_kept_bytes"] == 2 * tier["fp32_bytes"]
 

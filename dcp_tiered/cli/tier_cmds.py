@@ -265,22 +265,28 @@ def _fp32_sizes(tiers: list, infos: list) -> dict[tuple[str, int], int]:
 
 
 def _retained(args: argparse.Namespace, tiers: list, options: dict, full: bool) -> tuple[list, set]:
-    """What retention keeps of each tier now (committed minus ``gc``'s victims) and which of those
-    lack the optimizer state (``optimizer_every``; known only with torch, which reads the metadata).
-    Without torch: every committed checkpoint, of which the newest ``keep`` are priced."""
+    """What retention keeps of each tier now and which of those lack the optimizer state (a set of
+    ``(tier, step)``).  With ``optimizer_every`` > 1 in the ``--tiers`` file: ``gc``'s plan (committed
+    minus its victims) and its ``optimizer_keys``; else every committed checkpoint, one whose keys are
+    a strict subset of another's counting as partial (the tiers were written with ``optimizer_every``).
+    Without torch (``full`` False) nothing tells them apart: every committed checkpoint, all full."""
     from dcp_tiered.tiers.catalog import list_tiers
 
     if not full:
         return [i for i in list_tiers(tiers, with_metadata=False) if i.committed], set()
-    from dcp_tiered.tiers.retention import Retention
-
     opts = _file_options(args, options)
     keys = tuple(opts.optimizer_keys) if opts.optimizer_every > 1 else ()
-    retention = Retention(tiers, leftover_grace=opts.leftover_grace, optimizer_keys=keys)
-    victims = {(p.tier.name, i.step) for p in (retention.plan(t) for t in tiers) for i in p.victims}
+    victims: set = set()
+    if keys:
+        from dcp_tiered.tiers.retention import Retention
+
+        retention = Retention(tiers, leftover_grace=opts.leftover_grace, optimizer_keys=keys)
+        victims = {(p.tier.name, i.step) for p in (retention.plan(t) for t in tiers) for i in p.victims}
     infos = [i for i in list_tiers(tiers) if i.committed and i.complete and (i.tier, i.step) not in victims]
-    partial = {(i.tier, i.step) for i in infos if keys and not i.has_prefix(keys)}
-    return infos, partial
+    if keys:
+        return infos, {(i.tier, i.step) for i in infos if not i.has_prefix(keys)}
+    sets = {i.keys for i in infos if i.keys is not None}
+    return infos, {(i.tier, i.step) for i in infos if i.keys is not None and any(i.keys < k for k in sets)}
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
