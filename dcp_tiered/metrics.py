@@ -25,21 +25,26 @@ Metric names (Prometheus conventions: base units, ``_total`` on counters):
 - ``checkpoint_compression_ratio{tier}``: **stored / raw** bytes of the last checkpoint committed on
   the tier (lower is better: 0.25 means a quarter of the raw size; 1 or more means no gain)
 - ``checkpoint_last_success_timestamp_seconds{tier}``: Unix time of the last checkpoint committed
-  on the tier (a save or a promotion's commit)
+  on the tier (a save or a promotion's commit); for a tier with nothing committed, the time the
+  exporter was created, so a stale alert fires for a tier that never commits
 - ``checkpoint_last_step{tier}``: the newest step committed on the tier (a resumed promotion of an
   older step does not lower it)
 - ``checkpoint_save_interval_seconds{tier}``: the tier's ``every`` (only tiers that set it)
+- ``checkpoint_stale_after_seconds{tier}``: no commit for that long is stale (the alert rules): the
+  exporter's ``stale_after``, else twice the tier's ``every``
 - ``checkpoint_duration_seconds{tier,phase}``: histogram; phases ``blocked`` and ``total``
   for saves (tier = the tier written), ``promotion`` for promotions (tier = target)
 - ``checkpoint_blocking_seconds``: histogram of the time training was blocked per save
 - ``checkpoint_promotion_failures_total{tier}``: failed promotions (tier = target)
 - ``checkpoint_storage_cost_usd{tier}``: estimated monthly cost of the tier's retention: the
-  real sizes of the newest ``keep`` checkpoints (see :func:`dcp_tiered.cost.kept_bytes`)
+  real sizes of the newest ``keep`` checkpoints, plus the newest full one retention keeps beyond
+  them with ``optimizer_every`` (see :func:`dcp_tiered.cost.kept_bytes`)
 - ``checkpoint_saves_total{tier}``, ``checkpoint_save_failures_total``,
   ``checkpoint_restores_total{tier}``, ``checkpoint_restore_failures_total{tier}``
 
-After a restart, :meth:`PrometheusExporter.attach` reads the tiers' listing once, so the last
-step, last success time and the kept sizes are known before the first new save.
+After a restart, :meth:`PrometheusExporter.attach` reads the tiers' listing once, and the newest
+checkpoint's ``.metadata`` of each tier, so the last step, last success time, compression ratio
+and the kept sizes are known before the first new commit.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -80,6 +85,8 @@ class TierTotal:
     last_success_s: float | None = None  # Unix time of the last commit on the tier
     #: stored bytes of each committed checkpoint by step (the newest SIZES_REMEMBERED), for the cost
     sizes: dict[int, int] = field(default_factory=dict, repr=False)
+    #: of those, the steps known to lack the optimizer state (``optimizer_every``)
+    partial: set[int] = field(default_factory=set, repr=False)
 
     @property
     def ratio(self) -> float:
@@ -88,18 +95,23 @@ class TierTotal:
 
     def kept_bytes(self, keep: int) -> int:
         """Stored bytes of ``keep`` kept checkpoints: the newest ones' real sizes (see :func:`~dcp_tiered.cost.kept_bytes`)."""
-        return kept_bytes([self.sizes[s] for s in sorted(self.sizes, reverse=True)], keep)
+        steps = sorted(self.sizes, reverse=True)
+        full = [s not in self.partial for s in steps] if self.partial else None
+        return kept_bytes([self.sizes[s] for s in steps], keep, full)
 
-    def _committed(self, step: Any, stored: int, now: float) -> None:
+    def _committed(self, step: Any, stored: int, now: float, partial: bool = False) -> None:
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             self.sizes[step] = stored
+            if partial:
+                self.partial.add(step)
             while len(self.sizes) > SIZES_REMEMBERED:
+                self.partial.discard(min(self.sizes))
                 del self.sizes[min(self.sizes)]
             self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.last_success_s = now
 
     def as_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sizes"}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sizes", "partial")}
         return {**d, "ratio": round(self.ratio, 4)}
 
 
@@ -121,6 +133,7 @@ class TierTotals:
         self._lock = threading.Lock()
         self.save_failures = 0
         self.restores: list[dict[str, Any]] = []
+        self._partial: set[int] = set()  # steps saved without the optimizer state: so are their promotions
 
     def _tier(self, name: str) -> TierTotal:
         t = self.tiers.get(name)
@@ -167,7 +180,9 @@ class TierTotals:
         t.save_s += total
         t.last_raw_bytes, t.last_stored_bytes = raw, stored
         now = self.clock()
-        t._committed(event.get("step"), stored, now)
+        if event.get("optimizer") is False and isinstance(event.get("step"), int):
+            self._partial = {s for s in self._partial if s > event["step"] - SIZES_REMEMBERED} | {event["step"]}  # bounded
+        t._committed(event.get("step"), stored, now, event.get("step") in self._partial)
         return [("written", t.tier, stored), ("raw", t.tier, raw), ("stored", t.tier, stored),
                 ("blocked", t.tier, blocked), ("total", t.tier, total),
                 ("commit", t.tier, (stored, raw, t.last_step, now))]
@@ -193,27 +208,32 @@ class TierTotals:
             t.stored_bytes += stored
             t.last_stored_bytes, t.last_raw_bytes = stored, raw
             now = self.clock()
-            t._committed(event.get("step"), stored, now)
+            t._committed(event.get("step"), stored, now, event.get("step") in self._partial)
             changes += [("raw", target, raw), ("stored", target, stored),
                         ("commit", target, (stored, raw, t.last_step, now))]
         return changes
 
-    def seed(self, listing: Iterable[Any], committed_at: Mapping[tuple[str, int], float] | None = None) -> None:
+    def seed(self, listing: Iterable[Any], committed_at: Mapping[tuple[str, int], float] | None = None,
+             optimizer_keys: Sequence[str] = (), newest_sizes: Mapping[str, tuple[int, int]] | None = None) -> None:
         """Learn what the tiers already hold (after a restart), from a tier listing (``CheckpointInfo``:
-        ``tier``, ``step``, ``committed``, ``size_bytes``): the sizes of committed checkpoints, and per
-        tier the newest step with its commit time from ``committed_at[(tier, step)]``.  Never
-        overrides what events already reported."""
+        ``tier``, ``step``, ``committed``, ``size_bytes``, ``keys``): committed checkpoints' sizes (partial
+        if ``keys`` lack ``optimizer_keys``), and per tier the newest step, its commit time from
+        ``committed_at[(tier, step)]``, its ``(stored, raw)`` bytes from ``newest_sizes[tier]``.
+        Never overrides what events already reported."""
         with self._lock:
             newest: dict[str, int] = {}
             for info in listing:
                 if not info.committed or info.step < 0:
                     continue
-                self._tier(info.tier).sizes.setdefault(info.step, int(info.size_bytes))
+                t = self._tier(info.tier)
+                t.sizes.setdefault(info.step, int(info.size_bytes))
+                if optimizer_keys and info.keys is not None and not info.has_prefix(optimizer_keys):
+                    t.partial.add(info.step)
                 newest[info.tier] = max(newest.get(info.tier, -1), info.step)
             for name, step in newest.items():
-                t = self.tiers[name]
-                if t.last_step is None:
+                if (t := self.tiers[name]).last_step is None:
                     t.last_step, t.last_success_s = step, (committed_at or {}).get((name, step))
+                    t.last_stored_bytes, t.last_raw_bytes = (newest_sizes or {}).get(name, (0, 0))
 
     def monthly_cost(self, tier: str, keep: int, url: str = "", prices: Mapping[str, float] | None = None) -> float:
         """Estimated monthly cost of keeping ``keep`` checkpoints on ``tier``: the real sizes of the newest
@@ -232,10 +252,12 @@ class PrometheusExporter:
         prices: USD per GB-month by tier name or kind (see :mod:`dcp_tiered.cost`).
         registry: a ``prometheus_client.CollectorRegistry`` (default: a new private one).
         clock: Unix time of a commit (``time.time``).
+        stale_after: ``checkpoint_stale_after_seconds``, seconds without a commit that are stale: one number
+            or ``{tier: seconds}``; a tier not named gets twice its ``every`` (none for ``every_steps`` alone).
     """
 
     def __init__(self, tiers: Iterable[Any] = (), *, prices: Mapping[str, float] | None = None, registry: Any = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, stale_after: float | Mapping[str, float] | None = None) -> None:
         try:
             import prometheus_client as pc
         except ImportError as exc:
@@ -248,6 +270,8 @@ class PrometheusExporter:
         self.prices = dict(prices or {})
         self.registry = registry if registry is not None else pc.CollectorRegistry()
         self.totals = TierTotals(self.tiers, clock=clock)
+        self.stale_after = stale_after
+        self._started = clock()
         self._server: Any = None
         self._define(pc, self.registry)
         self._init_labels()
@@ -273,6 +297,8 @@ class PrometheusExporter:
                                   registry=r)
         self.interval = pc.Gauge("checkpoint_save_interval_seconds", "The tier's configured save interval (every)",
                                  ["tier"], registry=r)
+        self.stale = pc.Gauge("checkpoint_stale_after_seconds", "No commit on the tier for this long is stale "
+                              "(stale_after, else twice the tier's every)", ["tier"], registry=r)
         self.promotion_failures = pc.Counter("checkpoint_promotion_failures", "Failed promotions per target tier",
                                              ["tier"], registry=r)
         self.cost = pc.Gauge("checkpoint_storage_cost_usd", "Estimated monthly storage cost of the tier's retention "
@@ -292,15 +318,20 @@ class PrometheusExporter:
             every = getattr(t, "every", None)
             if every:
                 self.interval.labels(name).set(float(every))
+            given = self.stale_after.get(name) if isinstance(self.stale_after, Mapping) else self.stale_after
+            if given or every:
+                self.stale.labels(name).set(float(given or 2 * every))
+            self.last_success.labels(name).set(self._started)  # until a commit: a tier never committing goes stale
 
     def attach(self, checkpointer: Any, *, scan: bool = True) -> "PrometheusExporter":
         """Subscribe to a ``TieredCheckpointer``'s events (``checkpointer.events.hooks``).
 
-        With ``scan`` (default) the tiers are listed once first (file names and sizes, no
-        ``.metadata`` read), so that after a restart the last step, last success time and the kept
-        checkpoints' sizes are known before the first new commit.  A tier that cannot be listed
-        is skipped with a warning."""
-        if not self._by_name:
+        With ``scan`` (default) the tiers are listed once first (file names and sizes; every
+        ``.metadata`` only with ``optimizer_every`` > 1, to tell the checkpoints holding the optimizer),
+        and each tier's newest ``.metadata`` is read, so that after a restart the last step, last
+        success time, compression ratio and the kept checkpoints' sizes are known before the first new
+        commit.  A tier that cannot be listed is skipped with a warning."""
+        if not self._by_name:  # tiers from the checkpointer
             self.tiers = list(checkpointer.tiers)
             self._by_name = {t.name: t for t in self.tiers}
             self._init_labels()
@@ -310,31 +341,36 @@ class PrometheusExporter:
         return self
 
     def _scan(self, checkpointer: Any) -> None:
-        from dcp_tiered.dcp.format import METADATA_FILE
         from dcp_tiered.errors import DcpTieredError
-        from dcp_tiered.tiers.catalog import list_tier, tier_storage
+        from dcp_tiered.tiers.catalog import METADATA_FILE, list_tier, tier_storage
 
         rank, node = getattr(checkpointer, "rank", 0), getattr(checkpointer, "node", 0)
+        opts = getattr(checkpointer, "options", None)
+        keys = tuple(opts.optimizer_keys) if opts is not None and opts.optimizer_every > 1 else ()
         for index, tier in enumerate(checkpointer.tiers):
             if rank != 0 and not getattr(tier, "node_local", False):
                 continue  # rank 0 reports the shared tiers (it commits there)
             try:
-                listing = [i for i in list_tier(tier, index, rank, node, with_metadata=False) if i.committed]
-                when = {}
-                if listing:  # the newest commit's time: its .metadata's modification time
+                listing = [i for i in list_tier(tier, index, rank, node, with_metadata=bool(keys)) if i.committed]
+                when, sizes = {}, {}
+                if listing:  # the newest commit's time (its .metadata's modification time) and sizes
                     now = self.totals.clock()
-                    ages = tier_storage(tier, rank, node).child(listing[0].name).file_ages(now)
+                    newest = tier_storage(tier, rank, node).child(listing[0].name)
+                    ages = newest.file_ages(now)
                     if METADATA_FILE in ages:
                         when[(tier.name, listing[0].step)] = now - ages[METADATA_FILE]
+                    sizes = {tier.name: _sizes_of(newest)}
             except DcpTieredError as exc:
                 log.warning("metrics: cannot list tier %s (%s): %s", tier.name, tier.url, exc)
                 continue
-            self.totals.seed(listing, when)
+            self.totals.seed(listing, when, keys, sizes)
         for name, t in self.totals.tiers.items():
             if t.last_step is not None:
                 self.last_step.labels(name).set(t.last_step)
             if t.last_success_s is not None:
                 self.last_success.labels(name).set(t.last_success_s)
+            if t.last_raw_bytes:
+                self.ratio.labels(name).set(t.last_stored_bytes / t.last_raw_bytes)
             self._set_cost(name)
 
     def _set_cost(self, tier: str) -> None:
@@ -398,3 +434,17 @@ class PrometheusExporter:
             server.server_close()
             thread.join(timeout=5)
         self._server = None
+
+
+def _sizes_of(storage: Any) -> tuple[int, int]:
+    """``(stored, raw)`` bytes of the checkpoint in ``storage`` from its records (``(0, 0)`` if unreadable)."""
+    from dcp_tiered.dcp.metadata_io import load_metadata
+    from dcp_tiered.dcp.save_stats import stats_from_records
+    from dcp_tiered.errors import DcpTieredError
+
+    try:
+        stats = stats_from_records((i.fqn, r) for i, r in load_metadata(storage).storage_data.items())
+    except (DcpTieredError, TypeError, ValueError) as exc:
+        log.warning("metrics: sizes of %s unreadable: %s", storage.url, exc)
+        return 0, 0
+    return (stats.stored_bytes, stats.raw_bytes) if stats.stored_bytes else (0, 0)

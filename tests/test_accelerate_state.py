@@ -187,3 +187,37 @@ def test_random_states_per_process_with_two_gloo_ranks_and_a_world_size_change(
         assert integration.load_state(accelerator, ck) == 1
         assert _draws() == draws[0]
     assert "saved by 2 process(es) and is restored on 1" in caplog.text
+
+
+def _scaled_accelerator() -> tuple[Accelerator, torch.nn.Module]:
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    model, _opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what mixed_precision="fp16" sets up on GPU
+    return acc, model
+
+
+def test_the_grad_scaler_is_saved_and_restored(tmp_path: Path) -> None:
+    """Review 14h: accelerator.save_state writes scaler.pt; ours dropped it, so the loss scale restarted
+    at its initial value after a resume."""
+    acc, _ = _scaled_accelerator()
+    acc.scaler.scale(torch.ones(1))
+    acc.scaler.update(new_scale=8.0)
+    with TieredCheckpointer([Tier("local", str(tmp_path))]) as ck:
+        integration.save_state(acc, ck, 1)
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with TieredCheckpointer([Tier("local", str(tmp_path))]) as ck:
+        assert integration.load_state(acc, ck) == 1
+    assert acc.scaler.get_scale() == 8.0
+
+
+def test_a_checkpoint_without_scaler_state_restores_with_a_warning(tmp_path: Path, caplog) -> None:
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    model, _opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with TieredCheckpointer([Tier("local", str(tmp_path))]) as ck:
+        integration.save_state(acc, ck, 1)  # no scaler: nothing saved for it
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with caplog.at_level(logging.WARNING), TieredCheckpointer([Tier("local", str(tmp_path))]) as ck:
+        assert integration.load_state(acc, ck) == 1
+    assert acc.scaler.get_scale() == 1024.0 and "no GradScaler state" in caplog.text

@@ -109,7 +109,7 @@ def test_cost_from_listing_prices_each_kept_checkpoint_at_its_own_size() -> None
     assert durable.kept_bytes == full + small + small  # steps 6, 5, 4
     assert durable.monthly_usd == pytest.approx((5 + 1 + 1) * 0.023)
     assert durable.stored_bytes == full  # the newest, as before
-    assert durable.fp32_kept_bytes == 20 * GB + 2 * small  # fp32 where known, else the stored size
+    assert durable.fp32_kept_bytes == 3 * 20 * GB  # keep x the newest full checkpoint's fp32 size
     assert local.kept_bytes == 2 * full  # one held, one more projected at its size
     assert report.as_dict()["tiers"][0]["kept_bytes"] == full + 2 * small
     # without per-checkpoint sizes the model is unchanged: keep x the one size
@@ -121,3 +121,65 @@ def test_the_cost_model_needs_no_torch() -> None:
             "print(cost_from_listing([], []).monthly_usd)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
+
+
+def test_kept_bytes_counts_the_newest_full_checkpoint_retention_keeps_beyond_keep() -> None:
+    """optimizer_every: retention keeps the newest ``keep`` plus the newest full one; both are priced."""
+    assert kept_bytes([1, 1, 1, 5, 1, 5], 2, full=[False, False, False, True, False, True]) == 1 + 1 + 5
+    assert kept_bytes([5, 1, 1, 5], 2, full=[True, False, False, True]) == 5 + 1  # a full one among the newest
+    assert kept_bytes([1, 1], 3, full=[False, False]) == 3  # none full held: projection only
+
+
+def _saved_tier(tmp_path, optimizer_every: int = 4):
+    import torch
+
+    from dcp_tiered import Tier, TieredCheckpointer
+
+    d = tmp_path / "local"
+    ck = TieredCheckpointer([Tier("local", str(d), every_steps=5, keep=2)], optimizer_every=optimizer_every,
+                            optimizer_keys=["optim"])
+    g = torch.Generator().manual_seed(0)
+    model, optim = torch.randn(50_000, generator=g), torch.randn(100_000, generator=g)
+    for s in range(1, 36):
+        ck.maybe_save(s, {"model": {"w": model}, "optim": {"m": optim}})
+    ck.close()
+    (tmp_path / "t.yaml").write_text(f"tiers:\n  - name: local\n    url: {d}\n    keep: 2\n"
+                                      f"optimizer_every: {optimizer_every}\noptimizer_keys: [optim]\n")
+    return d
+
+
+def _cost_json(args: list, env: dict | None = None) -> dict:
+    import json
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), **(env or {}))
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout) if "--json" in args else {"text": out.stdout}
+
+
+def test_cli_cost_prices_what_retention_keeps_with_optimizer_every(tmp_path) -> None:
+    """optimizer_every=4, keep=2: the tier holds 2 model-only checkpoints plus the newest full one
+    (retention keeps it); `cost` used to price only the newest 2 (review 14h)."""
+    d = _saved_tier(tmp_path)
+    on_disk = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+    tier = _cost_json(["-m", "dcp_tiered.cli", "cost", "--tiers", str(tmp_path / "t.yaml"), "--json"])["tiers"][0]
+    assert tier["kept_bytes"] >= 0.9 * on_disk, (tier["kept_bytes"], on_disk)
+    # without the YAML's optimizer_every, the model-only checkpoints are told apart by their keys
+    flags = _cost_json(["-m", "dcp_tiered.cli", "cost", "--local-path", str(d), "--keep-local", "2", "--json"])
+    assert flags["tiers"][0]["kept_bytes"] == tier["kept_bytes"]
+    # the fp32 baseline is the full checkpoint's (model + optimizer: 150k floats), not the model-only newest
+    assert tier["fp32_bytes"] >= 150_000 * 4 and tier["fp32_kept_bytes"] == 2 * tier["fp32_bytes"]
+
+
+def test_cli_cost_without_torch_says_fp32_is_unknown(tmp_path) -> None:
+    """Without torch the fp32 size cannot be read: null in JSON, "-" in the table, not fp32 = stored."""
+    d = _saved_tier(tmp_path, optimizer_every=1)
+    boot = ("import sys; sys.modules['torch'] = None; sys.argv = ['dcp-tiered'] + sys.argv[1:]; "
+            "from dcp_tiered.cli.__main__ import main; sys.exit(main())")
+    out = _cost_json(["-c", boot, "cost", "--local-path", str(d), "--keep-local", "2", "--json"])
+    t = out["tiers"][0]
+    assert t["kept_bytes"] > 0 and (t["fp32_bytes"], t["fp32_monthly_usd"], t["saving_usd"]) == (None, None, None)
+    assert out["fp32_monthly_usd"] is None
+    text = _cost_json(["-c", boot, "cost", "--local-path", str(d), "--keep-local", "2"])["text"]
+    assert "unknown without torch" in text and " - " in text

@@ -275,8 +275,9 @@ def test_prometheus_alert_rules_parse_and_use_exported_metrics(tmp_path: Path) -
     by_name = {r["alert"]: r for r in rules}
     assert {"CheckpointTierStale", "CheckpointPromotionFailures"} <= set(by_name)
     stale = by_name["CheckpointTierStale"]["expr"]
-    assert _expr_metrics(stale) == {"checkpoint_last_success_timestamp_seconds", "checkpoint_save_interval_seconds"}
-    assert "2 * checkpoint_save_interval_seconds" in stale
+    assert _expr_metrics(stale) == {"checkpoint_last_success_timestamp_seconds", "checkpoint_stale_after_seconds"}
+    down = by_name["CheckpointExporterDown"]["expr"]  # the stale rule needs the series: a vanished exporter has none
+    assert 'absent(up{job="dcp-tiered"})' in down and 'up{job="dcp-tiered"} == 0' in down
     assert _expr_metrics(by_name["CheckpointPromotionFailures"]["expr"]) == {"checkpoint_promotion_failures_total"}
     exported = set(_families(_busy_exporter(tmp_path).render().decode()))
     for rule in rules:
@@ -305,3 +306,60 @@ def test_a_save_without_known_stored_size_stays_out_of_the_ratio() -> None:
     totals.observe({"event": "save", "step": 2, "tiers": ["local"], "ok": True, "raw_bytes": 1000, "stored_bytes": 600})
     local = totals.tiers["local"]
     assert (local.saves, local.raw_bytes, local.stored_bytes, local.ratio, local.last_step) == (2, 1000, 600, 0.6, 2)
+
+
+def test_stale_alert_series_exist_for_tiers_that_never_committed(tmp_path: Path) -> None:
+    """Review 14h: a tier that never commits had no last-success series, so the stale alert could
+    never fire for it; a step-only tier had no interval at all.  Now: the exporter's start stands in,
+    and the stale time is twice ``every`` or the exporter's ``stale_after``."""
+    ck = TieredCheckpointer([Tier("local", str(tmp_path / "a"), every_steps=1),
+                             Tier("durable", str(tmp_path / "b"), every=60)])
+    try:
+        text = PrometheusExporter(clock=lambda: 1000.0, stale_after={"local": 900}).attach(ck).render().decode()
+    finally:
+        ck.close()
+    assert _sample(text, "checkpoint_last_success_timestamp_seconds", tier="durable") == 1000.0
+    assert _sample(text, "checkpoint_last_success_timestamp_seconds", tier="local") == 1000.0
+    assert _sample(text, "checkpoint_stale_after_seconds", tier="durable") == 120.0  # 2 x every
+    assert _sample(text, "checkpoint_stale_after_seconds", tier="local") == 900.0
+    one = PrometheusExporter([Tier("local", str(tmp_path / "a"), every_steps=1)], stale_after=60).render().decode()
+    assert _sample(one, "checkpoint_stale_after_seconds", tier="local") == 60.0
+
+
+def test_compression_ratio_is_there_after_a_restart_before_any_new_commit(tmp_path: Path) -> None:
+    """Review 14h: after a restart the ratio was absent until each tier committed again (an hour
+    for every=1h); attach's scan now reads the newest checkpoint's records."""
+    tiers = [Tier("local", str(tmp_path / "l"), every_steps=1), Tier("durable", str(tmp_path / "d"), every_steps=2)]
+    with TieredCheckpointer(tiers, async_save=False) as ck:
+        ck.maybe_save(2, _state())
+    with TieredCheckpointer(tiers) as ck:
+        text = PrometheusExporter().attach(ck).render().decode()
+    for tier in ("local", "durable"):
+        assert 0 < _sample(text, "checkpoint_compression_ratio", tier=tier) <= 1.0
+
+
+def test_cost_gauge_counts_the_full_checkpoint_retention_keeps_with_optimizer_every(tmp_path: Path) -> None:
+    """optimizer_every=4, keep=2: retention keeps the two newest (model-only) and the newest full one."""
+    totals = TierTotals(["local"])
+    for step in range(1, 7):
+        full = step % 4 == 0
+        totals.observe({"event": "save", "step": step, "tiers": ["local"], "ok": True, "optimizer": full,
+                        "raw_bytes": 3000, "stored_bytes": 1000 if full else 200})
+    totals.observe({"event": "promotion", "kind": "metadata", "step": 4, "source": "local", "target": "durable",
+                    "ok": True, "bytes": 10, "raw_bytes": 3000, "stored_bytes": 1000})
+    totals.observe({"event": "promotion", "kind": "metadata", "step": 6, "source": "local", "target": "durable",
+                    "ok": True, "bytes": 10, "raw_bytes": 3000, "stored_bytes": 200})
+    assert totals.tiers["local"].kept_bytes(2) == 200 + 200 + 1000  # steps 6, 5 and the full 4
+    assert totals.tiers["durable"].kept_bytes(1) == 200 + 1000
+    # after a restart the scan tells the full checkpoints from their keys
+    d = tmp_path / "local"
+    tiers = [Tier("local", str(d), every_steps=1, keep=2)]
+    g = torch.Generator().manual_seed(0)
+    sd = {"model": {"w": torch.randn(20_000, generator=g)}, "optim": {"m": torch.randn(80_000, generator=g)}}
+    with TieredCheckpointer(tiers, async_save=False, optimizer_every=4, optimizer_keys=["optim"]) as ck:
+        for step in range(1, 7):
+            ck.maybe_save(step, sd)
+    on_disk = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+    with TieredCheckpointer(tiers, optimizer_every=4, optimizer_keys=["optim"]) as ck:
+        exporter = PrometheusExporter(prices={"local": 1.0}).attach(ck)
+    assert exporter.totals.tiers["local"].kept_bytes(2) >= 0.9 * on_disk

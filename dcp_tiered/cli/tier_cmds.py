@@ -250,26 +250,50 @@ def _apply_with_progress(retention: Any, plan: Any, args: argparse.Namespace) ->
 
 
 def _fp32_sizes(tiers: list, infos: list) -> dict[tuple[str, int], int]:
-    """The fp32 uncompressed size of each checkpoint a tier keeps, read from its metadata (where readable)."""
+    """The fp32 uncompressed size of each checkpoint retention keeps, read from its metadata (where readable)."""
     from dcp_tiered import inspect
     from dcp_tiered.errors import DcpTieredError
 
     out = {}
-    for t in tiers:
-        for i in sorted((i for i in infos if i.tier == t.name), key=lambda i: i.step, reverse=True)[:t.keep]:
-            try:
-                out[(t.name, i.step)] = inspect.fp32_bytes(inspect.open_reader(i.url, t.storage_options, verify=False).read_metadata())
-            except DcpTieredError:
-                pass  # priced at its stored size
+    for i in infos:
+        t = next(t for t in tiers if t.name == i.tier)
+        try:
+            out[(t.name, i.step)] = inspect.fp32_bytes(inspect.open_reader(i.url, t.storage_options, verify=False).read_metadata())
+        except DcpTieredError:
+            pass  # priced at its stored size
     return out
+
+
+def _retained(args: argparse.Namespace, tiers: list, options: dict, full: bool) -> tuple[list, set]:
+    """What retention keeps of each tier now and which of those lack the optimizer state (a set of
+    ``(tier, step)``).  With ``optimizer_every`` > 1 in the ``--tiers`` file: ``gc``'s plan (committed
+    minus its victims) and its ``optimizer_keys``; else every committed checkpoint, one whose keys are
+    a strict subset of another's counting as partial (the tiers were written with ``optimizer_every``).
+    Without torch (``full`` False) nothing tells them apart: every committed checkpoint, all full."""
+    from dcp_tiered.tiers.catalog import list_tiers
+
+    if not full:
+        return [i for i in list_tiers(tiers, with_metadata=False) if i.committed], set()
+    opts = _file_options(args, options)
+    keys = tuple(opts.optimizer_keys) if opts.optimizer_every > 1 else ()
+    victims: set = set()
+    if keys:
+        from dcp_tiered.tiers.retention import Retention
+
+        retention = Retention(tiers, leftover_grace=opts.leftover_grace, optimizer_keys=keys)
+        victims = {(p.tier.name, i.step) for p in (retention.plan(t) for t in tiers) for i in p.victims}
+    infos = [i for i in list_tiers(tiers) if i.committed and i.complete and (i.tier, i.step) not in victims]
+    if keys:
+        return infos, {(i.tier, i.step) for i in infos if not i.has_prefix(keys)}
+    sets = {i.keys for i in infos if i.keys is not None}
+    return infos, {(i.tier, i.step) for i in infos if i.keys is not None and any(i.keys < k for k in sets)}
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
     from dcp_tiered.checks import torch_available
     from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices, usage_from_listing
-    from dcp_tiered.tiers.catalog import list_tiers
 
-    tiers, _ = tiers_from_args(args, required=args.stored_gb is None)
+    tiers, options = tiers_from_args(args, required=args.stored_gb is None)
     if not tiers:  # a what-if without tiers: the three default tiers and their default retention
         from types import SimpleNamespace
 
@@ -283,7 +307,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
         raise CliError(f"--price: {exc}") from exc
     if (args.stored_gb is None) != (args.fp32_gb is None) and args.stored_gb is None:
         raise CliError("--fp32-gb needs --stored-gb")
-    full = args.stored_gb is None and torch_available()  # without torch: stored sizes only, fp32 = stored
+    full = args.stored_gb is None and torch_available()  # without torch: stored sizes only, fp32 unknown
     if args.stored_gb is not None:
         stored = int(args.stored_gb * (1 << 30))
         fp32 = int((args.fp32_gb if args.fp32_gb is not None else args.stored_gb) * (1 << 30))
@@ -291,8 +315,9 @@ def cmd_cost(args: argparse.Namespace) -> int:
         measured = {t.name: {"source": "what-if"} for t in tiers}
     else:
         _check_reachable(tiers)
-        infos = [i for i in list_tiers(tiers, with_metadata=full) if i.committed and (i.complete or not full)]
-        usages = usage_from_listing(tiers, infos, fp32=_fp32_sizes(tiers, infos) if full else None)
+        infos, partial = _retained(args, tiers, options, full)
+        usages = usage_from_listing(tiers, infos, fp32=_fp32_sizes(tiers, infos) if full else None, partial=partial,
+                                    fp32_known=full)
         measured = {}
         for t in tiers:
             held = [i for i in infos if i.tier == t.name]
@@ -305,12 +330,19 @@ def cmd_cost(args: argparse.Namespace) -> int:
             d.update(measured.get(d["tier"], {}))
         print_json(out)
         return EXIT_OK
+    def known(x: Any, fmt: Any) -> str:
+        return "-" if x is None else fmt(x)
+
     body = [(c.tier, c.kind, measured[c.tier]["source"], human_bytes(c.stored_bytes), human_bytes(c.kept_bytes),
-             human_bytes(c.fp32_bytes), c.keep,
-             f"{c.price_gb_month:.4f}", format_usd(c.monthly_usd), format_usd(c.fp32_monthly_usd), f"{c.saving_fraction * 100:.0f}%")
+             known(c.fp32_bytes, human_bytes), c.keep, f"{c.price_gb_month:.4f}", format_usd(c.monthly_usd),
+             known(c.fp32_monthly_usd, format_usd), known(c.saving_fraction, lambda f: f"{f * 100:.0f}%"))
             for c in report.tiers]
     print(table(body, ["tier", "kind", "measured", "newest", "kept", "fp32 raw", "keep", "$/GB-mo", "$/month", "fp32 $/mo",
                       "saving"], right=(3, 4, 5, 6, 7, 8, 9, 10)))
-    print(f"total {format_usd(report.monthly_usd)}/month; uncompressed fp32 would cost {format_usd(report.fp32_monthly_usd)}"
-          f"/month (saving {format_usd(report.saving_usd)}/month)")
+    if report.fp32_monthly_usd is None:
+        print(f"total {format_usd(report.monthly_usd)}/month; the uncompressed fp32 size is unknown without torch "
+              "(pip install torch)")
+    else:
+        print(f"total {format_usd(report.monthly_usd)}/month; uncompressed fp32 would cost "
+              f"{format_usd(report.fp32_monthly_usd)}/month (saving {format_usd(report.saving_usd)}/month)")
     return EXIT_OK

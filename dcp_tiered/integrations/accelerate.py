@@ -21,8 +21,12 @@ What it saves, from what ``accelerator.prepare`` registered: every model (unwrap
 so that ``optimizer_every`` applies), the LR schedulers (``scheduler``, as JSON), objects
 registered with ``accelerator.register_for_checkpointing`` (``custom``), an optional
 ``extra`` dict of your own (or a zero-argument callable returning it), and each process's
-random states (``rng_<process index>``: python, numpy, torch, CUDA; restored on load).
-The state dict is built only on steps where a tier is due.  Not saved: dataloader positions.
+random states (``rng_<process index>``: python, numpy, torch, CUDA; restored on load), and
+the ``accelerator.scaler`` GradScaler's state (``scaler``: the loss scale of fp16 mixed
+precision, as ``scaler.pt``; restored when the accelerator has a scaler and the checkpoint one).
+The state dict is built only on steps where a tier is due.  Not saved (``accelerator.save_state``
+saves them): dataloader positions (a ``use_stateful_dataloader`` dataloader's state, a
+``SeedableRandomSampler``'s epoch): pass them in ``extra`` if you need them.
 
 Like ``accelerator.save_state``, :func:`save_state` calls the hooks registered with
 ``accelerator.register_save_state_pre_hook`` as ``hook(accelerator._models, weights, output_dir)``
@@ -70,6 +74,7 @@ __all__ = ["save_state", "load_state", "state_dict", "project_checkpointer", "Ti
 
 log = logging.getLogger(__name__)
 _RNG_KEY = re.compile(r"rng_(\d+)")
+_SCALER = "scaler"  # the GradScaler's state (accelerate's scaler.pt)
 _PROJECT: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
@@ -100,7 +105,7 @@ def _rng_key(accelerator: Any) -> str:
 
 def state_dict(accelerator: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The state dict that :func:`save_state` saves (tensors shared with the live objects),
-    before the save hooks and without the random states."""
+    before the save hooks and without the random states and the GradScaler's state."""
     models = _models(accelerator)
     sd: dict[str, Any] = {_model_key(i): model_state(m) for i, m in enumerate(models)}
     optimizers = _optimizers(accelerator)
@@ -179,6 +184,8 @@ def _payload(accelerator: Any, extra: Extra, output_dir: str | None) -> dict[str
             hook(accelerator._models, weights, output_dir)
         sd.update({_model_key(i): w for i, w in enumerate(weights)})
     sd[_rng_key(accelerator)] = one_object(rng_state() | {"step": int(accelerator.step)})
+    if getattr(accelerator, "scaler", None) is not None:
+        sd[_SCALER] = one_object(accelerator.scaler.state_dict())
     return sd
 
 
@@ -231,19 +238,18 @@ class _RestoreWatch:
 
 
 def _restore_rng(accelerator: Any, tier: Any, url: str | None, step: int) -> None:
-    """This process's random states from checkpoint ``url`` (read by this process alone);
-    a warning when it has none (saved by fewer processes, or before random states were saved)."""
-    import torch.distributed.checkpoint as dcp
-
+    """This process's random states and the GradScaler's state from checkpoint ``url`` (read by this
+    process alone); a warning when it has none (saved by fewer processes, or before they were saved)."""
     from dcp_tiered.dcp.reader import CompressedReader
 
     if url is None:
-        log.warning("step %d restored, but not from a tier this integration can see: random states not restored", step)
+        log.warning("step %d restored, but not from a tier this integration can see: random states (and the "
+                    "GradScaler's) not restored", step)
         return
     key = _rng_key(accelerator)
-    reader = CompressedReader(url, storage_options=tier.storage_options)
-    saved = sorted(int(m.group(1)) for k in reader.read_metadata().state_dict_metadata
-                   if (m := _RNG_KEY.fullmatch(k)))
+    keys = CompressedReader(url, storage_options=tier.storage_options).read_metadata().state_dict_metadata
+    saved = sorted(int(m.group(1)) for k in keys if (m := _RNG_KEY.fullmatch(k)))
+    _restore_scaler(accelerator, tier, url, _SCALER in keys)
     now = accelerator.num_processes
     if not saved:
         log.warning("checkpoint %s holds no random states (saved without them, e.g. by an earlier version): "
@@ -258,12 +264,32 @@ def _restore_rng(accelerator: Any, tier: Any, url: str | None, step: int) -> Non
         log.warning("checkpoint %s was saved by %d process(es) and is restored on %d: the random states of "
                     "processes %s are restored, the others left as they are", url, len(saved), now,
                     [i for i in saved if i < now])
-    sd: dict[str, Any] = {key: one_object(None)}
-    dcp.load(sd, storage_reader=CompressedReader(url, storage_options=tier.storage_options), no_dist=True)
-    state = dict(from_one_object(sd[key]))
+    state = dict(_read_objects(tier, url, [key])[key])
     if "step" in state:
         accelerator.step = int(state.pop("step"))
     set_rng_state(state)
+
+
+def _read_objects(tier: Any, url: str, keys: list[str]) -> dict[str, Any]:
+    """The objects saved under ``keys`` in checkpoint ``url``, read by this process alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_tiered.dcp.reader import CompressedReader
+
+    sd: dict[str, Any] = {k: one_object(None) for k in keys}
+    dcp.load(sd, storage_reader=CompressedReader(url, storage_options=tier.storage_options), no_dist=True)
+    return {k: from_one_object(v) for k, v in sd.items()}
+
+
+def _restore_scaler(accelerator: Any, tier: Any, url: str, saved: bool) -> None:
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None:
+        return
+    if not saved:
+        log.warning("checkpoint %s holds no GradScaler state (saved without a scaler, or by an earlier version): "
+                    "the loss scale starts from its initial value", url)
+        return
+    scaler.load_state_dict(_read_objects(tier, url, [_SCALER])[_SCALER])
 
 
 def _apply_rest(accelerator: Any, models: list[torch.nn.Module], sd: dict[str, Any], extra: dict[str, Any] | None) -> None:
