@@ -14,6 +14,23 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep test directories off tmpfs: a ``Tier`` on tmpfs is a memory tier (keep=1, codec
+    ``none`` by default), which would change what tests that count retained checkpoints see on
+    machines whose /tmp is a tmpfs.  The memory-tier tests use /dev/shm explicitly."""
+    import tempfile
+
+    from dcp_tiered.tiers.memory import is_memory_path
+
+    if not is_memory_path(tempfile.gettempdir()):
+        return
+    disk = Path(__file__).resolve().parents[1] / ".pytest-tmp"
+    if is_memory_path(str(disk.parent)):
+        return
+    disk.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(disk)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
