@@ -175,7 +175,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         res = ckpt.convert(args.src, args.dst, args.codec, parse_dtype(args.dtype), src_options=storage_options_for(args.src, args),
                            dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=progress_for(args))
-    except Exception as exc:  # the library's words name its keyword (overwrite=True); say the flag
+    except BaseException as exc:  # DCP wraps it in CheckpointException (a BaseException); say the flag, not the keyword
         if not isinstance(unwrap_error(exc), CheckpointExistsError):
             raise
         raise CliError(f"{args.dst} already exists; pass --overwrite to replace it, or convert to a new path") from exc
