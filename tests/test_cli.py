@@ -327,7 +327,11 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     s = out["summary"]
     assert s["start_step"] == out["resumed_from"] and s["resume_check"]["equal"]
     assert {t["tier"] for t in s["tiers"]} == {"local", "shared", "durable"}
-    assert (tmp_path / "demo" / "events.jsonl").exists()
+    # blocked: staging plus the wait for the previous save in flight (waited_s), never the background writing
+    events = [json.loads(ln) for ln in (tmp_path / "demo" / "events.jsonl").read_text().splitlines()]
+    assert all(0 <= e["waited_s"] <= e["blocked_s"] for e in events if e.get("event") == "save" and e.get("ok"))
+    local = next(t for t in s["tiers"] if t["tier"] == "local")
+    assert 0 <= local["waited_s"] <= local["blocked_s"] + 1e-3
     assert "simulating a crash" in res.stderr and "bit for bit" in res.stderr
     # a non-demo, non-empty folder is refused
     other = tmp_path / "mine"

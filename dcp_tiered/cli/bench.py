@@ -178,10 +178,12 @@ def _missing_top(path: str) -> str | None:
     return top
 
 
-def _remove_created(path: str, top: str | None) -> None:
+def _remove_created(path: str | None, top: str | None) -> None:
     """Remove the empty directories from ``path`` up to ``top`` that bench created (nothing else)."""
+    if top is None:
+        return
     d = os.path.abspath(path)
-    while top is not None and (d == top or d.startswith(top + os.sep)):
+    while d == top or d.startswith(top + os.sep):
         try:
             os.rmdir(d)
         except OSError:
