@@ -75,8 +75,10 @@ def add_parsers(sub: Any) -> None:
                        epilog=CONVERT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="checkpoint directory/URL, or a torch.save file")
     p.add_argument("dst", help="new checkpoint directory/URL, or a torch.save file")
-    add_codec_dtype_args(p, codec_default="zstd", codec_help="none, lz4, zstd, zstd:N, or 'stock' for stock DCP (default zstd)",
-                         dtype_help="store floating tensors in 16 bits (safe downcast; optimizer state kept); default: as loaded")
+    add_codec_dtype_args(p, codec_default="zstd",
+                         codec_help="none, lz4, zstd, zstd:N, or 'stock' for stock DCP (default zstd)",
+                         dtype_help="store floating tensors in 16 bits (safe downcast; optimizer state kept); "
+                                    "default: as loaded")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_storage_args(p)
@@ -173,8 +175,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         except CodecError as exc:
             raise CliError(f"--codec: {exc}; or '{ckpt.STOCK}' for stock DCP") from exc
     try:
-        res = ckpt.convert(args.src, args.dst, args.codec, parse_dtype(args.dtype), src_options=storage_options_for(args.src, args),
-                           dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=progress_for(args))
+        res = ckpt.convert(args.src, args.dst, args.codec, parse_dtype(args.dtype),
+                           src_options=storage_options_for(args.src, args), dst_options=storage_options_for(args.dst, args),
+                           overwrite=args.overwrite, progress=progress_for(args))
     except BaseException as exc:  # DCP wraps it in CheckpointException (a BaseException); say the flag, not the keyword
         if not isinstance(unwrap_error(exc), CheckpointExistsError):
             raise
