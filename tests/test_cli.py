@@ -327,7 +327,11 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     s = out["summary"]
     assert s["start_step"] == out["resumed_from"] and s["resume_check"]["equal"]
     assert {t["tier"] for t in s["tiers"]} == {"local", "shared", "durable"}
-    assert (tmp_path / "demo" / "events.jsonl").exists()
+    # blocked: staging plus the wait for the previous save in flight (waited_s), never the background writing
+    events = [json.loads(ln) for ln in (tmp_path / "demo" / "events.jsonl").read_text().splitlines()]
+    assert all(0 <= e["waited_s"] <= e["blocked_s"] for e in events if e.get("event") == "save" and e.get("ok"))
+    local = next(t for t in s["tiers"] if t["tier"] == "local")
+    assert 0 <= local["waited_s"] <= local["blocked_s"] + 1e-3
     assert "simulating a crash" in res.stderr and "bit for bit" in res.stderr
     # a non-demo, non-empty folder is refused
     other = tmp_path / "mine"
@@ -591,3 +595,117 @@ def test_train_saves_the_last_step_between_multiples(tmp_path: Path) -> None:
            "--local-path", tmp_path / "local", "--checkpoint-every-steps", "5", "--keep-local", "3"))
     assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("step_")) == \
         ["step_000000005", "step_000000007"]
+
+
+# -- review of issue 14's CLI: usage errors, --keep-X, aliases, --overwrite, bench cleanup ------------------------
+
+def test_subcommand_usage_errors_are_one_line_naming_the_command(tmp_path: Path) -> None:
+    unknown, missing_value, bad_choice, top = cli_parallel(
+        ["ls", "--local-path", tmp_path, "--codec", "lz4"], ["ls", "--tiers"],
+        ["convert", "a", "b", "--dtype", "fp8"], ["--bogus"])
+    assert one_line_error(unknown, 2) == \
+        "dcp-tiered ls: error: unrecognized arguments: --codec lz4 (see dcp-tiered ls --help)"
+    assert one_line_error(missing_value, 2).startswith("dcp-tiered ls: error: argument --tiers: expected one argument")
+    assert one_line_error(bad_choice, 2).startswith("dcp-tiered convert: error: argument --dtype")
+    assert one_line_error(top, 2) == "dcp-tiered: error: unrecognized arguments: --bogus (see dcp-tiered --help)"
+
+
+def test_top_level_help_lists_every_command_once() -> None:
+    import re
+
+    out = ok(cli("--help")).stdout
+    for name in COMMANDS:
+        assert len(re.findall(rf"^\s+{name}\s", out, flags=re.M)) == 1, (name, out)
+    assert "positional arguments" not in out and "usage: dcp-tiered" in out and "COMMAND" in out
+
+
+def test_keep_without_its_tier_is_a_usage_error(tmp_path: Path, data: dict) -> None:
+    local = tmp_path / "local"
+    local.mkdir()
+    gc, promote, cost, from_yaml, what_if = cli_parallel(
+        ["gc", "--local-path", local, "--keep-shared", "1"], ["promote", "--local-path", local, "--keep-durable", "2"],
+        ["cost", "--local-path", local, "--stored-gb", "1", "--keep-durable", "3"],
+        ["gc", "--tiers", data["tiers_yaml"], "--keep-durable", "1", "--dry-run"],
+        ["cost", "--stored-gb", "1", "--keep-durable", "3", "--json"])
+    assert "--keep-shared" in one_line_error(gc, 2) and "--shared-path" in gc.stderr
+    assert "--keep-durable" in one_line_error(promote, 2)
+    assert "--keep-durable" in one_line_error(cost, 2)
+    assert "--keep-durable" in one_line_error(from_yaml, 2) and "local, shared" in from_yaml.stderr
+    # a what-if without tiers prices the three default tiers: --keep-X is used there
+    assert {t["tier"]: t["keep"] for t in json.loads(ok(what_if).stdout)["tiers"]}["durable"] == 3
+
+
+def test_every_command_with_codec_or_dtype_takes_every_old_spelling(data: dict, tmp_path: Path) -> None:
+    from dcp_tiered.cli.args import ALIASES
+
+    having = set()
+    for name, p in _subparsers().items():
+        visible, hidden = _options(p)
+        if "--codec" in visible or "--dtype" in visible:
+            having.add(name)
+            assert {f for f in hidden if f != "--debug"} == set(ALIASES), name
+        else:
+            assert not set(hidden) & set(ALIASES), name
+    assert having == {"train", "convert", "bench"}
+    a = _subparsers()["convert"].parse_args(["s", "d", "--compression", "lz4", "--checkpoint-dtype", "bf16"])
+    assert (a.codec, a.dtype) == ("lz4", "bf16")
+    a = _subparsers()["train"].parse_args(["--codecs", "lz4", "--dtypes", "bf16"])
+    assert (a.codec, a.dtype) == ("lz4", "bf16")
+    out = json.loads(ok(cli("convert", data["root"] / "native", tmp_path / "c", "--compression", "lz4",
+                            "--checkpoint-dtype", "bf16", "--json")).stdout)
+    assert out["codec"] == "lz4"
+
+
+def test_convert_onto_an_existing_checkpoint_names_the_flag(data: dict, tmp_path: Path) -> None:
+    dst = tmp_path / "dst"
+    ok(cli("convert", data["root"] / "native", dst, "--codec", "lz4"))
+    for res in cli_parallel(["convert", data["root"] / "native", dst, "--codec", "lz4"],
+                            ["convert", data["root"] / "native", dst, "--codec", "stock"]):
+        line = one_line_error(res, 2)
+        assert "--overwrite" in line and "overwrite=True" not in line and "overwrite=False" not in line, line
+
+
+def test_bench_path_errors_are_not_masked_by_cleanup(tmp_path: Path) -> None:
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    flags = ["--model", "tiny", "--codec", "lz4", "--no-stock", "--no-chart", "--json"]
+    on_file, under_file, missing = cli_parallel(["bench", "--path", a_file, *flags],
+                                                ["bench", "--path", a_file / "sub", *flags],
+                                                ["bench", "--path", tmp_path / "new" / "dir", *flags])
+    assert "not a directory" in one_line_error(on_file, 2)
+    line = one_line_error(under_file, under_file.returncode)
+    assert under_file.returncode != 0 and "delete" not in line and "dcp-tiered-bench" in line, line  # the write failed
+    ok(missing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # what bench created is gone
+
+
+def test_bench_cleanup_logs_instead_of_masking_and_ignores_nothing_to_delete(caplog: pytest.LogCaptureFixture) -> None:
+    from dcp_tiered.cli.bench import removed_after
+    from dcp_tiered.errors import MissingFileError, StorageError
+
+    class Where:
+        url = "s3://bucket/x"
+
+        def __init__(self, exc: BaseException) -> None:
+            self.exc = exc
+
+        def remove_tree(self) -> None:
+            raise self.exc
+
+    with pytest.raises(ValueError, match="the real cause"), caplog.at_level("WARNING"):
+        with removed_after(Where(StorageError("delete failed"))):
+            raise ValueError("the real cause")
+    assert "could not delete s3://bucket/x" in caplog.text
+    with removed_after(Where(MissingFileError("nothing there"))):
+        pass  # nothing was written: no error
+    with pytest.raises(StorageError):  # with no error in flight a failed delete is reported
+        with removed_after(Where(StorageError("delete failed"))):
+            pass
+
+
+def test_missing_tiers_file_is_a_configuration_error_as_documented(tmp_path: Path) -> None:
+    res = cli("ls", "--tiers", tmp_path / "none.yaml")
+    assert "none.yaml" in one_line_error(res, 2)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    usage_row = next(ln for ln in docs.splitlines() if ln.startswith("| 2 |"))
+    assert "--tiers" in usage_row

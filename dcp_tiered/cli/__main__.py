@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from dcp_tiered.cli.output import (
     EXIT_CODES_HELP,
@@ -21,36 +22,30 @@ from dcp_tiered.cli.output import (
 
 __all__ = ["build_parser", "exit_code_for", "main"]
 
-DESCRIPTION = """\
-Compressed, tiered PyTorch Distributed Checkpoint (DCP) storage.
+DESCRIPTION = "Compressed, tiered PyTorch Distributed Checkpoint (DCP) storage."
 
-commands:
-  train     a real training loop (small GPT on synthetic tokens) wired to TieredCheckpointer
-  demo      train with a one-minute preset: 3 tiers, async saves, a crash, a bit-exact resume
-  inspect   tensors, dtypes, shapes, stored vs raw size, codec, format version
-  verify    every checksum and every referenced file of each path (exit: the worst verdict)
-  ls        every checkpoint of every tier: committed, step, size, optimizer, promotion state
-  convert   re-encode a checkpoint: codec, dtype, stock DCP, torch.save file
-  promote   run pending promotions now (--dry-run lists them)
-  gc        apply retention now (--dry-run lists what would be deleted)
-  cost      monthly storage cost per tier, and the saving against uncompressed fp32
-  bench     codec comparison (your checkpoint or a generated model; in memory or --path on your storage)
 
-Run `dcp-tiered COMMAND --help` for examples."""
+class CliParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are the documented one line:
+    ``dcp-tiered COMMAND: error: MESSAGE (see dcp-tiered COMMAND --help)``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from dcp_tiered.cli import bench, checkpoint_cmds, tier_cmds, train
 
-    parser = argparse.ArgumentParser(
-        prog="dcp-tiered", description=DESCRIPTION, epilog=EXIT_CODES_HELP,
+    parser = CliParser(
+        prog="dcp-tiered", usage="%(prog)s [-h] [--version] [-v] [--debug] COMMAND ...", epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug logs and tracebacks)")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (or set DCP_TIERED_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # listed once, in the description below (argparse's own list of the choices is suppressed)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="dcp-tiered")
     train.add_parsers(sub)
     checkpoint_cmds.add_parsers(sub)
     tier_cmds.add_parsers(sub)
@@ -61,7 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
         if not p.epilog or "exit codes:" not in p.epilog:
             p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + EXIT_CODES_HELP
         p.formatter_class = argparse.RawDescriptionHelpFormatter
+    commands = "\n".join(f"  {a.dest:<9} {a.help}" for a in sub._choices_actions)
+    parser.description = f"{DESCRIPTION}\n\ncommands:\n{commands}\n\nRun `dcp-tiered COMMAND --help` for examples."
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an argument the command does not know is that command's usage error (one line)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = getattr(args, "command", None)
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        (subs[command] if command in subs else parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _version() -> str:
@@ -143,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     saved = None
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
         debug = debug_enabled(args)
         if not getattr(args, "command", None):
             parser.print_help()

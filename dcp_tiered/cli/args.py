@@ -52,14 +52,14 @@ def add_alias(p: Any, old: str, action: argparse.Action) -> None:
 
 
 def add_codec_dtype_args(p: Any, *, codec_help: str, codec_default: str | None, dtype_help: str,
-                         dtype_default: str | None = "fp32", dtype_choices: Any = DTYPES,
-                         aliases: tuple[str, str] = ("--compression", "--checkpoint-dtype")) -> None:
-    """``--codec`` and ``--dtype`` (and their old spellings ``aliases``, hidden)."""
-    codec = p.add_argument("--codec", default=codec_default, metavar="CODEC", help=codec_help)
-    dtype = p.add_argument("--dtype", choices=dtype_choices, default=dtype_default,
-                           metavar=None if dtype_choices else "DTYPE", help=dtype_help)
-    add_alias(p, aliases[0], codec)
-    add_alias(p, aliases[1], dtype)
+                         dtype_default: str | None = "fp32", dtype_choices: Any = DTYPES) -> None:
+    """``--codec`` and ``--dtype``, with every old spelling of :data:`ALIASES` hidden: the one builder of
+    these flags, so every command that has the concept accepts the same spellings."""
+    flags = {"--codec": p.add_argument("--codec", default=codec_default, metavar="CODEC", help=codec_help),
+             "--dtype": p.add_argument("--dtype", choices=dtype_choices, default=dtype_default,
+                                       metavar=None if dtype_choices else "DTYPE", help=dtype_help)}
+    for old, new in ALIASES.items():
+        add_alias(p, old, flags[new])
 
 
 def add_tier_location_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
@@ -127,6 +127,7 @@ def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[li
             if dtype:
                 changes["dtype"] = dtype
             out.append(Tier(**{**_tier_fields(t), **changes}))
+        _check_keep_has_tier(args, [t.name for t in out])
         return out, options
     tiers = []
     for name in TIER_NAMES:
@@ -149,8 +150,18 @@ def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[li
             raise CliError(str(exc)) from exc
     if not tiers and required:
         raise CliError("no tiers: give --tiers tiers.yaml or at least one of --local-path/--shared-path/--durable-path")
+    if tiers:
+        _check_keep_has_tier(args, [t.name for t in tiers])
     # the structure only (a regular file or FIFO given as a tier is refused); reading commands create nothing
     return validate_tiers(tiers, probe=False) if tiers else tiers, {}
+
+
+def _check_keep_has_tier(args: argparse.Namespace, names: list[str]) -> None:
+    """A ``--keep-X`` without an X tier would be ignored: refuse it (exit 2)."""
+    for name in TIER_NAMES:
+        if getattr(args, f"keep_{name}", None) is not None and name not in names:
+            where = f"the --tiers file has {', '.join(names)}" if getattr(args, "tiers", None) else f"no --{name}-path"
+            raise CliError(f"--keep-{name} without a {name} tier ({where}): add the {name} tier or drop --keep-{name}")
 
 
 def _tier_fields(t: Any) -> dict[str, Any]:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from dcp_tiered.cli.args import DTYPES, add_codec_dtype_args, add_storage_args, storage_options_for
@@ -18,6 +22,8 @@ examples:
   dcp-tiered bench --model small --codec lz4,zstd:1,zstd:3 --dtype fp32,bf16 --chart codecs.png
   dcp-tiered bench --path /nvme/scratch --json --no-chart     # save/load on your own disk
   dcp-tiered bench --path s3://bucket/tmp --s3-endpoint-url http://127.0.0.1:9000   # ... or bucket"""
+
+log = logging.getLogger(__name__)
 
 MODELS = {
     "tiny": {"vocab": 512, "seq_len": 64, "d_model": 128, "layers": 2, "heads": 4},
@@ -40,8 +46,7 @@ def add_parsers(sub: Any) -> None:
                                                 "instead of in memory; a fresh subfolder, deleted after")
     add_codec_dtype_args(p, codec_default="none,lz4,zstd:1,zstd:3", codec_help="comma-separated codecs "
                          "(default none,lz4,zstd:1,zstd:3)", dtype_default="fp32", dtype_choices=None,
-                         dtype_help="comma-separated storage dtypes among fp32,bf16,fp16 (default fp32)",
-                         aliases=("--codecs", "--dtypes"))
+                         dtype_help="comma-separated storage dtypes among fp32,bf16,fp16 (default fp32)")
     p.add_argument("--no-stock", action="store_true", help="skip the stock DCP baseline")
     p.add_argument("--repeat", type=int, default=1, help="runs per codec; the fastest is reported")
     p.add_argument("--chart", default="dcp-tiered-bench.png", metavar="PNG", help="chart path (default dcp-tiered-bench.png)")
@@ -103,7 +108,7 @@ def _run_one(sd: dict, codec: str, dtype_name: str, url: str, opts: dict[str, An
     dtype = parse_dtype(dtype_name)
     planner = DowncastSavePlanner(dtype) if dtype is not None else None
     where = Storage(url, opts)
-    try:
+    with removed_after(where):
         if codec == "stock":
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -121,8 +126,6 @@ def _run_one(sd: dict, codec: str, dtype_name: str, url: str, opts: dict[str, An
         _load_state_dict(loaded, storage_reader=reader(), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
         load_s = time.perf_counter() - t0
         del loaded  # one loaded copy at a time
-    finally:
-        where.remove_tree()
     return {"stored_bytes": stored, "save_s": save_s, "load_s": load_s}
 
 
@@ -145,6 +148,49 @@ def _parse_lists(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return codecs, dtypes
 
 
+@contextlib.contextmanager
+def removed_after(where: Any) -> Iterator[None]:
+    """Delete ``where`` (a Storage) after the block. Nothing to delete is fine; while an error is in
+    flight, a failed delete is logged and the original error goes on (the cleanup never masks it)."""
+    def remove() -> None:
+        try:
+            where.remove_tree()
+        except FileNotFoundError:
+            pass  # nothing was written
+
+    try:
+        yield
+    except BaseException:
+        try:
+            remove()
+        except Exception as exc:  # e.g. the same broken storage: the user needs the first error
+            log.warning("bench: could not delete %s after the error below", where.url, exc_info=exc)
+        raise
+    remove()
+
+
+def _missing_top(path: str) -> str | None:
+    """The topmost directory of the local ``path`` that does not exist yet (what bench will create)."""
+    top = None
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        top, path = path, os.path.dirname(path)
+    return top
+
+
+def _remove_created(path: str | None, top: str | None) -> None:
+    """Remove the empty directories from ``path`` up to ``top`` that bench created (nothing else)."""
+    if top is None:
+        return
+    d = os.path.abspath(path)
+    while d == top or d.startswith(top + os.sep):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+        d = os.path.dirname(d)
+
+
 def _bench_root(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """Where the runs write: a fresh folder under ``--path``, else in memory."""
     if not args.path:
@@ -152,7 +198,11 @@ def _bench_root(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     from dcp_tiered.storage import Storage
 
     opts = storage_options_for(args.path, args)
-    Storage(args.path, opts).check_reachable()
+    where = Storage(args.path, opts)
+    if where.is_local and os.path.lexists(where.root) and not os.path.isdir(where.root):
+        raise CliError(f"--path {args.path}: not a directory; give a directory (or s3://bucket/prefix) where bench "
+                       "may write a temporary folder")
+    where.check_reachable()
     return f"{args.path.rstrip('/')}/dcp-tiered-bench-{uuid.uuid4().hex[:12]}", opts
 
 
@@ -163,7 +213,7 @@ def _runs(sd: dict, raw: int, runs: list, root: str, opts: dict, args: argparse.
     from dcp_tiered.storage import Storage
 
     rows = []
-    try:
+    with removed_after(Storage(root, opts)):
         with progress_for(args)(raw * len(runs) * args.repeat, "bench", unit="B") as bar, ticking(bar):
             for codec, dtype in runs:
                 best: dict[str, Any] | None = None
@@ -182,8 +232,6 @@ def _runs(sd: dict, raw: int, runs: list, root: str, opts: dict, args: argparse.
                     "load_mb_s": round(raw / 1e6 / best["load_s"], 1) if best["load_s"] else None,
                     "save_s": round(best["save_s"], 4), "load_s": round(best["load_s"], 4),
                 })
-    finally:
-        Storage(root, opts).remove_tree()
     return rows
 
 
@@ -206,7 +254,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raw = _raw_bytes(sd)
     rss_state = peak_rss_bytes()
     runs = ([("stock", "fp32")] if not args.no_stock else []) + [(c, d) for d in dtypes for c in codecs]
-    rows = _runs(sd, raw, runs, root, opts, args)
+    created = _missing_top(args.path) if args.path and "://" not in args.path else None
+    try:
+        rows = _runs(sd, raw, runs, root, opts, args)
+    finally:
+        _remove_created(args.path, created)  # a --path that did not exist is not left behind
     where = args.path or "memory"
     memory = {"peak_rss_bytes": peak_rss_bytes(), "peak_rss_before_runs_bytes": rss_state}
     chart, chart_note = None, None

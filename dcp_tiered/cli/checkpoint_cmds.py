@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from dcp_tiered.cli.args import add_storage_args, parse_dtype, storage_options_for
+from dcp_tiered.cli.args import add_codec_dtype_args, add_storage_args, parse_dtype, storage_options_for
 from dcp_tiered.cli.output import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -75,9 +75,10 @@ def add_parsers(sub: Any) -> None:
                        epilog=CONVERT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="checkpoint directory/URL, or a torch.save file")
     p.add_argument("dst", help="new checkpoint directory/URL, or a torch.save file")
-    p.add_argument("--codec", default="zstd", help="none, lz4, zstd, zstd:N, or 'stock' for stock DCP (default zstd)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="store floating tensors in 16 bits (safe downcast; optimizer state kept); default: as loaded")
+    add_codec_dtype_args(p, codec_default="zstd",
+                         codec_help="none, lz4, zstd, zstd:N, or 'stock' for stock DCP (default zstd)",
+                         dtype_help="store floating tensors in 16 bits (safe downcast; optimizer state kept); "
+                                    "default: as loaded")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_storage_args(p)
@@ -166,15 +167,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from dcp_tiered import inspect as ckpt
     from dcp_tiered.codecs import parse_codec
-    from dcp_tiered.errors import CodecError
+    from dcp_tiered.errors import CheckpointExistsError, CodecError
 
     if args.codec != ckpt.STOCK:
         try:
             args.codec = str(parse_codec(args.codec))
         except CodecError as exc:
             raise CliError(f"--codec: {exc}; or '{ckpt.STOCK}' for stock DCP") from exc
-    res = ckpt.convert(args.src, args.dst, args.codec, parse_dtype(args.dtype), src_options=storage_options_for(args.src, args),
-                       dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=progress_for(args))
+    try:
+        res = ckpt.convert(args.src, args.dst, args.codec, parse_dtype(args.dtype),
+                           src_options=storage_options_for(args.src, args), dst_options=storage_options_for(args.dst, args),
+                           overwrite=args.overwrite, progress=progress_for(args))
+    except BaseException as exc:  # DCP wraps it in CheckpointException (a BaseException); say the flag, not the keyword
+        if not isinstance(unwrap_error(exc), CheckpointExistsError):
+            raise
+        raise CliError(f"{args.dst} already exists; pass --overwrite to replace it, or convert to a new path") from exc
     if args.json:
         print_json(res.as_dict())
     else:

@@ -299,6 +299,8 @@ def _summary(args: argparse.Namespace, tiers: list, totals: Any, ckpt: Any, star
             **tt.as_dict(),
             "url": t.url, "codec": t.codec, "keep": t.keep,
             "blocked_pct": round(100 * tt.blocked_s / train_s, 3) if train_s else 0.0,
+            # the part of blocked_s spent waiting for the previous save still being written (the rest: staging)
+            "waited_s": round(sum(r.waited_s for r in ckpt.reports if r.ok and r.tiers and r.tiers[0] == t.name), 3),
             "price_gb_month": price,
             "monthly_usd": totals.monthly_cost(t.name, t.keep, t.url, prices),
             "fp32_monthly_usd": monthly_cost(fp32, price, t.keep),
@@ -322,6 +324,11 @@ def _print_summary(s: dict[str, Any]) -> None:
              f"{r['keep']}", format_usd(r["monthly_usd"])) for r in s["tiers"]]
     print(table(body, ["tier", "saves", "raw", "stored", "ratio", "blocked s", "blocked %", "keep", "$/month"],
                 right=(2, 3, 4, 5, 6, 7, 8)))
+    for r in s["tiers"]:
+        if r["blocked_s"] and r["waited_s"] > r["blocked_s"] / 2:  # say why, or it reads as async not working
+            print(f"{r['tier']}: {r['waited_s']:.2f} of the {r['blocked_s']:.2f} s blocked went to waiting for the "
+                  "previous save, still being written (saves are due faster than they finish: a longer interval "
+                  "or on_busy='skip' avoids it)")
     saving = s["fp32_monthly_usd"] - s["monthly_usd"]
     print(f"estimated storage {format_usd(s['monthly_usd'])}/month for the retained checkpoints; uncompressed fp32 "
           f"{format_usd(s['fp32_monthly_usd'])}/month (saving {format_usd(saving)})", flush=True)
