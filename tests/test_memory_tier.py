@@ -380,3 +380,24 @@ def test_none_codec_fast_path_reads_without_an_intermediate_buffer(tmp_path, mon
     assert torch.equal(out2["w"], sd["w"])
     assert framed >= numel * 4  # the whole stored tensor went through a read buffer
     assert fast < numel * 4 // 16, (fast, framed)
+
+
+def test_cli_tier_flags_on_tmpfs_get_the_memory_defaults(tmp_path: Path) -> None:
+    """``--local-path /dev/shm/...`` without --keep-local/--codec is a memory tier with its own
+    defaults (keep 1, codec none), not the disk tier's (keep 3, lz4)."""
+    import argparse
+
+    from dcp_tiered.cli.args import add_tier_encoding_args, add_tier_location_args, tiers_from_args
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    p = argparse.ArgumentParser()
+    add_tier_location_args(p)
+    add_tier_encoding_args(p)
+    url = f"/dev/shm/dcp-tiered-test-{uuid.uuid4().hex}"
+    (mem,), _ = tiers_from_args(p.parse_args(["--local-path", url]))
+    assert (mem.kind, mem.keep, mem.codec) == ("memory", 1, "none")
+    (mem,), _ = tiers_from_args(p.parse_args(["--local-path", url, "--keep-local", "2", "--codec", "zstd:1"]))
+    assert (mem.keep, mem.codec) == (2, "zstd:1")
+    (disk,), _ = tiers_from_args(p.parse_args(["--local-path", str(tmp_path / "local")]))
+    assert disk.kind == "storage" and (disk.keep, disk.codec) != (1, "none")

@@ -107,7 +107,7 @@ def _interval(args: argparse.Namespace, name: str) -> float | None:
 def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[list[Any], dict[str, Any]]:
     """Build the tier list (fastest first) and checkpointer options from ``--tiers`` or the path flags."""
     from dcp_tiered.errors import ConfigError
-    from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, validate_tiers
+    from dcp_tiered.tiers.spec import DEFAULT, Tier, load_tiers_yaml, validate_tiers
 
     paths = {n: getattr(args, f"{n}_path", None) for n in TIER_NAMES}
     dtype = None if getattr(args, "dtype", "fp32") in (None, "fp32") else args.dtype
@@ -139,11 +139,12 @@ def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[li
         every_steps = getattr(args, f"{prefix}_every_steps", None)
         max_per_hour = getattr(args, "max_durable_hourly", None) if name == "durable" else None
         keep = getattr(args, f"keep_{name}", None)
+        memory = _on_tmpfs(url)  # a memory tier: Tier's own defaults (keep 1, codec none)
         try:
             tiers.append(Tier(
                 name, url, every=every, every_steps=every_steps, max_per_hour=max_per_hour,
-                keep=keep if keep is not None else DEFAULT_KEEP[name],
-                codec=getattr(args, "codec", None) or DEFAULT_CODECS[name],
+                keep=keep if keep is not None else DEFAULT if memory else DEFAULT_KEEP[name],
+                codec=getattr(args, "codec", None) or (DEFAULT if memory else DEFAULT_CODECS[name]),
                 storage_options=storage_options_for(url, args), dtype=dtype,
             ))
         except ConfigError as exc:
@@ -162,6 +163,15 @@ def _check_keep_has_tier(args: argparse.Namespace, names: list[str]) -> None:
         if getattr(args, f"keep_{name}", None) is not None and name not in names:
             where = f"the --tiers file has {', '.join(names)}" if getattr(args, "tiers", None) else f"no --{name}-path"
             raise CliError(f"--keep-{name} without a {name} tier ({where}): add the {name} tier or drop --keep-{name}")
+
+
+def _on_tmpfs(url: str) -> bool:
+    import fsspec
+
+    from dcp_tiered.tiers.memory import is_memory_path
+
+    protocol, path = fsspec.core.split_protocol(url)
+    return protocol in (None, "file", "local") and is_memory_path(path)
 
 
 def _tier_fields(t: Any) -> dict[str, Any]:
