@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dcp_tiered.dcp.format import METADATA_FILE, ItemRecord, builtin_from_json, native_files, record_view, records_in_file
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata, read_metadata_bytes
@@ -104,13 +106,15 @@ def missing_fragments(dst: Storage, files: list[str], present: dict[str, int], s
     return missing
 
 
-def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None) -> int:
+def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None,
+                          on_commit: Callable[[Any], None] | None = None) -> int:
     """Commit ``dst``'s ``.metadata`` from the fragments of every data file of ``src`` (of save ``save_id``).
 
     Raises :class:`~dcp_tiered.errors.PromotionError` when a fragment is malformed or does not describe
     the source's items, and :class:`~dcp_tiered.errors.PromotionIOError` (retried like any storage
     failure) when a fragment is missing or a file has the wrong size: another process promoting the
-    same save may not have finished its copy yet.  Returns the bytes of ``.metadata``."""
+    same save may not have finished its copy yet.  Returns the bytes of ``.metadata``; ``on_commit``
+    receives the committed ``Metadata`` (not called when another process committed this save)."""
     raw = read_metadata_bytes(src)
     md = decode_metadata(raw, src.url_of(METADATA_FILE))
     files = native_files(md.storage_data)
@@ -155,6 +159,8 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
     if md.storage_meta is not None:
         md.storage_meta.checkpoint_id = dst.url
     dst.commit_bytes(METADATA_FILE, encode_metadata(md))
+    if on_commit is not None:
+        on_commit(md)
     for f in files:
         try:
             dst.remove(fragment_name(f))

@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_tiered.dcp.format import builtin_from_json, native_files
 from dcp_tiered.dcp.metadata_io import load_metadata
-from dcp_tiered.dcp.save_stats import stats_from_records
 from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
 from dcp_tiered.tiers.catalog import tier_storage
+from dcp_tiered.tiers.commit_sizes import commit_measured, measured
 from dcp_tiered.tiers.fragments import (
-    FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_DEFAULT, FRAGMENT_WAIT_FLOOR, FragmentWait, commit_from_fragments, copy_with_fragment,
+    FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_DEFAULT, FRAGMENT_WAIT_FLOOR, FragmentWait, copy_with_fragment,
     fragment_wait_bound,
 )
 from dcp_tiered.tiers.intents import (
@@ -81,16 +81,6 @@ class PromotionReport:
 
     def line(self) -> str:
         return f"step {self.step} {self.source}->{self.target} ({self.kind}): {self.error}"
-
-
-def _measured(report: PromotionReport, dst: Storage, result: Any = None) -> Any:
-    """Set a commit ``report``'s sizes from ``dst``'s records; return ``result`` (else the report)."""
-    try:  # the commit is done whatever the metrics can read: logged, never raised
-        stats = stats_from_records((i.fqn, r) for i, r in load_metadata(dst).storage_data.items())
-        report.raw_bytes, report.stored_bytes = stats.raw_bytes, stats.stored_bytes
-    except (DcpTieredError, TypeError, ValueError) as exc:
-        log.warning("step %s committed on %s, its sizes unreadable: %s", report.step, report.target, exc)
-    return report if result is None else result
 
 
 class Promoter:
@@ -410,14 +400,14 @@ class Promoter:
             job.state = "committing"
             report = PromotionReport(step, source.name, target.name, "metadata")
             self._attempt(f"commit {intent.name} on {target.name}",
-                          lambda: _measured(report, dst, commit_from_fragments(src, dst, intent.save_id)), report,
+                          lambda: commit_measured(report, src, dst, intent.save_id), report,
                           raise_later=not intent.resumed)  # resumed work is recovery: reported, not raised
             if report.ok:
                 self._drop(intent, target.name)
                 self._run_retention(target, (), ())
             return None
         if intent.save_id and committed_save_id(dst) == intent.save_id:
-            self._record(_measured(PromotionReport(step, source.name, target.name, "metadata"), dst))  # committed by another
+            self._record(measured(PromotionReport(step, source.name, target.name, "metadata"), dst))  # committed by another
             self._drop(intent, target.name)
             return None
         bound = self.metadata_timeout if self.metadata_timeout is not None else fragment_wait_bound(
