@@ -20,12 +20,18 @@ from dcp_tiered import CompressedWriter, DowncastSavePlanner  # noqa: E402
 
 OUT = Path(__file__).parent / "v1"
 
-if __name__ == "__main__":
-    if OUT.exists():
-        sys.exit(f"{OUT} exists: golden checkpoints are never regenerated")
-    for codec in ("none", "lz4", "zstd:3"):
+
+def write_golden(out: Path, codecs: dict[str, str]) -> None:
+    """``golden_state()`` saved once per codec (directory name -> codec), plus a bf16 downcast."""
+    if out.exists():
+        sys.exit(f"{out} exists: golden checkpoints are never regenerated")
+    for name, codec in codecs.items():
         # a small frame size so tensors span several frames
-        dcp.save(golden_state(), storage_writer=CompressedWriter(OUT / codec.replace(":", "_"), codec=codec, frame_size=64 << 10),
+        dcp.save(golden_state(), storage_writer=CompressedWriter(out / name, codec=codec, frame_size=64 << 10),
                  no_dist=True)
-    dcp.save(golden_state(), storage_writer=CompressedWriter(OUT / "zstd_bf16_downcast", frame_size=64 << 10),
+    dcp.save(golden_state(), storage_writer=CompressedWriter(out / "zstd_bf16_downcast", frame_size=64 << 10),
              planner=DowncastSavePlanner(torch.bfloat16), no_dist=True)
+
+
+if __name__ == "__main__":
+    write_golden(OUT, {c.replace(":", "_"): c for c in ("none", "lz4", "zstd:3")})

@@ -11,21 +11,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
-
 sys.path.insert(0, str(Path(__file__).parent))
-from values import golden_state  # noqa: E402
-
-from dcp_tiered import CompressedWriter, DowncastSavePlanner  # noqa: E402
+from make_v1 import write_golden  # noqa: E402
 
 OUT = Path(__file__).parent / "v2"
 
 if __name__ == "__main__":
-    if OUT.exists():
-        sys.exit(f"{OUT} exists: golden checkpoints are never regenerated")
-    # a small frame size so tensors span several frames
-    dcp.save(golden_state(), storage_writer=CompressedWriter(OUT / "zstd_3", codec="zstd:3", frame_size=64 << 10),
-             no_dist=True)
-    dcp.save(golden_state(), storage_writer=CompressedWriter(OUT / "zstd_bf16_downcast", frame_size=64 << 10),
-             planner=DowncastSavePlanner(torch.bfloat16), no_dist=True)
+    write_golden(OUT, {"zstd_3": "zstd:3"})
