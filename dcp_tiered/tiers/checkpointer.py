@@ -91,7 +91,6 @@ class TieredCheckpointer:
                                  retry=retry, on_report=self._on_promotion,
                                  optimizer_keys=opts.optimizer_keys if opts.optimizer_every > 1 else (),
                                  leftover_grace=opts.leftover_grace, nice=opts.nice)
-        self.promoter.jobs.max_running = opts.background_threads_or_default()  # the CPU budget of promotions
         self.schedule = SaveSchedule(self.tiers, via_fastest=opts.via_fastest)
         self._restorer = Restorer(self.tiers, rank=self.rank, node=self.node, world=self.world,
                                   distributed=self.distributed, promoter=self.promoter, events=self.events,

@@ -66,16 +66,13 @@ class JobRunner:
 
     ``noun`` names the work in messages ("3 promotion(s) failed"); ``make_error`` builds the
     exception that :meth:`wait`/:meth:`close` raise; ``on_crash(job, exc)`` is told about a job
-    that raised (default: :meth:`fail`); ``nice`` lowers the lanes' CPU priority;
-    ``max_running`` caps the jobs running at once over all lanes (a CPU budget: None, no cap).
+    that raised (default: :meth:`fail`); ``nice`` lowers the lanes' CPU priority.
     """
 
     def __init__(self, *, noun: str = "job", make_error: ErrorFactory = _default_error,
                  on_crash: Callable[[Job, Exception], None] | None = None, nice: int | None = 10,
-                 thread_prefix: str = "dcp_tiered-jobs", max_running: int | None = None) -> None:
+                 thread_prefix: str = "dcp_tiered-jobs") -> None:
         self.noun, self.make_error, self.nice, self.thread_prefix = noun, make_error, nice, thread_prefix
-        self.max_running = max_running
-        self._running = 0  # jobs running now, over all lanes
         self.on_crash = on_crash
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -171,9 +168,7 @@ class JobRunner:
         self._idle.notify_all()
 
     def _next(self, lane: _Lane) -> Job | None:
-        """The lane's next job to run (None: stop); jobs waiting to poll again wait in a heap (the lock is held).
-
-        Under ``max_running`` a lane waits for a free slot before it takes a job (woken by :meth:`_release`)."""
+        """The lane's next job to run (None: stop); jobs waiting to poll again wait in a heap (the lock is held)."""
         while True:
             if self.stopped.is_set():
                 for job in list(lane.ready) + [j for _, _, j in lane.later]:
@@ -182,23 +177,11 @@ class JobRunner:
                 lane.later.clear()
                 return None
             now = time.monotonic()
-            full = self.max_running is not None and self._running >= self.max_running
-            if not full and lane.later and lane.later[0][0] <= now:  # a due poll is quick: before the next long job
-                return self._take(heapq.heappop(lane.later)[2])
-            if not full and lane.ready:
-                return self._take(lane.ready.popleft())
-            lane.cond.wait(lane.later[0][0] - now if lane.later and not full else None)
-
-    def _take(self, job: Job) -> Job:
-        self._running += 1
-        return job
-
-    def _release(self) -> None:
-        """A job stopped running (the lock is held): wake the lanes waiting for a slot."""
-        self._running -= 1
-        if self.max_running is not None:
-            for lane in self._lanes.values():
-                lane.cond.notify()
+            if lane.later and lane.later[0][0] <= now:  # a due poll is quick: before the next long job
+                return heapq.heappop(lane.later)[2]
+            if lane.ready:
+                return lane.ready.popleft()
+            lane.cond.wait(lane.later[0][0] - now if lane.later else None)
 
     def _loop(self, lane: _Lane) -> None:
         lower_thread_priority(self.nice)
@@ -216,7 +199,6 @@ class JobRunner:
                 log.exception("background job failed: %s", job.what)
                 self._crashed(job, exc)
             with self._lock:
-                self._release()
                 if again is not None and not self.stopped.is_set():
                     heapq.heappush(lane.later, (again, next(self._seq), job))
                 else:

@@ -90,10 +90,9 @@ class CheckpointerOptions:
         event_log: path of a JSON-lines file receiving every save/promotion/restore report.
         threads: compression threads per save (default: the cores of the node over its ranks).
             Synchronous saves use them all (the training loop waits anyway).
-        background_threads: the CPU budget of background work while training runs: encode
-            threads of an async save, and promotion jobs running at once (default: this
-            rank's cores less torch's intra-op threads, at least 1:
-            :func:`default_background_threads`).
+        background_threads: the CPU budget of an async save while training runs: its encode
+            threads (default: this rank's cores less torch's intra-op threads, at least 1:
+            :func:`default_background_threads`).  Promotions run one thread per target tier.
         nice: CPU priority offset (0 to 19) of async saves and promotions, so the training
             loop gets the cores first (default 10; 0: the training's priority).
         frame_size: raw bytes per compressed frame (default 4 MiB).
