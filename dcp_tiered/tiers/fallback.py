@@ -25,8 +25,7 @@ def fallback_tiers(exc: BaseException, due: Sequence[str]) -> tuple[str, ...] | 
     """The due tiers to save to instead when ``exc`` is the primary tier (``due[0]``) refusing the save
     for its memory budget (:class:`MemoryBudgetError`); None when there is no fallback (another
     failure, or no other tier was due)."""
-    cause = root_cause(exc)
-    seen: BaseException | None = cause
+    seen: BaseException | None = root_cause(exc)
     while seen is not None and not isinstance(seen, MemoryBudgetError):
         seen = seen.__cause__
     if seen is None or getattr(seen, "tier", None) != due[0] or len(due) < 2:
