@@ -11,7 +11,11 @@ Two configurations:
 * **tiered**: local tier lz4 every ``--local-s`` seconds, durable tier zstd:3 every
   ``--durable-s`` seconds (written via the local tier and promoted in the background),
   ``--async-checkpoint``;
-* **baseline**: one tier, codec none, synchronous, every ``--local-s`` seconds.
+* **baseline**: one tier, codec none, synchronous, every ``--local-s`` seconds;
+* **threads N** (failure-free only): tiered with ``background_threads: N`` (``--compare-threads``,
+  default all cores: the encode threads of async saves before the CPU budget existed), to
+  compare the per-step overhead with the default budget of "tiered" (cores less the training's
+  threads, at least 1) against it (``--compare-threads 0`` skips it).
 
 Timings come from the train command's own output (``--log-every 1``: one line per step,
 one per save with the time it blocked, one for the restore), timestamped by the supervisor
@@ -125,22 +129,31 @@ class Life:
         }
 
 
-def tier_yaml(path: Path, tiers: list[dict[str, Any]], async_save: bool) -> str:
-    """Write a --tiers YAML file (tiers plus the async option) and return its path."""
+def tier_yaml(path: Path, tiers: list[dict[str, Any]], async_save: bool, **options: Any) -> str:
+    """Write a --tiers YAML file (tiers plus the async option and other checkpointer options) and return its path."""
     import yaml
 
-    path.write_text(yaml.safe_dump({"tiers": tiers, "async_save": async_save}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"tiers": tiers, "async_save": async_save, **options}, sort_keys=False))
     return str(path)
+
+
+def _tiered(root: Path, prefix: str, local_s: float, durable_s: float) -> list[dict[str, Any]]:
+    return [{"name": "local", "url": str(root / f"{prefix}-local"), "every": local_s, "keep": 2, "codec": "lz4"},
+            {"name": "durable", "url": str(root / f"{prefix}-durable"), "every": durable_s, "keep": 2, "codec": "zstd:3"}]
+
+
+def threads_config(root: Path, local_s: float, durable_s: float, threads: int) -> Config:
+    """``tiered`` with the CPU budget ``background_threads=threads`` instead of the default."""
+    return Config("threads", tier_yaml(root / "threads.yaml", _tiered(root, "c", local_s, durable_s), True,
+                                       background_threads=threads),
+                  f"tiered with background_threads: {threads}")
 
 
 def configs(root: Path, local_s: float, durable_s: float) -> tuple[Config, Config, Config]:
     """The no-checkpoint calibration setup and the two configurations under test."""
     root.mkdir(parents=True, exist_ok=True)
     tiered = Config(
-        "tiered", tier_yaml(root / "tiered.yaml", [
-            {"name": "local", "url": str(root / "t-local"), "every": local_s, "keep": 2, "codec": "lz4"},
-            {"name": "durable", "url": str(root / "t-durable"), "every": durable_s, "keep": 2, "codec": "zstd:3"},
-        ], True),
+        "tiered", tier_yaml(root / "tiered.yaml", _tiered(root, "t", local_s, durable_s), True),
         f"local lz4 every {local_s:g} s + durable zstd:3 every {durable_s:g} s, async")
     baseline = Config(
         "baseline", tier_yaml(root / "baseline.yaml", [
@@ -331,6 +344,9 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int, default=1, help="training threads (default 1: the other core compresses)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dcp-tiered-bench-goodput"),
                     help="work folder for the tiers (deleted and recreated)")
+    ap.add_argument("--compare-threads", type=int, default=len(os.sched_getaffinity(0)), metavar="N",
+                    help="background_threads of a failure-free run to compare with tiered's default budget "
+                         "(default all cores, as before the budget; 0: no such run)")
     ap.add_argument("--quick", action="store_true", help="smoke run of about a minute (small model, short intervals)")
     args = ap.parse_args()
     if args.quick:
@@ -372,6 +388,16 @@ def main() -> None:
                                         "final_summary_tiers": tiers_summary}
         for d in tier_dirs(cfg):
             shutil.rmtree(d, ignore_errors=True)
+    if args.compare_threads:
+        other = threads_config(root, args.local_s, args.durable_s, args.compare_threads)
+        free_run = supervise(other, train_args, args.steps, [], summary)
+        results["threads"] = {"description": other.description, "background_threads": args.compare_threads,
+                              "default_budget": max(1, len(os.sched_getaffinity(0)) - args.torch_threads),
+                              "free": analyse(free_run, step_s)}
+        print(f"[goodput] background_threads {args.compare_threads} failure-free: "
+              f"wall {results['threads']['free']['wall_s']:.1f} s", flush=True)
+        for d in tier_dirs(other):
+            shutil.rmtree(d, ignore_errors=True)
     results["total_s"] = time.perf_counter() - t_all
     shutil.rmtree(root, ignore_errors=True)
     report(args, results)
@@ -389,7 +415,9 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
                   f"{cal['step_compute_mean_s'] * 1000:.0f}", cal["saves"], f"{cal['save_total_median_s']:.2f}",
                   f"{cal['blocked_s']:.2f}", "-", "-",
                   f"{cal['startup_first_s']:.1f}", f"{cal['final_close_s']:.1f}", pct(cal["goodput"])]]
-    for name, c in cfgs.items():
+    other = [(f"tiered, background_threads {res['threads']['background_threads']}", res["threads"])
+             ] if "threads" in res else []
+    for name, c in list(cfgs.items()) + other:
         f = c["free"]
         slowdown = f["step_compute_mean_s"] / cal["step_compute_mean_s"] - 1
         per_step_wall = f["step_compute_mean_s"] + f["blocked_s"] / f["steps_computed"]
@@ -489,6 +517,14 @@ Under failures (restart = process start, imports, model build and restore, from 
         f"({fail_t['restores_ok']}/{fail_t['restores_checked']} tiered, {fail_b['restores_ok']}/{fail_b['restores_checked']} "
         f"baseline).\n"
     )
+    if other:
+        fc, th = res["threads"]["free"], res["threads"]
+        body += (f"\nCPU budget: the tiered failure-free run (default budget, `background_threads` = "
+                 f"{th['default_budget']}: the cores less the training's {args.torch_threads} thread(s)) has a per-step "
+                 f"overhead of {100 * ft['overhead']:+.1f}% ({100 * ft['slowdown']:+.1f}% compute, {ft['blocked_pct']:.1f}% "
+                 f"blocked, median save {ft['save_total_median_s']:.2f} s); with `background_threads: "
+                 f"{th['background_threads']}` it is {100 * fc['overhead']:+.1f}% ({100 * fc['slowdown']:+.1f}% compute, "
+                 f"{fc['blocked_pct']:.1f}% blocked, median save {fc['save_total_median_s']:.2f} s).\n")
     write_section("goodput", body)
     save_results("goodput", res)
     print(body)

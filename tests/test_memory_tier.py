@@ -183,13 +183,13 @@ def _over_budget(exc: BaseException) -> MemoryBudgetError:
 
 def test_over_budget_save_writes_nothing_and_later_saves_work(shm_dir, tmp_path):
     mem = Tier("mem", shm_dir / "ckpt", memory_budget=3 * MIB)
-    disk = Tier("disk", tmp_path / "disk", keep=5)
+    disk = Tier("disk", tmp_path / "disk", keep=5, every_steps=3)  # not due at step 2: nothing to fall back to
     with TieredCheckpointer([mem, disk]) as ck:
         small = _state(1, 64 * 1024)  # ~0.3 MiB
         ck.save_now(1, small)
         before = _files(shm_dir / "ckpt")
         with pytest.raises(SaveError) as info:
-            ck.save_now(2, _state(2, 1 << 20))  # 4 MiB of float32 alone
+            ck.maybe_save(2, _state(2, 1 << 20))  # 4 MiB of float32 alone
         err = _over_budget(info.value)
         msg = str(info.value)
         assert "memory tier 'mem'" in msg and str(3 * MIB) in msg and str(err.needed) in msg

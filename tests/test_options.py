@@ -99,7 +99,7 @@ def test_prop_unknown_keys_are_named(key):
 @pytest.mark.parametrize("field, value", [
     ("optimizer_every", "5"), ("optimizer_every", 1.0), ("optimizer_every", True), ("threads", "4"),
     ("frame_size", "4MiB"), ("on_busy", True), ("optimizer_keys", "optim"), ("event_log", 3), ("event_log", ""),
-    ("leftover_grace", [1]),
+    ("leftover_grace", [1]), ("background_threads", 0), ("nice", 20),
 ])
 def test_mistyped_values_are_named(field, value):
     msg = config_error(CheckpointerOptions.from_mapping, {field: value}, where="f.yaml")
@@ -162,6 +162,8 @@ def test_from_yaml_reads_every_option(tmp_path):
         optimizer_keys: [app.optim]
         on_busy: skip
         threads: 2
+        background_threads: 1
+        nice: 0
         frame_size: 1048576
         event_log: {events}
     """.replace("{events}", str(tmp_path / "e.jsonl")))
@@ -169,6 +171,7 @@ def test_from_yaml_reads_every_option(tmp_path):
         o = ck.options
         assert (o.async_save, o.via_fastest, o.resume_promotions, o.leftover_grace) == (False, False, False, 5400.0)
         assert (o.optimizer_every, o.optimizer_keys, o.on_busy, o.threads, o.frame_size) == (3, ("app.optim",), "skip", 2, 1 << 20)
+        assert (o.background_threads, o.nice) == (1, 0)
         assert ck.events.path == str(tmp_path / "e.jsonl")
 
 
@@ -189,7 +192,7 @@ def test_train_accepts_the_options_the_api_accepts_and_refuses_string_bools(tmp_
     """``dcp-tiered train`` reads its YAML options through the same model: ``via_fastest`` and
     ``leftover_grace`` (missing from its old list) are accepted, ``async_save: "false"`` is refused."""
     small = ["--steps", "2", "--d-model", "16", "--vocab", "32", "--seq-len", "8", "--log-every", "0", "--json"]
-    good = _yaml(tmp_path, "via_fastest: false\nleftover_grace: 1h30m\nasync_save: true\n")
+    good = _yaml(tmp_path, "via_fastest: false\nleftover_grace: 1h30m\nasync_save: true\nbackground_threads: 1\nnice: 5\n")
     res = _cli("train", "--tiers", good, *small)
     assert res.returncode == 0, res.stderr
     bad_dir = tmp_path / "bad"

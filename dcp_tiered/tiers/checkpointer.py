@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 
 from dcp_tiered.checks import check_timeout
 from dcp_tiered.dcp.objects import normalize_safe_globals
@@ -34,6 +34,7 @@ from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
 from dcp_tiered.tiers.events import EventLog, SaveReport, describe_error, root_cause
+from dcp_tiered.tiers.fallback import KeepStaged, fall_back
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.spec import Tier, check_step, load_tiers_yaml, validate_tiers
@@ -42,8 +43,6 @@ from dcp_tiered.tiers.writer import TieredWriter, node_of
 
 log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: CPU priority offset of background saves and promotions, so the training loop keeps the cores.
-BACKGROUND_NICE = 10
 
 
 class TieredCheckpointer:
@@ -91,7 +90,7 @@ class TieredCheckpointer:
         self.promoter = Promoter(self.tiers, rank=self.rank, node=self.node, is_coordinator=self.rank == 0,
                                  retry=retry, on_report=self._on_promotion,
                                  optimizer_keys=opts.optimizer_keys if opts.optimizer_every > 1 else (),
-                                 leftover_grace=opts.leftover_grace)
+                                 leftover_grace=opts.leftover_grace, nice=opts.nice)
         self.schedule = SaveSchedule(self.tiers, via_fastest=opts.via_fastest)
         self._restorer = Restorer(self.tiers, rank=self.rank, node=self.node, world=self.world,
                                   distributed=self.distributed, promoter=self.promoter, events=self.events,
@@ -106,11 +105,10 @@ class TieredCheckpointer:
         self._inflight: tuple[Future, SaveReport, float, TieredWriter, DowncastSavePlanner | None] | None = None
         self._failed: BaseException | None = None
         self._sync_next = False
-        self._stager: DefaultStager | None = None
+        self._stager: KeepStaged | None = None
         self._closed = False
-        # Unfinished promotions of an earlier run resume once the restore that usually follows
-        # construction has finished (or at the first save, wait or close): a resumed commit and
-        # its retention never run while ranks are choosing and loading a checkpoint.
+        # Unfinished promotions of an earlier run resume once the restore that usually follows construction has
+        # finished (or at the first save, wait or close): never while ranks are choosing and loading a checkpoint.
         self._resume_pending = opts.resume_promotions
         self._warned_no_optim = False
 
@@ -228,40 +226,37 @@ class TieredCheckpointer:
             return self._save(step, state_dict, due, full, waited)
         return self._save(step, state_dict, due, full)
 
-    def _save(self, step: int, state_dict: Mapping[str, Any], due: Sequence[str], full: bool,
-              waited: float = 0.0) -> SaveReport:
+    def _save(self, step: int, state_dict: Mapping[str, Any], due: Sequence[str], full: bool, waited: float = 0.0) -> SaveReport:
         sd, with_optim = self._payload(step, state_dict, full)
+        use_async, self._sync_next = self.options.async_save and not self._sync_next, False
+        return self._write(sd, SaveReport(step, list(due), with_optim, use_async, state_bytes(sd), waited_s=waited))
+
+    def _write(self, sd: Mapping[str, Any], report: SaveReport, staged: bool = False) -> SaveReport:
+        """Save ``sd`` to ``report.tiers``; ``staged``: ``sd`` is the staged copy of an async save falling back."""
+        step, due, opts, bg = report.step, report.tiers, self.options, report.async_save
         primary = next(t for t in self.tiers if t.name == due[0])
         planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
         for name in due:
             self.promoter.mark_own(name, step)
         self.promoter.set_writing(due, step, True)
-        use_async = self.options.async_save and not self._sync_next
-        # overwrite: after a restore from an older step, the steps after it are saved again
-        writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, threads=self.options.threads,
-                              frame_size=self.options.frame_size, safe_globals=self.safe_globals,
-                              nice=BACKGROUND_NICE if use_async else None, overwrite=True)
-        self._sync_next = False
-        report = SaveReport(step, list(due), with_optim, use_async, raw_bytes=state_bytes(sd), waited_s=waited)
-        name = step_name(step)
-        kwargs: dict[str, Any] = {"storage_writer": writer, "planner": planner, "checkpoint_id": name}
-        if self.distributed:
-            kwargs["process_group"] = self._save_pg
-        else:
-            kwargs["no_dist"] = True
+        # async: within the CPU budget (sync blocks training anyway); overwrite: a step saved again after a restore
+        writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, frame_size=opts.frame_size,
+                              threads=opts.background_threads_or_default() if bg else opts.threads,
+                              safe_globals=self.safe_globals, nice=opts.nice if bg else None, overwrite=True)
+        kwargs: dict[str, Any] = {"storage_writer": writer, "planner": planner, "checkpoint_id": step_name(step),
+                                  **({"process_group": self._save_pg} if self.distributed else {"no_dist": True})}
         t0 = time.perf_counter()
-        if use_async:
-            if self._stager is None:
-                cuda = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
+        if bg:
+            self._stager = self._stager or KeepStaged(StagingOptions(torch.cuda.is_available(), False, False, False))
             try:
-                fut = dcp.async_save(sd, async_stager=self._stager, **kwargs)
+                fut = dcp.async_save(sd, async_stager=self._stager.again(sd) if staged else self._stager, **kwargs)
             except BaseException:
                 self.promoter.set_writing(due, step, False)
                 raise
-            report.blocked_s = waited + time.perf_counter() - t0
             self._inflight = (fut, report, t0, writer, planner)  # type: ignore[assignment]
-            self.reports.append(report)
+            if not staged:
+                report.blocked_s = report.waited_s + time.perf_counter() - t0
+                self.reports.append(report)
             return report
         try:
             metadata = dcp.save(sd, **kwargs)  # the committed Metadata, on every rank
@@ -269,16 +264,18 @@ class TieredCheckpointer:
             self.promoter.set_writing(due, step, False)
             if isinstance(exc, KeyboardInterrupt):
                 raise
+            if fall_back(report, exc, self.events):
+                return self._write(sd, report)
             report.ok, report.error = False, describe_error(exc, 2000)
             report.total_s = time.perf_counter() - t0
-            report.blocked_s = waited + report.total_s
+            report.blocked_s = report.waited_s + report.total_s
             self.reports.append(report)
             self.events.emit(report.as_dict())
             raise SaveError(f"checkpoint save of step {step} to tier {due[0]!r} failed: {describe_error(exc)}"
                             ) from root_cause(exc)
         self.promoter.set_writing(due, step, False)
         report.total_s = time.perf_counter() - t0
-        report.blocked_s = waited + report.total_s
+        report.blocked_s = report.waited_s + report.total_s
         self._complete(report, writer, planner, metadata)
         self.reports.append(report)
         return report
@@ -320,12 +317,16 @@ class TieredCheckpointer:
         if not wait and not fut.done():
             return
         self._inflight = None
+        staged, self._stager.staged = self._stager.staged, None  # type: ignore[union-attr]
         try:
             metadata = fut.result()  # the committed Metadata, on every rank
         except BaseException as exc:
             self.promoter.set_writing(report.tiers, report.step, False)
             if isinstance(exc, KeyboardInterrupt):
                 raise
+            if staged is not None and fall_back(report, exc, self.events):  # write the staged copy to the other tiers
+                self._write(staged, report, staged=True)
+                return self._finish_inflight(wait)
             report.ok, report.error = False, describe_error(exc, 2000)
             report.total_s = time.perf_counter() - t0
             self.events.emit(report.as_dict())

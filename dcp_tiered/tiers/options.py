@@ -54,6 +54,22 @@ def _path(value: object, name: str) -> str | None:
     return os.fspath(value)  # type: ignore[return-value]
 
 
+def _nice(value: object, name: str) -> int:
+    return check_count(value, name, 0, 19)  # type: ignore[return-value]
+
+
+def default_background_threads(threads: int | None = None) -> int:
+    """Encode threads of a background save when ``background_threads`` is not given: the cores of
+    this rank (:func:`~dcp_tiered.dcp.writer.default_threads`, or ``threads``) less torch's intra-op
+    threads, which the training step uses, and at least 1."""
+    import torch
+
+    from dcp_tiered.dcp.writer import default_threads
+
+    share = threads or default_threads()
+    return max(1, min(share, default_threads() - torch.get_num_threads()))
+
+
 def _field(default: Any, check: Callable[[Any, str], Any]) -> Any:
     return dataclasses.field(default=default, metadata={"check": check})
 
@@ -73,6 +89,12 @@ class CheckpointerOptions:
         on_busy: ``"wait"`` (default) or ``"skip"`` when a save is due while one is in flight.
         event_log: path of a JSON-lines file receiving every save/promotion/restore report.
         threads: compression threads per save (default: the cores of the node over its ranks).
+            Synchronous saves use them all (the training loop waits anyway).
+        background_threads: the CPU budget of an async save while training runs: its encode
+            threads (default: this rank's cores less torch's intra-op threads, at least 1:
+            :func:`default_background_threads`).  Promotions run one thread per target tier.
+        nice: CPU priority offset (0 to 19) of async saves and promotions, so the training
+            loop gets the cores first (default 10; 0: the training's priority).
         frame_size: raw bytes per compressed frame (default 4 MiB).
         resume_promotions: resume the unfinished promotions of an earlier run (after the
             first restore, or at the first save, ``wait`` or ``close``).
@@ -92,6 +114,8 @@ class CheckpointerOptions:
     on_busy: str = _field("wait", _on_busy)
     event_log: str | None = _field(None, _path)
     threads: int | None = _field(None, lambda v, n: check_count(v, n, optional=True))
+    background_threads: int | None = _field(None, lambda v, n: check_count(v, n, optional=True))
+    nice: int = _field(10, _nice)
     frame_size: int | None = _field(None, lambda v, n: check_frame_size(v, optional=True))
     resume_promotions: bool = _field(True, _flag)
     via_fastest: bool = _field(True, _flag)
@@ -138,6 +162,10 @@ class CheckpointerOptions:
         if not changes:
             return base or cls()
         return dataclasses.replace(base or cls(), **changes)
+
+    def background_threads_or_default(self) -> int:
+        """``background_threads``, or :func:`default_background_threads` of ``threads`` when not given."""
+        return self.background_threads or default_background_threads(self.threads)
 
     def as_dict(self) -> dict[str, Any]:
         """The options as keyword arguments of ``TieredCheckpointer``."""
