@@ -1,0 +1,263 @@
+"""Peer replication of a node-local tier (``Tier(replicas=F, replication_jump=J)``).
+
+4 gloo ranks simulate 2 nodes of 2 ranks (``LOCAL_WORLD_SIZE=2``); ``local`` is
+``.../local/{node}`` with ``replicas=2, replication_jump=2`` (cliques [0, 2] and [1, 3]: each
+rank's files get a copy on the other node), ``shared`` a shared directory.  State is sharded
+(DTensor ``Shard(0)`` plus one key per rank), so each rank's load reads its own file only.
+
+- The save spawn holds the replication thread of step 1 behind a gate: the save returns, the
+  step is busy for retention and has no replica marker until the gate opens (never blocks training).
+- After the save, each node holds the other node's files under committed markers whose digests
+  match the originals.
+- Node 1's directory is deleted (a replaced node) and the shared tier's data files are moved
+  away (any read of them fails); the restart restores step 2 from ``local`` on every rank,
+  bit-exact, node 1's files fetched from node 0's replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from gloo_ranks import read_records, record, run_ranks_recording
+
+from dcp_tiered import ConfigError, Tier, TieredCheckpointer
+from dcp_tiered.tiers.replication import check_replication, cliques
+
+WS, LOCAL = 4, 2
+SPAWN_TIMEOUT = 420.0
+WAIT_TIMEOUT = 180.0
+STEPS = [1, 2]
+W_SHAPE = (37, 24)
+
+
+def tiers(root: Path) -> list[Tier]:
+    return [Tier("local", f"{root}/local/{{node}}", keep=2, codec="lz4", replicas=2, replication_jump=2),
+            Tier("shared", f"{root}/shared", keep=2, codec="zstd")]
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def _randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def make_state(mesh, rank: int, step: int) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = _randn(W_SHAPE, 1) + step if step else torch.zeros(W_SHAPE)
+    own = _randn((5, 3), 100 + rank) * step if step else torch.zeros(5, 3)
+    return {"model": {"w": distribute_tensor(w, mesh, [Shard(0)])}, f"own{rank}": own}
+
+
+def diffs(sd: dict, rank: int, step: int) -> list[str]:
+    out = []
+    w = torch.chunk(_randn(W_SHAPE, 1) + step, WS, 0)[rank]
+    if not torch.equal(sd["model"]["w"].to_local(), w):
+        out.append(f"model.w differs from step {step}")
+    if not torch.equal(sd[f"own{rank}"], _randn((5, 3), 100 + rank) * step):
+        out.append(f"own{rank} differs from step {step}")
+    return out
+
+
+def _in_thread(fn, timeout: float = WAIT_TIMEOUT):
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"{fn} did not return within {timeout} s")
+    if "exc" in box:
+        raise box["exc"]
+    return box.get("value")
+
+
+# -- code on every rank ---------------------------------------------------------------------------
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (WS,))
+
+
+def _save(root: Path, out: Path, mesh, rank: int) -> None:
+    """Save steps 1 and 2; the replication of step 1 is held until the save of step 1 returned."""
+    from dcp_tiered.tiers import replication
+
+    held, release = threading.Event(), threading.Event()
+    original = replication.Replicator._run_job
+
+    def gated(self, step, tier, metadata):
+        if step == 1:
+            held.set()
+            assert release.wait(WAIT_TIMEOUT), "the gate was never opened"
+        return original(self, step, tier, metadata)
+
+    replication.Replicator._run_job = gated
+    events: list = []
+    ckpt = TieredCheckpointer(tiers(root))
+    ckpt.events.hooks.append(events.append)
+    facts: dict = {}
+    try:
+        assert ckpt.maybe_save(1, make_state(mesh, rank, 1)) is not None  # returns with replication held
+        assert held.wait(WAIT_TIMEOUT), "replication of step 1 never started"
+        facts["busy_while_held"] = sorted(ckpt._replicator.busy_steps("local"))
+        facts["pinned_while_held"] = sorted(ckpt.promoter.busy_steps("local"))
+        mine = root / "local" / str(rank // LOCAL) / step_dir(1)
+        facts["markers_while_held"] = sorted(p.name for p in mine.glob(".replica-*"))
+        release.set()
+        assert ckpt.maybe_save(2, make_state(mesh, rank, 2)) is not None
+        _in_thread(ckpt.wait)
+    finally:
+        release.set()
+        replication.Replicator._run_job = original
+        ckpt.close()
+    facts["replication"] = [(e["step"], e["ok"]) for e in events if e.get("event") == "replication"]
+    (out / f"save.rank{rank}.json").write_text(json.dumps(facts))
+
+
+def _save_worker(rank: int, world_size: int, data: str, out: str) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
+    mesh = _mesh()
+    record(Path(out), "save", rank, lambda: _save(Path(data), Path(out), mesh, rank))
+
+
+def _restore(root: Path, out: Path, mesh, rank: int) -> None:
+    ckpt = TieredCheckpointer(tiers(root))
+    events: list = []
+    ckpt.events.hooks.append(events.append)
+    try:
+        sd = make_state(mesh, rank, 0)
+        got = _in_thread(lambda: ckpt.restore(sd))
+        facts = {"step": got, "diffs": diffs(sd, rank, got) if isinstance(got, int) else ["nothing restored"],
+                 "failures": ckpt.restore_failures,
+                 "events": [(e["event"], e["step"], e["tier"]) for e in events if e.get("event", "").startswith("restore")]}
+    finally:
+        ckpt.close()
+    (out / f"restore.rank{rank}.json").write_text(json.dumps(facts))
+
+
+def _restore_worker(rank: int, world_size: int, data: str, out: str) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
+    mesh = _mesh()
+    record(Path(out), "restore", rank, lambda: _restore(Path(data), Path(out), mesh, rank))
+
+
+# -- fixtures ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("replication")
+
+
+@pytest.fixture(scope="module")
+def saved(root: Path) -> tuple[Path, str | None]:
+    return run_ranks_recording(_save_worker, WS, root, str(root / "data"), root / "records_save", timeout=SPAWN_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def node_lost(root: Path, saved) -> Path:
+    """Node 1's local directory deleted; the shared tier's data files moved away (reading them fails)."""
+    read_records(saved[0], "save", WS, saved[1])
+    data = root / "data"
+    shutil.rmtree(data / "local" / "1")
+    hidden = root / "hidden_shared"
+    hidden.mkdir()
+    for f in (data / "shared").glob("step_*/__*.distcp"):
+        (hidden / f.parent.name).mkdir(exist_ok=True)
+        f.rename(hidden / f.parent.name / f.name)
+    return data
+
+
+@pytest.fixture(scope="module")
+def restarted(root: Path, node_lost: Path) -> tuple[Path, str | None]:
+    return run_ranks_recording(_restore_worker, WS, root, str(node_lost), root / "records_restore",
+                               timeout=SPAWN_TIMEOUT)
+
+
+def _facts(out: Path, name: str) -> list:
+    return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(WS)]
+
+
+# -- tests ---------------------------------------------------------------------------------------------
+
+
+def test_cliques_as_nvrx() -> None:
+    assert cliques(4, 2, 2) == [[0, 2], [1, 3]]
+    assert cliques(8, 2, 1) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cliques(12, 3, 2) == [[0, 2, 4], [1, 3, 5], [6, 8, 10], [7, 9, 11]]
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        cliques(6, 2, 2)
+
+
+def test_tier_fields_are_validated(monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="node-local"):
+        Tier("l", "/tmp/x", replicas=2)
+    for bad in ({"replicas": 0}, {"replication_jump": 0}, {"replicas": True}, {"replicas": 1.5}):
+        with pytest.raises(ConfigError):
+            Tier("l", "/tmp/{node}", **bad)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    tier = Tier("l", "/tmp/{node}", replicas=2, replication_jump=1)
+    with pytest.raises(ConfigError, match="multiple of the ranks per node"):
+        check_replication(tier, 4)
+    with pytest.raises(ConfigError, match="world size"):
+        check_replication(Tier("l", "/tmp/{node}", replicas=2), 6)
+    assert check_replication(Tier("l", "/tmp/{node}", replicas=2), 4) == [[0, 2], [1, 3]]  # J defaults to 2
+
+
+def test_a_save_returns_before_its_replication(saved) -> None:
+    """The save of step 1 returned while its replication was held: the step was busy (retention
+    keeps it) and had no replica marker; once released, both steps replicated."""
+    read_records(saved[0], "save", WS, saved[1])
+    for rank, f in enumerate(_facts(saved[0], "save")):
+        assert f["busy_while_held"] == [1] and 1 in f["pinned_while_held"], f"rank {rank}: {f}"
+        assert f["markers_while_held"] == [], f"rank {rank}: {f}"
+        assert f["replication"] == [[1, True], [2, True]], f"rank {rank}: {f}"
+
+
+def test_each_node_holds_committed_replicas_of_the_other(saved, root: Path) -> None:
+    read_records(saved[0], "save", WS, saved[1])
+    local = root / "data" / "local"
+    for step in STEPS:
+        for node in (0, 1):
+            mine = local / str(node) / step_dir(step)
+            peers = [r for r in range(WS) if r // LOCAL != node]
+            assert sorted(p.name for p in mine.glob(".replica-*")) == [f".replica-{r}.json" for r in peers]
+            for r in peers:
+                marker = json.loads((mine / f".replica-{r}.json").read_text())
+                assert marker["owner"] == r and marker["step"] == step and marker["files"], marker
+                for entry in marker["files"]:
+                    original = local / str(r // LOCAL) / step_dir(step) / entry["file"]
+                    data = original.read_bytes()
+                    assert (mine / entry["file"]).read_bytes() == data
+                    assert entry["size"] == len(data) and entry["xxh3"] == xxhash.xxh3_64(data).hexdigest()
+
+
+def test_lost_node_restores_from_peer_replicas(restarted, root: Path) -> None:
+    """Node 1 replaced (its local directory gone): every rank restores the newest step from
+    ``local`` bit-exact, without reading the shared tier (its data files are gone, so any read
+    of it would fail); node 1's directory is whole and committed again."""
+    read_records(restarted[0], "restore", WS, restarted[1])
+    for rank, f in enumerate(_facts(restarted[0], "restore")):
+        assert f["step"] == STEPS[-1] and f["diffs"] == [], f"rank {rank}: {f}"
+        assert f["events"] == [["restore", STEPS[-1], "local"]] and f["failures"] == 0, f"rank {rank}: {f}"
+    node1 = root / "data" / "local" / "1" / step_dir(STEPS[-1])
+    assert (node1 / ".metadata").is_file()
+    assert {p.name.split("_")[2] for p in node1.glob("__*.distcp")} == {"2", "3"}
