@@ -12,6 +12,9 @@ rank's files get a copy on the other node), ``shared`` a shared directory.  Stat
 - Node 1's directory is deleted (a replaced node) and the shared tier's data files are moved
   away (any read of them fails); the restart restores step 2 from ``local`` on every rank,
   bit-exact, node 1's files fetched from node 0's replicas.
+- A SIGKILL of rank 0 while it receives rank 2's files of step 2 (step 1 fully replicated), then
+  node 1's directory deleted: the restart never loads a torn state and never hangs; it restores
+  bit-exact from the shared tier or an older step (step 2 on ``local`` lacks rank 2's replica).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -117,7 +121,7 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
     try:
         assert ckpt.maybe_save(1, make_state(mesh, rank, 1)) is not None  # returns with replication held
         assert held.wait(WAIT_TIMEOUT), "replication of step 1 never started"
-        facts["busy_while_held"] = sorted(ckpt._replicator.busy_steps("local"))
+        facts["busy_while_held"] = sorted(ckpt._restorer.replicator.busy_steps("local"))
         facts["pinned_while_held"] = sorted(ckpt.promoter.busy_steps("local"))
         mine = root / "local" / str(rank // LOCAL) / step_dir(1)
         facts["markers_while_held"] = sorted(p.name for p in mine.glob(".replica-*"))
@@ -136,6 +140,29 @@ def _save_worker(rank: int, world_size: int, data: str, out: str) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
     mesh = _mesh()
     record(Path(out), "save", rank, lambda: _save(Path(data), Path(out), mesh, rank))
+
+
+def _killed_worker(rank: int, world_size: int, data: str, out: str) -> None:
+    """Save step 1 (replicated to the end), then step 2, whose replication rank 0 dies in: SIGKILL as it
+    starts receiving rank 2's file.  The spawn fails (the other ranks are killed with it)."""
+    from dcp_tiered.tiers import replication
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
+    mesh = _mesh()
+    original = replication.stream_file
+
+    def killing(group, src, me, entry, read, write, *args):
+        if me == 0 and write is not None and write.url.rstrip("/").endswith(step_dir(2)):
+            (Path(out) / "killed").write_text("rank 0")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(group, src, me, entry, read, write, *args)
+
+    replication.stream_file = killing
+    ckpt = TieredCheckpointer(tiers(Path(data)))
+    ckpt.maybe_save(1, make_state(mesh, rank, 1))
+    _in_thread(ckpt.wait)
+    ckpt.maybe_save(2, make_state(mesh, rank, 2))
+    _in_thread(ckpt.wait)  # rank 0 dies; the others fail here or are killed by the spawn
 
 
 def _restore(root: Path, out: Path, mesh, rank: int) -> None:
@@ -189,6 +216,17 @@ def node_lost(root: Path, saved) -> Path:
 @pytest.fixture(scope="module")
 def restarted(root: Path, node_lost: Path) -> tuple[Path, str | None]:
     return run_ranks_recording(_restore_worker, WS, root, str(node_lost), root / "records_restore",
+                               timeout=SPAWN_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def killed(root: Path) -> tuple[Path, str | None]:
+    """The kill during replication, node 1's directory deleted, then a restart of every rank."""
+    data, out = root / "kill", root / "records_kill"
+    _, error = run_ranks_recording(_killed_worker, WS, root, str(data), out, timeout=SPAWN_TIMEOUT)
+    assert (out / "killed").exists(), f"rank 0 was not killed during replication: {error}"
+    shutil.rmtree(data / "local" / "1")
+    return run_ranks_recording(_restore_worker, WS, root, str(data), root / "records_kill_restore",
                                timeout=SPAWN_TIMEOUT)
 
 
@@ -261,3 +299,15 @@ def test_lost_node_restores_from_peer_replicas(restarted, root: Path) -> None:
     node1 = root / "data" / "local" / "1" / step_dir(STEPS[-1])
     assert (node1 / ".metadata").is_file()
     assert {p.name.split("_")[2] for p in node1.glob("__*.distcp")} == {"2", "3"}
+
+
+def test_kill_during_replication_never_restores_a_torn_state(killed, root: Path) -> None:
+    read_records(killed[0], "restore", WS, killed[1])
+    facts = _facts(killed[0], "restore")
+    for rank, f in enumerate(facts):
+        assert f["diffs"] == [], f"rank {rank}: {f}"
+        assert f["events"][-1][0] == "restore" and f["events"][-1][1] == f["step"], f"rank {rank}: {f}"
+        assert f["events"][-1][1:] != [STEPS[-1], "local"], f"rank {rank}: step 2 on local lacks rank 2's files: {f}"
+    assert len({(f["step"], tuple(f["events"][-1])) for f in facts}) == 1, facts
+    marker = root / "kill" / "local" / "0" / step_dir(STEPS[-1]) / ".replica-2.json"
+    assert not marker.exists(), "rank 0 was killed before it received rank 2's files"

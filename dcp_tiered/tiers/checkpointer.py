@@ -33,7 +33,6 @@ from dcp_tiered.tiers.node_commit import commit_after_save
 from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
-from dcp_tiered.tiers.replication import Replicator
 from dcp_tiered.tiers.events import EventLog, SaveReport, describe_error, root_cause
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
@@ -94,13 +93,10 @@ class TieredCheckpointer:
                                  optimizer_keys=opts.optimizer_keys if opts.optimizer_every > 1 else (),
                                  leftover_grace=opts.leftover_grace)
         self.schedule = SaveSchedule(self.tiers, via_fastest=opts.via_fastest)
-        self._replicator = Replicator(self.tiers, rank=self.rank, world=self.world, events=self.events,
-                                      promoter=self.promoter, distributed=self.distributed)  # every clique's group
         self._restorer = Restorer(self.tiers, rank=self.rank, node=self.node, world=self.world,
                                   distributed=self.distributed, promoter=self.promoter, events=self.events,
                                   list_group=self._decide_pg, load_group=self._save_pg,
-                                  reader_options={"threads": opts.threads, "safe_globals": self.safe_globals},
-                                  replicator=self._replicator)
+                                  reader_options={"threads": opts.threads, "safe_globals": self.safe_globals})
         self._due_step: int | None = None  # the step of the decision cached by due()
         self._due_names: tuple[str, ...] = ()
         self.reports: list[SaveReport] = []
@@ -315,7 +311,7 @@ class TieredCheckpointer:
         if primary.node_local:  # DCP commits the coordinator's directory only: commit the others (their leaders)
             commit_after_save(primary, report.step, metadata, rank=self.rank, world=self.world,
                               promoter=self.promoter, events=self.events)
-            self._replicator.submit(report.step, primary, metadata)  # in the background, to the clique's peers
+            self._restorer.replicator.submit(report.step, primary, metadata)  # in the background, to its clique
         self.events.emit(report.as_dict())
 
     def _finish_inflight(self, wait: bool = False) -> None:
@@ -364,7 +360,7 @@ class TieredCheckpointer:
         self._finish_inflight(wait=True)
         self._check_background()
         self.promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._replicator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._restorer.replicator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None, *, final_step: int | None = None,
               state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None" = None) -> None:
@@ -395,7 +391,6 @@ class TieredCheckpointer:
     def _shut(self) -> None:
         self._closed = True
         self.promoter.close(wait=False, timeout=2.0)
-        self._replicator.close()
         if self._stager is not None and self._inflight is None:
             self._stager.close()
 

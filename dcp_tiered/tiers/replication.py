@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: Largest piece of a file sent in one broadcast.
 CHUNK_BYTES = 64 << 20
+#: Seconds the replication thread waits for work before it ends (a later submit starts another).
+IDLE_S = 5.0
 #: Seconds a clique collective may wait for a peer before the replication fails.
 TIMEOUT_S = 300.0
 MARKER_PREFIX = ".replica-"
@@ -163,7 +165,7 @@ class Replicator:
     """Replication of the node-local tiers with ``replicas > 1`` for one rank (see the module doc).
 
     Construct on every rank in the same order (it creates every clique's process group);
-    ``submit`` after each save's node commit; ``wait`` raises failures; ``close`` stops the thread.
+    ``submit`` after each save's node commit; ``wait`` raises failures.  The thread ends when idle.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, rank: int, world: int, events: Any, promoter: Any = None,
@@ -187,7 +189,6 @@ class Replicator:
         self._failures: list[str] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._closed = False
 
     def group_of(self, tier_name: str) -> "tuple[list[int], Any] | None":
         """This rank's clique on ``tier_name`` and its process group, or None without replication."""
@@ -195,16 +196,17 @@ class Replicator:
 
     def submit(self, step: int, tier: Tier, metadata: Any) -> None:
         """Queue the replication of ``step`` of ``tier`` (no-op for a tier without replicas); returns at once."""
-        if tier.name not in self.plans or self._closed:
+        if tier.name not in self.plans:
             return
         with self._lock:
             self._busy.setdefault(tier.name, set()).add(step)
         if self.promoter is not None:
             self.promoter.set_writing([tier.name], step, True)  # retention keeps a step being replicated
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="dcp-tiered-replication", daemon=True)
-            self._thread.start()
-        self._queue.put((step, tier, metadata))
+        with self._lock:
+            self._queue.put((step, tier, metadata))
+            if self._thread is None:  # the thread ends when idle: nothing to close
+                self._thread = threading.Thread(target=self._loop, name="dcp-tiered-replication", daemon=True)
+                self._thread.start()
 
     def busy_steps(self, tier_name: str) -> set[int]:
         """Steps of ``tier_name`` whose replication is queued or running."""
@@ -213,9 +215,14 @@ class Replicator:
 
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
+            try:
+                job = self._queue.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             step, tier, metadata = job
             try:
                 self._run_job(step, tier, metadata)
@@ -289,10 +296,3 @@ class Replicator:
             failures, self._failures = self._failures, []
         if failures:
             raise ReplicationError(f"{len(failures)} replication(s) failed: {'; '.join(failures[:4])}")
-
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop the thread (after the queued jobs); a job stuck on a dead peer is left to its group timeout."""
-        self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout)

@@ -24,6 +24,7 @@ from dcp_tiered.tiers.catalog import list_tier, tier_storage
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.node_commit import holds_file, lacking_files
 from dcp_tiered.tiers import peer_fetch
+from dcp_tiered.tiers.replication import Replicator
 from dcp_tiered.tiers.policy import restore_order
 from dcp_tiered.tiers.promotion import Promoter
 from dcp_tiered.tiers.events import EventLog, describe_error
@@ -45,14 +46,17 @@ class Restorer:
 
     def __init__(self, tiers: Sequence[Tier], *, rank: int, node: int, world: int, distributed: bool,
                  promoter: Promoter, events: EventLog, list_group: Any = None, load_group: Any = None,
-                 reader_options: "dict[str, Any] | None" = None, replicator: Any = None) -> None:
+                 reader_options: "dict[str, Any] | None" = None) -> None:
         self.tiers = list(tiers)
         self.rank, self.node, self.world, self.distributed = rank, node, world, distributed
         self.promoter = promoter
         self.events = events
         self.list_group, self.load_group = list_group, load_group
         self.reader_options = dict(reader_options or {})
-        self.replicator = replicator  # its clique groups carry peer fetches of replicated node-local tiers
+        # Replication of node-local tiers (every clique's group is made here, on every rank alike);
+        # restore fetches a lost node's files through the same groups.
+        self.replicator = Replicator(self.tiers, rank=rank, world=world, events=events, promoter=promoter,
+                                     distributed=distributed)
         self._fetch: dict[Candidate, peer_fetch.Plan] = {}  # candidates usable through peers' replicas
         #: Candidates that failed to load, over every restore (each was skipped for the next).
         self.failures = 0
@@ -159,7 +163,7 @@ class Restorer:
         held: list[peer_fetch.Held] = []
         try:
             view = self._local_view(plain, pinned, problems, precheck)
-            held = peer_fetch.holdings(self.tiers, self.rank, self.node) if self.replicator is not None else []
+            held = peer_fetch.holdings(self.tiers, self.rank, self.node) if self.replicator.plans else []
         except Exception as exc:  # noqa: BLE001 - this rank must still take part in the collective below
             problems.append(f"listing the tiers failed: {describe_error(exc)}")
             view = []
@@ -199,8 +203,7 @@ class Restorer:
                        held: list[list[peer_fetch.Held]]) -> bool:
         """Whether the ranks lacking node-local candidate ``cand`` can fetch their files from clique peers
         holding committed replicas (then :meth:`_prepare` fetches them); every rank decides alike."""
-        groups = self.replicator.group_of(self.tiers[cand[1]].name) if self.replicator is not None else None
-        if groups is None or len(save_ids - {None}) != 1:
+        if self.replicator.group_of(self.tiers[cand[1]].name) is None or len(save_ids - {None}) != 1:
             return False
         ok = [r for r in range(len(held)) if r in by_rank and by_rank[r] is None]
         lacking = [r for r in range(len(held)) if r not in ok]
