@@ -7,10 +7,12 @@ rank's files get a copy on the other node), ``shared`` a shared directory.  Stat
 
 - The save spawn holds the replication thread of step 1 behind a gate: the save returns, the
   step is busy for retention and has no replica marker until the gate opens (never blocks training).
+- Step 3's replication fails on clique [1, 3] (rank 1 cannot read its files): the save returns,
+  the failure is raised at ``wait()`` on ranks 1 and 3 only.
 - After the save, each node holds the other node's files under committed markers whose digests
-  match the originals.
+  match the originals (all but rank 1's of step 3).
 - Node 1's directory is deleted (a replaced node) and the shared tier's data files are moved
-  away (any read of them fails); the restart restores step 2 from ``local`` on every rank,
+  away (any read of them fails); the restart restores step 3 from ``local`` on every rank,
   bit-exact, node 1's files fetched from node 0's replicas.
 - A SIGKILL of rank 0 while it receives rank 2's files of step 2 (step 1 fully replicated), then
   node 1's directory deleted: the restart never loads a torn state and never hangs; it restores
@@ -31,18 +33,18 @@ import torch
 import xxhash
 from gloo_ranks import read_records, record, run_ranks_recording
 
-from dcp_tiered import ConfigError, Tier, TieredCheckpointer
+from dcp_tiered import ConfigError, ReplicationError, StorageError, Tier, TieredCheckpointer
 from dcp_tiered.tiers.replication import check_replication, cliques
 
 WS, LOCAL = 4, 2
 SPAWN_TIMEOUT = 420.0
 WAIT_TIMEOUT = 180.0
-STEPS = [1, 2]
+STEPS = [1, 2, 3]  # step 3: rank 1 cannot send its files (replication fails, training goes on)
 W_SHAPE = (37, 24)
 
 
 def tiers(root: Path) -> list[Tier]:
-    return [Tier("local", f"{root}/local/{{node}}", keep=2, codec="lz4", replicas=2, replication_jump=2),
+    return [Tier("local", f"{root}/local/{{node}}", keep=3, codec="lz4", replicas=2, replication_jump=2),
             Tier("shared", f"{root}/shared", keep=2, codec="zstd")]
 
 
@@ -113,6 +115,13 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
             assert release.wait(WAIT_TIMEOUT), "the gate was never opened"
         return original(self, step, tier, metadata)
 
+    original_files = replication.owner_files
+
+    def failing(storage, metadata, owner):
+        if owner == 1:
+            raise StorageError(f"rank {owner}: injected read failure")
+        return original_files(storage, metadata, owner)
+
     replication.Replicator._run_job = gated
     events: list = []
     ckpt = TieredCheckpointer(tiers(root))
@@ -125,12 +134,22 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
         facts["pinned_while_held"] = sorted(ckpt.promoter.busy_steps("local"))
         mine = root / "local" / str(rank // LOCAL) / step_dir(1)
         facts["markers_while_held"] = sorted(p.name for p in mine.glob(".replica-*"))
+        facts["replicated_while_held"] = ckpt._restorer.replicator.state(1)["local"]["replicated"]
         release.set()
         assert ckpt.maybe_save(2, make_state(mesh, rank, 2)) is not None
         _in_thread(ckpt.wait)
+        facts["replicated"] = ckpt._restorer.replicator.state(2)["local"]["replicated"]
+        replication.owner_files = failing
+        assert ckpt.maybe_save(3, make_state(mesh, rank, 3)) is not None  # the failure is not raised here
+        try:
+            _in_thread(ckpt.wait)
+            facts["wait_error"] = None
+        except ReplicationError as exc:
+            facts["wait_error"] = str(exc)
     finally:
         release.set()
         replication.Replicator._run_job = original
+        replication.owner_files = original_files
         ckpt.close()
     facts["replication"] = [(e["step"], e["ok"]) for e in events if e.get("event") == "replication"]
     (out / f"save.rank{rank}.json").write_text(json.dumps(facts))
@@ -267,7 +286,10 @@ def test_a_save_returns_before_its_replication(saved) -> None:
     for rank, f in enumerate(_facts(saved[0], "save")):
         assert f["busy_while_held"] == [1] and 1 in f["pinned_while_held"], f"rank {rank}: {f}"
         assert f["markers_while_held"] == [], f"rank {rank}: {f}"
-        assert f["replication"] == [[1, True], [2, True]], f"rank {rank}: {f}"
+        assert f["replicated_while_held"] is False and f["replicated"] is True, f"rank {rank}: {f}"
+        failed = rank in (1, 3)  # clique [1, 3]: rank 1 could not send its files of step 3
+        assert f["replication"] == [[1, True], [2, True], [3, not failed]], f"rank {rank}: {f}"
+        assert (f["wait_error"] is not None and "injected read failure" in f["wait_error"]) == failed, f"rank {rank}: {f}"
 
 
 def test_each_node_holds_committed_replicas_of_the_other(saved, root: Path) -> None:
@@ -276,7 +298,7 @@ def test_each_node_holds_committed_replicas_of_the_other(saved, root: Path) -> N
     for step in STEPS:
         for node in (0, 1):
             mine = local / str(node) / step_dir(step)
-            peers = [r for r in range(WS) if r // LOCAL != node]
+            peers = [r for r in range(WS) if r // LOCAL != node and (step, r) != (3, 1)]
             assert sorted(p.name for p in mine.glob(".replica-*")) == [f".replica-{r}.json" for r in peers]
             for r in peers:
                 marker = json.loads((mine / f".replica-{r}.json").read_text())
@@ -307,7 +329,7 @@ def test_kill_during_replication_never_restores_a_torn_state(killed, root: Path)
     for rank, f in enumerate(facts):
         assert f["diffs"] == [], f"rank {rank}: {f}"
         assert f["events"][-1][0] == "restore" and f["events"][-1][1] == f["step"], f"rank {rank}: {f}"
-        assert f["events"][-1][1:] != [STEPS[-1], "local"], f"rank {rank}: step 2 on local lacks rank 2's files: {f}"
+        assert f["events"][-1][1:] != [2, "local"], f"rank {rank}: step 2 on local lacks rank 2's files: {f}"
     assert len({(f["step"], tuple(f["events"][-1])) for f in facts}) == 1, facts
-    marker = root / "kill" / "local" / "0" / step_dir(STEPS[-1]) / ".replica-2.json"
+    marker = root / "kill" / "local" / "0" / step_dir(2) / ".replica-2.json"
     assert not marker.exists(), "rank 0 was killed before it received rank 2's files"

@@ -172,6 +172,7 @@ class Replicator:
                  distributed: bool = True, timeout: float = TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.rank, self.world, self.events, self.promoter = rank, world, events, promoter
         self.chunk_bytes = chunk_bytes
+        self.tiers = {t.name: t for t in tiers}
         self.plans: dict[str, tuple[list[int], Any]] = {}  # tier name -> (my clique, its group)
         self.all_groups: dict[str, list[tuple[list[int], Any]]] = {}
         for tier in tiers:
@@ -276,11 +277,15 @@ class Replicator:
                           "sent_bytes": sent, "seconds": time.perf_counter() - t0})
 
     def state(self, step: int) -> dict[str, Any]:
-        """Per replicated tier: whether ``step`` is in flight, and whether this node holds the markers of
-        every other member of this rank's clique."""
+        """Per replicated tier, as this rank sees ``step``: in flight here, this rank's clique, the owners
+        whose committed replica markers this node holds, and ``replicated``: every other member's is here."""
         out: dict[str, Any] = {}
         for name, (clique, _g) in self.plans.items():
-            out[name] = {"in_flight": step in self.busy_steps(name), "clique": clique}
+            tier = self.tiers[name]
+            child = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(step_name(step))
+            owners = sorted(read_markers(child))
+            out[name] = {"in_flight": step in self.busy_steps(name), "clique": clique, "markers": owners,
+                         "replicated": all(r in owners for r in clique if r != self.rank)}
         return out
 
     def wait(self, timeout: float | None = None) -> None:
