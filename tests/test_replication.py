@@ -133,7 +133,8 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
         facts["busy_while_held"] = sorted(ckpt._restorer.replicator.busy_steps("local"))
         facts["pinned_while_held"] = sorted(ckpt.promoter.busy_steps("local"))
         mine = root / "local" / str(rank // LOCAL) / step_dir(1)
-        facts["markers_while_held"] = sorted(p.name for p in mine.glob(".replica-*"))
+        peer = (rank + LOCAL) % WS  # this rank's clique partner; the other clique of the node runs on its own
+        facts["markers_while_held"] = sorted(p.name for p in mine.glob(f".replica-{peer}.json"))
         facts["replicated_while_held"] = ckpt._restorer.replicator.state(1)["local"]["replicated"]
         release.set()
         assert ckpt.maybe_save(2, make_state(mesh, rank, 2)) is not None
@@ -277,6 +278,33 @@ def test_tier_fields_are_validated(monkeypatch) -> None:
     with pytest.raises(ConfigError, match="world size"):
         check_replication(Tier("l", "/tmp/{node}", replicas=2), 6)
     assert check_replication(Tier("l", "/tmp/{node}", replicas=2), 4) == [[0, 2], [1, 3]]  # J defaults to 2
+
+
+def test_copies_never_share_their_owner_directory(monkeypatch) -> None:
+    """Without LOCAL_WORLD_SIZE every rank maps to node 0: a ``{node}`` tier would write each copy over
+    its original, so it is refused; a ``{rank}`` tier keeps one directory per rank."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="same directory"):
+        check_replication(Tier("l", "/tmp/{node}", replicas=2), 4)
+    assert check_replication(Tier("l", "/tmp/{rank}", replicas=2), 4) == [[0, 1], [2, 3]]
+
+
+def test_markers_of_an_earlier_save_are_dropped(tmp_path: Path) -> None:
+    """A step saved again (after a restore from an older step) first loses the replicas of the earlier
+    save: a stale marker never vouches for files of another save."""
+    from dcp_tiered.storage import Storage
+    from dcp_tiered.tiers.replication import Replicator, marker_name, read_markers
+
+    child = Storage(str(tmp_path / "step_000000001"))
+    child.makedirs()
+    for owner, save_id in ((2, "old"), (3, "new")):
+        child.commit_bytes(f"__{owner}_0.distcp", b"x" * 8)
+        marker = {"owner": owner, "save_id": save_id, "files": [{"file": f"__{owner}_0.distcp", "size": 8, "xxh3": "0"}]}
+        child.commit_bytes(marker_name(owner), json.dumps(marker).encode())
+    rep = Replicator.__new__(Replicator)
+    rep.rank = 0
+    rep._drop_stale(child, [0, 2, 3], "new")
+    assert sorted(read_markers(child)) == [3] and sorted(child.file_sizes()) == [".replica-3.json", "__3_0.distcp"]
 
 
 def test_a_save_returns_before_its_replication(saved) -> None:

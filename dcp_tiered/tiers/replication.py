@@ -79,9 +79,15 @@ def check_replication(tier: Tier, world: int) -> list[list[int]]:
         raise ConfigError(f"{where}: replication_jump={jump} must be a multiple of the ranks per node "
                           f"(LOCAL_WORLD_SIZE={per_node}), or a copy lands on its owner's node; use {per_node}")
     try:
-        return cliques(world, tier.replicas, jump)
+        found = cliques(world, tier.replicas, jump)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    for clique in found:  # a copy written into its owner's directory would overwrite the original
+        dirs = {tier.resolved_url(r, node_of(r)) for r in clique}
+        if len(dirs) < len(clique):
+            raise ConfigError(f"{where}: ranks {clique} would keep their copies in the same directory; set "
+                              "LOCAL_WORLD_SIZE (torchrun does) and replication_jump to the ranks per node")
+    return found
 
 
 def marker_name(owner: int) -> str:
@@ -248,6 +254,7 @@ class Replicator:
         node_dir = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(step_name(step))
         save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
         t0, sent, errors = time.perf_counter(), 0, []
+        self._drop_stale(node_dir, clique, save_id)
         for owner in clique:
             header: list[Any] = [None]
             if owner == self.rank:
@@ -275,6 +282,15 @@ class Replicator:
             raise ReplicationError("; ".join(errors[:4]))
         self.events.emit({"event": "replication", "tier": tier.name, "step": step, "ok": True, "clique": clique,
                           "sent_bytes": sent, "seconds": time.perf_counter() - t0})
+
+    def _drop_stale(self, node_dir: Storage, clique: list[int], save_id: "str | None") -> None:
+        """Remove the markers (and their files) of an earlier save of this step, before its files are replaced."""
+        for owner, marker in read_markers(node_dir).items():
+            if owner in clique and owner != self.rank and marker.get("save_id") != save_id:
+                node_dir.remove(marker_name(owner))
+                for entry in marker.get("files", []):
+                    if rank_of_file(str(entry.get("file"))) == owner:
+                        node_dir.remove(str(entry["file"]))
 
     def state(self, step: int) -> dict[str, Any]:
         """Per replicated tier, as this rank sees ``step``: in flight here, this rank's clique, the owners
