@@ -14,13 +14,14 @@ rank's files get a copy on the other node), ``shared`` a shared directory.  Stat
 - Node 1's directory is deleted (a replaced node) and the shared tier's data files are moved
   away (any read of them fails); the restart restores step 3 from ``local`` on every rank,
   bit-exact, node 1's files fetched from node 0's replicas.
-- A SIGKILL of rank 0 while it receives rank 2's files of step 2 (step 1 fully replicated), then
+- A SIGKILL of rank 0 halfway through writing rank 2's file of step 2 (step 1 fully replicated), then
   node 1's directory deleted: the restart never loads a torn state and never hangs; it restores
   bit-exact from the shared tier or an older step (step 2 on ``local`` lacks rank 2's replica).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -162,6 +163,35 @@ def _save_worker(rank: int, world_size: int, data: str, out: str) -> None:
     record(Path(out), "save", rank, lambda: _save(Path(data), Path(out), mesh, rank))
 
 
+class _KillingStorage:
+    """A Storage whose written file SIGKILLs the process once ``after`` bytes are written."""
+
+    def __init__(self, inner, after: int, out: Path) -> None:
+        self.inner, self.after, self.out = inner, after, out
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    @contextlib.contextmanager
+    def open_write(self, name: str):
+        with self.inner.open_write(name) as f:
+            yield _KillingFile(f, self.after, self.out)
+
+
+class _KillingFile:
+    def __init__(self, f, after: int, out: Path) -> None:
+        self.f, self.left, self.out = f, after, out
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        self.left -= len(data)
+        if self.left <= 0:
+            self.f.flush()
+            (self.out / "killed").write_text("rank 0")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+
 def _killed_worker(rank: int, world_size: int, data: str, out: str) -> None:
     """Save step 1 (replicated to the end), then step 2, whose replication rank 0 dies in: SIGKILL as it
     starts receiving rank 2's file.  The spawn fails (the other ranks are killed with it)."""
@@ -173,11 +203,12 @@ def _killed_worker(rank: int, world_size: int, data: str, out: str) -> None:
 
     def killing(group, src, me, entry, read, write, *args):
         if me == 0 and write is not None and write.url.rstrip("/").endswith(step_dir(2)):
-            (Path(out) / "killed").write_text("rank 0")
-            os.kill(os.getpid(), signal.SIGKILL)
+            # dies inside the chunk loop, half of rank 2's file written (256-byte chunks)
+            return original(group, src, me, entry, read, _KillingStorage(write, entry[1] // 2, Path(out)), *args)
         return original(group, src, me, entry, read, write, *args)
 
     replication.stream_file = killing
+    replication.CHUNK_BYTES = 256
     ckpt = TieredCheckpointer(tiers(Path(data)))
     ckpt.maybe_save(1, make_state(mesh, rank, 1))
     _in_thread(ckpt.wait)
@@ -359,5 +390,20 @@ def test_kill_during_replication_never_restores_a_torn_state(killed, root: Path)
         assert f["events"][-1][0] == "restore" and f["events"][-1][1] == f["step"], f"rank {rank}: {f}"
         assert f["events"][-1][1:] != [2, "local"], f"rank {rank}: step 2 on local lacks rank 2's files: {f}"
     assert len({(f["step"], tuple(f["events"][-1])) for f in facts}) == 1, facts
-    marker = root / "kill" / "local" / "0" / step_dir(2) / ".replica-2.json"
-    assert not marker.exists(), "rank 0 was killed before it received rank 2's files"
+    node0 = root / "kill" / "local" / "0" / step_dir(2)
+    assert not (node0 / ".replica-2.json").exists(), "rank 0 was killed before it received rank 2's files"
+    assert list(node0.glob("__2_*.distcp")), "rank 0 was killed before it wrote part of rank 2's file"
+
+
+def test_pins_are_counted() -> None:
+    """A restore pinning and releasing a step that a replication also pins leaves it pinned (busy for retention)."""
+    from dcp_tiered.tiers.retention import StepMarks
+
+    marks = StepMarks()
+    marks.pin(["local"], 5, True)  # the replication of step 5
+    marks.pin(["local"], 5, True)  # a restore reading it
+    marks.pin(["local"], 5, False)
+    assert marks.pinned("local") == {5}
+    marks.pin(["local"], 5, False)
+    marks.pin(["local"], 5, False)  # one release too many changes nothing
+    assert marks.pinned("local") == set()

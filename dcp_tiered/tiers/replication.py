@@ -175,9 +175,9 @@ class Replicator:
     """
 
     def __init__(self, tiers: Sequence[Tier], *, rank: int, world: int, events: Any, promoter: Any = None,
-                 distributed: bool = True, timeout: float = TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 distributed: bool = True, timeout: float = TIMEOUT_S, chunk_bytes: int | None = None) -> None:
         self.rank, self.world, self.events, self.promoter = rank, world, events, promoter
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
         self.tiers = {t.name: t for t in tiers}
         self.plans: dict[str, tuple[list[int], Any]] = {}  # tier name -> (my clique, its group)
         self.all_groups: dict[str, list[tuple[list[int], Any]]] = {}
@@ -259,17 +259,18 @@ class Replicator:
             header: list[Any] = [None]
             if owner == self.rank:
                 try:
-                    header[0] = owner_files(node_dir, metadata, owner) if save_id else f"step {step}: no committed metadata"
+                    files = owner_files(node_dir, metadata, owner) if save_id else f"step {step}: no committed metadata"
+                    header[0] = files if isinstance(files, str) else (files, self.chunk_bytes)  # the sender's chunks
                 except (DcpTieredError, AttributeError) as exc:
                     header[0] = f"rank {owner} cannot read its files of step {step}: {exc}"
             dist.broadcast_object_list(header, src=owner, group=group)
-            entries = header[0]
-            if isinstance(entries, str):
-                errors.append(entries)
+            if isinstance(header[0], str):
+                errors.append(header[0])
                 continue
+            entries, chunk = header[0]
             write = None if owner == self.rank else node_dir
-            problems = [p for e in entries if (p := stream_file(group, owner, self.rank, e, node_dir, write,
-                                                                  self.chunk_bytes)) is not None]
+            problems = [p for e in entries if (p := stream_file(group, owner, self.rank, e, node_dir, write, chunk))
+                        is not None]
             if owner == self.rank:
                 sent += sum(e[1] for e in entries) * (len(clique) - 1)
             elif problems:
