@@ -24,6 +24,7 @@ from dcp_tiered.errors import (
     LeaderLoadError,
     MissingFileError,
     MemoryBudgetError,
+    ReplicationError,
 )
 from dcp_tiered.lazy import lazy_attributes
 
@@ -83,6 +84,7 @@ __all__ = [
     "register_codec",
     "get_codec",
     "MemoryBudgetError",
+    "ReplicationError",
 ]
 
 

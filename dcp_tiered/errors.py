@@ -102,3 +102,9 @@ class MemoryBudgetError(StorageError):
 
     def __reduce__(self):  # picklable across processes (DCP gathers a rank's failure) with its fields
         return (type(self), (str(self), self.tier, self.needed, self.budget))
+
+
+class ReplicationError(DcpTieredError, RuntimeError):
+    """Background replication of a node-local tier to peer ranks failed (a peer died, a timeout, a
+    digest mismatch); raised at ``wait()``/``close()``, never into training.  The step stays usable
+    from its own node's files; a lost node then falls back to another step or tier."""

@@ -308,6 +308,7 @@ class TieredCheckpointer:
         if primary.node_local:  # DCP commits the coordinator's directory only: commit the others (their leaders)
             commit_after_save(primary, report.step, metadata, rank=self.rank, world=self.world,
                               promoter=self.promoter, events=self.events)
+            self._restorer.replicator.submit(report.step, primary, metadata)  # in the background, to its clique
         self.events.emit(report.as_dict())
 
     def _finish_inflight(self, wait: bool = False) -> None:
@@ -360,6 +361,7 @@ class TieredCheckpointer:
         self._finish_inflight(wait=True)
         self._check_background()
         self.promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._restorer.replicator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None, *, final_step: int | None = None,
               state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None" = None) -> None:

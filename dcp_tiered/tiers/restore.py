@@ -23,6 +23,8 @@ from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import list_tier, tier_storage
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.node_commit import holds_file, lacking_files
+from dcp_tiered.tiers import peer_fetch
+from dcp_tiered.tiers.replication import Replicator
 from dcp_tiered.tiers.policy import restore_order
 from dcp_tiered.tiers.promotion import Promoter
 from dcp_tiered.tiers.events import EventLog, describe_error
@@ -51,6 +53,11 @@ class Restorer:
         self.events = events
         self.list_group, self.load_group = list_group, load_group
         self.reader_options = dict(reader_options or {})
+        # Replication of node-local tiers (every clique's group is made here, on every rank alike);
+        # restore fetches a lost node's files through the same groups.
+        self.replicator = Replicator(self.tiers, rank=rank, world=world, events=events, promoter=promoter,
+                                     distributed=distributed)
+        self._fetch: dict[Candidate, peer_fetch.Plan] = {}  # candidates usable through peers' replicas
         #: Candidates that failed to load, over every restore (each was skipped for the next).
         self.failures = 0
 
@@ -153,15 +160,17 @@ class Restorer:
         """The candidate list every rank agrees on (one all-gather), the rejected ones with why,
         and whether any committed checkpoint exists; listing problems of any rank go to ``unlisted``."""
         problems: list[str] = []
+        held: list[peer_fetch.Held] = []
         try:
             view = self._local_view(plain, pinned, problems, precheck)
+            held = peer_fetch.holdings(self.tiers, self.rank, self.node) if self.replicator.plans else []
         except Exception as exc:  # noqa: BLE001 - this rank must still take part in the collective below
             problems.append(f"listing the tiers failed: {describe_error(exc)}")
             view = []
-        views = self._gather((view, problems))
+        views = self._gather((view, problems, held))
         seen: dict[Candidate, dict[int, str | None]] = {}
         save_ids: dict[Candidate, set[str | None]] = {}
-        for rank, (v, probs) in enumerate(views):
+        for rank, (v, probs, _held) in enumerate(views):
             for p in probs:
                 line = f"rank {rank}: {p}" if self.distributed else p
                 if line not in unlisted:
@@ -180,6 +189,8 @@ class Restorer:
                             for r in range(len(views)) if by_rank.get(r, "") is not None]
                 if not problems and len(save_ids[(s, i)]) > 1:  # the nodes committed different saves of the step
                     problems = [f"the nodes hold different saves of this step (save ids {sorted(map(str, save_ids[(s, i)]))})"]
+                elif problems and self._through_peers((s, i), by_rank, save_ids[(s, i)], [h for _v, _p, h in views]):
+                    problems = []
             else:
                 problems = [by_rank[0]] if by_rank.get(0) is not None else []
             if problems:
@@ -187,6 +198,20 @@ class Restorer:
             else:
                 usable.append((s, i))
         return restore_order(usable), reasons, bool(seen)
+
+    def _through_peers(self, cand: Candidate, by_rank: dict[int, str | None], save_ids: set[str | None],
+                       held: list[list[peer_fetch.Held]]) -> bool:
+        """Whether the ranks lacking node-local candidate ``cand`` can fetch their files from clique peers
+        holding committed replicas (then :meth:`_prepare` fetches them); every rank decides alike."""
+        if self.replicator.group_of(self.tiers[cand[1]].name) is None or len(save_ids - {None}) != 1:
+            return False
+        ok = [r for r in range(len(held)) if r in by_rank and by_rank[r] is None]
+        lacking = [r for r in range(len(held)) if r not in ok]
+        cliques = [c for c, _g in self.replicator.all_groups[self.tiers[cand[1]].name]]
+        plan = peer_fetch.plan_fetch(cand, lacking, ok, next(iter(save_ids - {None})), held, cliques)
+        if plan is not None:
+            self._fetch[cand] = plan
+        return plan is not None
 
     def _lacking(self, tier: Tier, info: Any, state_dict: dict[str, Any]) -> str | None:
         """Why this rank cannot load the node-local checkpoint ``info`` from its own node, or None."""
@@ -227,7 +252,21 @@ class Restorer:
         another node's file (an item DCP deduplicated into it, e.g. replicated DDP state) is
         refused when listing (:meth:`_lacking`); a file lost after the listing fails the load in
         ``CompressedReader``'s check of the files of its read plan, before any data is read, and
-        every rank moves on to the next candidate together."""
+        every rank moves on to the next candidate together.
+
+        A candidate usable through peers (:meth:`_through_peers`) first gets the files of the ranks
+        lacking them from their clique peers (:func:`~dcp_tiered.tiers.peer_fetch.fetch`); when that
+        fails on any rank, every rank raises here and moves on together."""
+        plan = self._fetch.get(cand)
+        if plan is None:
+            return
+        tier = self.tiers[cand[1]]
+        error = peer_fetch.fetch(tier, cand[0], plan, rank=self.rank, node=self.node,
+                                 clique_groups=self.replicator.all_groups[tier.name])
+        failed = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        if failed:
+            raise RestoreError(f"fetching the files of step {cand[0]} from peers failed on rank {failed[0][0]}: "
+                               f"{failed[0][1]}")
 
     def _everywhere(self, fn: Callable[[], None]) -> list[tuple[int, str]]:
         """Run ``fn`` on every rank; the ``(rank, error)`` of each rank where it failed, the same on every rank."""

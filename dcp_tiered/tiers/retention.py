@@ -35,20 +35,23 @@ class StepMarks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._own: dict[str, set[int]] = {}
-        self._pinned: dict[str, set[int]] = {}
+        self._pinned: dict[str, dict[int, int]] = {}  # tier -> step -> pins
 
     def mark_own(self, tier_name: str, step: int) -> None:
         with self._lock:
             self._own.setdefault(tier_name, set()).add(step)
 
     def pin(self, tier_names: Iterable[str], step: int, pinned: bool) -> None:
+        """Pin (or release one pin of) ``step``: pins are counted, so a restore ending never releases
+        the pin of a save or a replication of the same step."""
         with self._lock:
             for name in tier_names:
-                steps = self._pinned.setdefault(name, set())
-                if pinned:
-                    steps.add(step)
+                counts = self._pinned.setdefault(name, {})
+                left = counts.get(step, 0) + (1 if pinned else -1)
+                if left > 0:
+                    counts[step] = left
                 else:
-                    steps.discard(step)
+                    counts.pop(step, None)
 
     def own(self, tier_name: str) -> set[int]:
         with self._lock:

@@ -95,6 +95,11 @@ class Tier:
             a save that would not fit fails before writing anything (see :mod:`dcp_tiered.tiers.memory`).
         kind: ``"memory"`` or ``"storage"``; inferred when omitted: ``"memory"`` for a local path on
             ``/dev/shm`` or another tmpfs.
+        replicas: copies of each rank's files on a node-local tier, its own included (default 1: no
+            replication); the others go to peer ranks ``replication_jump`` apart, see
+            :mod:`dcp_tiered.tiers.replication`.
+        replication_jump: rank distance between the copies (default: ranks per node, so that no copy
+            shares the owner's node).
 
     A tier with neither ``every`` nor ``every_steps`` is due on every save.  A memory tier survives a
     crashed training process, not a lost node; it is always checked against the free RAM of its file
@@ -112,6 +117,8 @@ class Tier:
     dtype: str | None = None
     memory_budget: int | str | None = None
     kind: str | None = None
+    replicas: int = 1
+    replication_jump: int | None = None
 
     def __post_init__(self) -> None:
         where = f"tier {self.name!r}"
@@ -124,9 +131,9 @@ class Tier:
             raise ConfigError(f"{where}: field 'url' contains a control character: {self.url!r}")
         object.__setattr__(self, "every", parse_duration(self.every, f"{where}: field 'every'"))
         self._memory_fields(where)
-        for name in ("every_steps", "max_per_hour", "keep"):
+        for name in ("every_steps", "max_per_hour", "keep", "replicas", "replication_jump"):
             value = getattr(self, name)
-            if value is None and name != "keep":
+            if value is None and name not in ("keep", "replicas"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}: field {name!r} must be a positive integer, got {value!r}")
@@ -137,6 +144,8 @@ class Tier:
         if not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"{where}: field 'storage_options' must be a mapping, got {type(self.storage_options).__name__}")
         object.__setattr__(self, "storage_options", dict(self.storage_options))
+        if self.replicas > 1 and not self.node_local:
+            raise ConfigError(f"{where}: field 'replicas' needs a node-local URL ({{node}} or {{rank}} in it), got {self.url!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"{where}: field 'dtype' must be one of {DTYPES} or omitted, got {self.dtype!r}")
 

@@ -1,0 +1,320 @@
+"""Peer replication of node-local tiers: each rank's files of a committed step go to the other
+ranks of its clique, which keep them in their own node's directory, so a lost node's files can
+be fetched back from a peer on restore (:mod:`dcp_tiered.tiers.peer_fetch`).
+
+Cliques are computed as NVIDIA resiliency-ext's ``CliqueReplicationStrategy`` does: groups of
+``F = replicas`` ranks ``n, n+J, ..., n+(F-1)J`` with ``n = a*J*F + b``, ``b < J`` and
+``J = replication_jump``; the world size must be a multiple of ``J*F``.  With ``J`` a multiple
+of the ranks per node, no copy shares its owner's node.
+
+Per step, in clique order, each owner broadcasts its data files on the clique's gloo group:
+first the names, sizes and xxh3-64 digests (``broadcast_object_list``), then the encoded bytes as
+stored, in bounded ``uint8`` chunks.  Each receiver writes ``__{owner}_*.distcp`` into its own
+node's step directory, checks the digest of what it received, and commits
+``.replica-{owner}.json`` (save id, files, sizes, digests).  A step is replicated on a node when
+the markers of every other clique member are there.  Replication runs on its own thread and
+never blocks or raises into training: failures are events, raised at ``wait()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from dcp_tiered.errors import ConfigError, DcpTieredError, ReplicationError
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.layout import step_name
+from dcp_tiered.tiers.node_commit import expected_files, node_of, rank_of_file
+from dcp_tiered.tiers.spec import Tier
+
+log = logging.getLogger(__name__)
+
+#: Largest piece of a file sent in one broadcast.
+CHUNK_BYTES = 64 << 20
+#: Seconds the replication thread waits for work before it ends (a later submit starts another).
+IDLE_S = 5.0
+#: Seconds a clique collective may wait for a peer before the replication fails.
+TIMEOUT_S = 300.0
+MARKER_PREFIX = ".replica-"
+FileEntry = tuple[str, int, str]  # (name, size, xxh3-64 hex digest)
+
+
+def local_world() -> int:
+    """Ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun sets it); 0 when unknown."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+
+
+def jump_of(tier: Tier) -> int:
+    """The tier's ``replication_jump``, or the ranks per node (1 when unknown) when not given."""
+    return tier.replication_jump or local_world() or 1
+
+
+def cliques(world: int, replicas: int, jump: int) -> list[list[int]]:
+    """The replication cliques of ``world`` ranks (NVRx's clique strategy), ordered by first rank."""
+    span = jump * replicas
+    if world % span:
+        raise ConfigError(f"replicas={replicas} with replication_jump={jump} needs a world size that is a multiple "
+                          f"of {span} (replicas x replication_jump), got {world}")
+    return sorted([[a * span + b + k * jump for k in range(replicas)] for a in range(world // span) for b in range(jump)])
+
+
+def check_replication(tier: Tier, world: int) -> list[list[int]]:
+    """The cliques of ``tier`` for ``world`` ranks; ConfigError when the world size does not fit, or
+    when a copy would share its owner's node (``replication_jump`` not a multiple of the ranks per node)."""
+    jump, per_node = jump_of(tier), local_world()
+    where = f"tier {tier.name!r}"
+    if per_node and jump % per_node:
+        raise ConfigError(f"{where}: replication_jump={jump} must be a multiple of the ranks per node "
+                          f"(LOCAL_WORLD_SIZE={per_node}), or a copy lands on its owner's node; use {per_node}")
+    try:
+        found = cliques(world, tier.replicas, jump)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    for clique in found:  # a copy written into its owner's directory would overwrite the original
+        dirs = {tier.resolved_url(r, node_of(r)) for r in clique}
+        if len(dirs) < len(clique):
+            raise ConfigError(f"{where}: ranks {clique} would keep their copies in the same directory; set "
+                              "LOCAL_WORLD_SIZE (torchrun does) and replication_jump to the ranks per node")
+    return found
+
+
+def marker_name(owner: int) -> str:
+    return f"{MARKER_PREFIX}{owner}.json"
+
+
+def read_markers(child: Storage) -> dict[int, dict[str, Any]]:
+    """The committed replica markers in step directory ``child``: owner rank -> marker (unreadable ones left out)."""
+    out: dict[int, dict[str, Any]] = {}
+    for name, _size in child.file_sizes().items():
+        if not (name.startswith(MARKER_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            marker = json.loads(child.read_bytes(name, 1 << 20))
+            out[int(marker["owner"])] = marker
+        except (DcpTieredError, ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable replica marker %s: %s", child.url_of(name), exc)
+    return out
+
+
+def file_digest(storage: Storage, name: str, size: int, chunk: int = CHUNK_BYTES) -> str:
+    """xxh3-64 (hex) of the first ``size`` bytes of ``name``."""
+    h = xxhash.xxh3_64()
+    for off in range(0, size, chunk):
+        h.update(storage.read_range(name, off, min(size, off + chunk)))
+    return h.hexdigest()
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def stream_file(group: Any, src: int, me: int, entry: FileEntry, read: Storage | None, write: Storage | None,
+                chunk: int = CHUNK_BYTES) -> str | None:
+    """Broadcast one file from global rank ``src`` (reading it from ``read``) to the other ranks of
+    ``group``; a rank with ``write`` stores it there and checks the digest.  Every rank of the group
+    calls it with the same ``entry``; a rank that cannot read or write still takes part in every
+    chunk, so the group stays in step.  Returns None, or why this rank failed."""
+    name, size, digest = entry
+    h = xxhash.xxh3_64()
+    error: str | None = None
+    buf = torch.empty(max(1, min(chunk, size)), dtype=torch.uint8)
+    try:
+        with contextlib.ExitStack() as stack:
+            out = None
+            if write is not None:
+                try:
+                    out = stack.enter_context(write.open_write(name))
+                except DcpTieredError as exc:
+                    error = f"cannot write {write.url_of(name)}: {exc}"
+            for off in range(0, size, chunk):
+                t = buf[:min(chunk, size - off)]
+                if me == src and read is not None and error is None:
+                    try:
+                        read.read_range_into(name, off, t.numpy())
+                    except DcpTieredError as exc:
+                        error = f"cannot read {read.url_of(name)}: {exc}"
+                dist.broadcast(t, src=src, group=group)
+                if out is not None and error is None:
+                    h.update(t.numpy())
+                    out.write(memoryview(t.numpy()))
+            if out is not None and error is None and h.hexdigest() != digest:
+                error = f"{write.url_of(name)}: received bytes have xxh3 {h.hexdigest()}, the sender's file {digest}"
+            if out is not None and error is not None:
+                raise _Mismatch(error)  # the partial file is discarded
+    except _Mismatch:
+        with contextlib.suppress(DcpTieredError):
+            write.remove(name)  # type: ignore[union-attr]
+    except DcpTieredError as exc:
+        error = error or f"writing {name} failed: {exc}"
+    return error
+
+
+def owner_files(storage: Storage, metadata: Any, owner: int) -> list[FileEntry]:
+    """The data files of rank ``owner`` that ``metadata`` names, with sizes and digests of ``storage``'s copy."""
+    files = expected_files(metadata, lambda f: rank_of_file(f) == owner)
+    return [(name, size, file_digest(storage, name, size)) for name, size in sorted(files.items())]
+
+
+class Replicator:
+    """Replication of the node-local tiers with ``replicas > 1`` for one rank (see the module doc).
+
+    Construct on every rank in the same order (it creates every clique's process group);
+    ``submit`` after each save's node commit; ``wait`` raises failures.  The thread ends when idle.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, rank: int, world: int, events: Any, promoter: Any = None,
+                 distributed: bool = True, timeout: float = TIMEOUT_S, chunk_bytes: int | None = None) -> None:
+        self.rank, self.world, self.events, self.promoter = rank, world, events, promoter
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+        self.tiers = {t.name: t for t in tiers}
+        self.plans: dict[str, tuple[list[int], Any]] = {}  # tier name -> (my clique, its group)
+        self.all_groups: dict[str, list[tuple[list[int], Any]]] = {}
+        for tier in tiers:
+            if tier.replicas <= 1:
+                continue
+            found = check_replication(tier, world)
+            if not distributed:
+                raise ConfigError(f"tier {tier.name!r}: replicas={tier.replicas} needs torch.distributed initialized")
+            td = datetime.timedelta(seconds=timeout)
+            groups = [(c, dist.new_group(c, backend="gloo", timeout=td)) for c in found]
+            self.all_groups[tier.name] = groups
+            self.plans[tier.name] = next((c, g) for c, g in groups if rank in c)
+        self._queue: queue.Queue = queue.Queue()
+        self._busy: dict[str, set[int]] = {}
+        self._failures: list[str] = []
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def group_of(self, tier_name: str) -> "tuple[list[int], Any] | None":
+        """This rank's clique on ``tier_name`` and its process group, or None without replication."""
+        return self.plans.get(tier_name)
+
+    def submit(self, step: int, tier: Tier, metadata: Any) -> None:
+        """Queue the replication of ``step`` of ``tier`` (no-op for a tier without replicas); returns at once."""
+        if tier.name not in self.plans:
+            return
+        with self._lock:
+            self._busy.setdefault(tier.name, set()).add(step)
+        if self.promoter is not None:
+            self.promoter.set_writing([tier.name], step, True)  # retention keeps a step being replicated
+        with self._lock:
+            self._queue.put((step, tier, metadata))
+            if self._thread is None:  # the thread ends when idle: nothing to close
+                self._thread = threading.Thread(target=self._loop, name="dcp-tiered-replication", daemon=True)
+                self._thread.start()
+
+    def busy_steps(self, tier_name: str) -> set[int]:
+        """Steps of ``tier_name`` whose replication is queued or running."""
+        with self._lock:
+            return set(self._busy.get(tier_name, ()))
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self._queue.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            step, tier, metadata = job
+            try:
+                self._run_job(step, tier, metadata)
+            except Exception as exc:  # noqa: BLE001 - reported at wait(), never raised into training
+                self._fail(tier, step, f"replication of step {step} on tier {tier.name!r} failed: {exc}")
+            finally:
+                if self.promoter is not None:
+                    self.promoter.set_writing([tier.name], step, False)
+                with self._lock:
+                    self._busy.get(tier.name, set()).discard(step)
+                    self._lock.notify_all()
+
+    def _fail(self, tier: Tier, step: int, why: str) -> None:
+        log.warning("%s", why)
+        with self._lock:
+            self._failures.append(why)
+        self.events.emit({"event": "replication", "tier": tier.name, "step": step, "ok": False, "error": why})
+
+    def _run_job(self, step: int, tier: Tier, metadata: Any) -> None:
+        """Send this rank's files of ``step`` to its clique and receive the others' (every member runs it)."""
+        clique, group = self.plans[tier.name]
+        node_dir = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(step_name(step))
+        save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+        t0, sent, errors = time.perf_counter(), 0, []
+        self._drop_stale(node_dir, clique, save_id)
+        for owner in clique:
+            header: list[Any] = [None]
+            if owner == self.rank:
+                try:
+                    files = owner_files(node_dir, metadata, owner) if save_id else f"step {step}: no committed metadata"
+                    header[0] = files if isinstance(files, str) else (files, self.chunk_bytes)  # the sender's chunks
+                except (DcpTieredError, AttributeError) as exc:
+                    header[0] = f"rank {owner} cannot read its files of step {step}: {exc}"
+            dist.broadcast_object_list(header, src=owner, group=group)
+            if isinstance(header[0], str):
+                errors.append(header[0])
+                continue
+            entries, chunk = header[0]
+            write = None if owner == self.rank else node_dir
+            problems = [p for e in entries if (p := stream_file(group, owner, self.rank, e, node_dir, write, chunk))
+                        is not None]
+            if owner == self.rank:
+                sent += sum(e[1] for e in entries) * (len(clique) - 1)
+            elif problems:
+                errors += problems
+            else:
+                marker = {"owner": owner, "save_id": save_id, "step": step,
+                          "files": [{"file": n, "size": s, "xxh3": d} for n, s, d in entries]}
+                node_dir.commit_bytes(marker_name(owner), json.dumps(marker).encode())
+        if errors:
+            raise ReplicationError("; ".join(errors[:4]))
+        self.events.emit({"event": "replication", "tier": tier.name, "step": step, "ok": True, "clique": clique,
+                          "sent_bytes": sent, "seconds": time.perf_counter() - t0})
+
+    def _drop_stale(self, node_dir: Storage, clique: list[int], save_id: "str | None") -> None:
+        """Remove the markers (and their files) of an earlier save of this step, before its files are replaced."""
+        for owner, marker in read_markers(node_dir).items():
+            if owner in clique and owner != self.rank and marker.get("save_id") != save_id:
+                node_dir.remove(marker_name(owner))
+                for entry in marker.get("files", []):
+                    if rank_of_file(str(entry.get("file"))) == owner:
+                        node_dir.remove(str(entry["file"]))
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Per replicated tier, as this rank sees ``step``: in flight here, this rank's clique, the owners
+        whose committed replica markers this node holds, and ``replicated``: every other member's is here."""
+        out: dict[str, Any] = {}
+        for name, (clique, _g) in self.plans.items():
+            tier = self.tiers[name]
+            child = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(step_name(step))
+            owners = sorted(read_markers(child))
+            out[name] = {"in_flight": step in self.busy_steps(name), "clique": clique, "markers": owners,
+                         "replicated": all(r in owners for r in clique if r != self.rank)}
+        return out
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued replication ran; raise :class:`ReplicationError` for failures since the last call."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while any(self._busy.values()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ReplicationError(f"replication still running after {timeout} s: "
+                                           f"{ {k: sorted(v) for k, v in self._busy.items() if v} }")
+                self._lock.wait(left if left is not None else 1.0)
+            failures, self._failures = self._failures, []
+        if failures:
+            raise ReplicationError(f"{len(failures)} replication(s) failed: {'; '.join(failures[:4])}")
