@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_tiered import SaveError, Tier, TieredCheckpointer
+from dcp_tiered import CompressedReader, SaveError, Tier, TieredCheckpointer
 from dcp_tiered.codecs import FrameCodec
 from dcp_tiered.tiers import options as options_mod
 from dcp_tiered.tiers.options import CheckpointerOptions, default_background_threads
@@ -140,6 +141,26 @@ def test_promotions_run_at_the_nice_option(tmp_path):
         assert ck.restore(out) == 1
     assert (tmp_path / "b" / "step_000000001" / ".metadata").is_file()
     assert (tmp_path / "c" / "step_000000001" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_promotion_reencodes_keep_to_background_threads(tmp_path, monkeypatch, slots):
+    """Promotions to several tiers run at once, but their re-encodes share ``background_threads`` coders."""
+    sd = _many_frames()
+    tiers = [Tier("a", tmp_path / "a", codec="none")] + [Tier(n, tmp_path / n, codec=c)
+                                                       for n, c in (("b", "zstd:1"), ("c", "lz4"), ("d", "zstd:3"))]
+    with TieredCheckpointer(tiers, frame_size=256 * 1024, background_threads=slots) as ck:
+        assert ck.promoter.cpu is not None
+        counter = _EncodeCounter(monkeypatch)  # after the (uncapped, synchronous) save's own encodes
+        ck.save_now(1, sd)
+        counter.reset()
+        ck.wait()
+        assert ck.promoter.reports and all(r.ok for r in ck.promoter.reports)
+        assert counter.most == slots and len(counter.threads) >= slots  # three tiers re-encode, slots at a time
+    for name in "bcd":  # every re-encoded copy loads exact
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=CompressedReader(tmp_path / name / "step_000000001"), no_dist=True)
+        _assert_same(out, sd)
 
 
 # --------------------------------------------------------------------------- memory tier refusal: fall back

@@ -83,6 +83,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("checkpointing")
     c.add_argument("--async-checkpoint", action="store_true", default=None, help="stage and write saves in the background")
     c.add_argument("--optimizer-every", type=int, metavar="N", help="optimizer state in every Nth save only (default 1)")
+    c.add_argument("--background-threads", type=int, metavar="N",
+                   help="encode threads of async saves and promotion re-encodes (default: cores less --torch-threads)")
+    c.add_argument("--nice", type=int, metavar="N", help="CPU priority offset of background work, 0-19 (default 10)")
     c.add_argument("--resume", action="store_true", help="resume from the newest good checkpoint (fastest tier first)")
     c.add_argument("--event-log", metavar="PATH", help="append save/promotion/restore reports as JSON lines")
     c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (0: any free port)")
@@ -111,7 +114,7 @@ def _checkpointer_options(args: argparse.Namespace, options: dict[str, Any]) -> 
     from dcp_tiered.tiers.options import CheckpointerOptions
 
     flags = {"async_save": args.async_checkpoint, "optimizer_every": args.optimizer_every,
-             "event_log": args.event_log or None}
+             "event_log": args.event_log or None, "background_threads": args.background_threads, "nice": args.nice}
     merged = {**options, **{k: v for k, v in flags.items() if v is not None}}
     return CheckpointerOptions.from_mapping(merged, where=args.tiers)
 

@@ -88,9 +88,9 @@ class TieredCheckpointer:
         self._src = ranks[0] if ranks else 0  # global rank of the coordinator
         self.events = EventLog(opts.event_log)
         self.promoter = Promoter(self.tiers, rank=self.rank, node=self.node, is_coordinator=self.rank == 0,
-                                 retry=retry, on_report=self._on_promotion,
+                                 retry=retry, on_report=self._on_promotion, nice=opts.nice,
                                  optimizer_keys=opts.optimizer_keys if opts.optimizer_every > 1 else (),
-                                 leftover_grace=opts.leftover_grace, nice=opts.nice)
+                                 leftover_grace=opts.leftover_grace, cpu_slots=opts.background_threads_or_default())
         self.schedule = SaveSchedule(self.tiers, via_fastest=opts.via_fastest)
         self._restorer = Restorer(self.tiers, rank=self.rank, node=self.node, world=self.world,
                                   distributed=self.distributed, promoter=self.promoter, events=self.events,
@@ -104,9 +104,8 @@ class TieredCheckpointer:
         self._saves = 0
         self._inflight: tuple[Future, SaveReport, float, TieredWriter, DowncastSavePlanner | None] | None = None
         self._failed: BaseException | None = None
-        self._sync_next = False
+        self._sync_next = self._closed = False
         self._stager: KeepStaged | None = None
-        self._closed = False
         # Unfinished promotions of an earlier run resume once the restore that usually follows construction has
         # finished (or at the first save, wait or close): never while ranks are choosing and loading a checkpoint.
         self._resume_pending = opts.resume_promotions

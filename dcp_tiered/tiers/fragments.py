@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,7 @@ def changed_items(file: str, new: dict, old: dict) -> list:
 
 
 def copy_with_fragment(src: Storage, dst: Storage, data_file: str, records: list, target: Tier,
-                       save_id: str | None = None) -> int:
+                       save_id: str | None = None, cpu: "threading.Semaphore | None" = None) -> int:
     """Copy this rank's ``data_file`` from ``src`` to ``dst`` (re-encoded when the codecs differ), then commit
     its fragment; a target committed with another save id is un-committed first.  Returns the bytes copied."""
     committed_id = committed_save_id(dst)
@@ -78,7 +79,7 @@ def copy_with_fragment(src: Storage, dst: Storage, data_file: str, records: list
         n = copy_file(src, dst, data_file)
         new_records = records
     else:
-        n, new_records = reencode_file(src, dst, data_file, records, target.codec)
+        n, new_records = reencode_file(src, dst, data_file, records, target.codec, cpu)
     fragment = json.dumps({"save_id": save_id, "records": [[index_to_json(i), r] for i, r in new_records],
                            "source": [[index_to_json(i), r] for i, r in records]}).encode()
     dst.commit_bytes(fragment_name(data_file), fragment)

@@ -92,7 +92,8 @@ class CheckpointerOptions:
             Synchronous saves use them all (the training loop waits anyway).
         background_threads: the CPU budget of an async save while training runs: its encode
             threads (default: this rank's cores less torch's intra-op threads, at least 1:
-            :func:`default_background_threads`).  Promotions run one thread per target tier.
+            :func:`default_background_threads`).  Promotions run one thread per target tier,
+            and their re-encodes share this many coders.
         nice: CPU priority offset (0 to 19) of async saves and promotions, so the training
             loop gets the cores first (default 10; 0: the training's priority).
         frame_size: raw bytes per compressed frame (default 4 MiB).

@@ -115,6 +115,7 @@ class Promoter:
         metadata_timeout: float | None = None,
         on_report: Callable[[PromotionReport], None] | None = None,
         nice: int | None = 10,
+        cpu_slots: int | None = None,
         optimizer_keys: Sequence[str] = (),
         leftover_grace: float = 3600.0,
     ) -> None:
@@ -129,6 +130,8 @@ class Promoter:
         self.marks = StepMarks()
         self.keeper = Retention(self.tiers, rank=rank, node=node, is_coordinator=is_coordinator,
                                 optimizer_keys=optimizer_keys, leftover_grace=leftover_grace, marks=self.marks)
+        # promotions to several tiers run at once; their re-encodes share this many coders
+        self.cpu = threading.BoundedSemaphore(cpu_slots) if cpu_slots else None
         self.jobs = JobRunner(noun="promotion", make_error=promotion_error, on_crash=self._crashed, nice=nice,
                               thread_prefix="dcp_tiered-promoter")
 
@@ -335,7 +338,8 @@ class Promoter:
             records = [(index_from_json(i), builtin_from_json(r)) for i, r in intent.records]
             report = PromotionReport(step, source.name, target.name, "data")
             self._attempt(f"promote {intent.data_file} of {intent.name} to {target.name}",
-                          lambda: copy_with_fragment(src, dst, intent.data_file, records, target, intent.save_id), report,
+                          lambda: copy_with_fragment(src, dst, intent.data_file, records, target, intent.save_id,
+                                                     self.cpu), report,
                           raise_later=not intent.resumed)
             job.data["copy_s"] = report.seconds
             if not report.ok:

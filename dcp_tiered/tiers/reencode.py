@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from dcp_tiered.storage.base import write_pieces
@@ -29,8 +32,13 @@ def copy_file(src: Storage, dst: Storage, name: str) -> int:
     return done
 
 
-def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[object, dict]], codec: str) -> tuple[int, list[tuple[object, dict]]]:
+def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[object, dict]], codec: str,
+                  cpu: "threading.Semaphore | None" = None) -> tuple[int, list[tuple[object, dict]]]:
     """Decode every item of ``name`` (verifying checksums) and write it re-encoded with ``codec``.
+
+    ``cpu`` (the background CPU budget) is held around each frame's decode and encode only, so
+    that re-encodes for several tiers never run more coders at once than it allows, while reads
+    and writes of a stalled tier hold no slot.
 
     ``records`` are validated native records (plain builtins) of ``name``.  Returns the bytes
     written and the new records (same keys, new offsets/lengths/frames), as plain builtins.
@@ -49,8 +57,9 @@ def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[obj
                 if len(stored) != stored_len or not verify_frame(stored, rec.frame_sums[i]):
                     raise CorruptCheckpointError(f"frame {i} of {key!r} in {src.url_of(name)} fails its checksum; not promoting it")
                 raw = np.empty(e - s, dtype=np.uint8)
-                old.decode(stored, raw)
-                enc = new.encode(raw)
+                with cpu or contextlib.nullcontext():
+                    old.decode(stored, raw)
+                    enc = new.encode(raw)
                 write_pieces(f, enc.pieces)
                 frames.append(enc.stored_len)
                 sums.append(enc.digest)
