@@ -1,6 +1,8 @@
 """Size and open time of ``.metadata`` with many tensors, and the cost of validating item records.
 
-Run:  .venv/bin/python -m benchmarks.bench_records [--items 20000] [--runs 7]
+Run:  .venv/bin/python -m benchmarks.bench_records [--items 20000] [--runs 7] [--quick]
+
+Writes the section "records" of docs/benchmarks.md and the results "records".
 
 First saves ``--items`` small tensors (16 floats each) with ``CompressedWriter`` and stock
 ``FileSystemWriter`` and prints ``.metadata`` bytes per tensor, ours (format 2: records, items
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from benchmarks.common import machine_line, md_table, save_results, write_section
 from dcp_tiered import CompressedWriter
 from dcp_tiered.codecs import checksum
 from dcp_tiered.dcp.format import METADATA_FILE, ItemRecord, check_record, record_view
@@ -86,47 +89,81 @@ def _save_both(state: dict, d: str) -> tuple[bytes, bytes, bytes]:
     return ours, format1_bytes(md), stock
 
 
-def _print_sizes(label: str, sizes: tuple[bytes, bytes, bytes], items: int) -> None:
+SIZE_NAMES = ("ours, format 2", "ours, format 1", "stock FileSystemWriter")
+
+
+def _sizes(label: str, sizes: tuple[bytes, bytes, bytes], items: int) -> dict:
+    """Bytes per tensor of each ``.metadata`` (printed as well)."""
     print(f".metadata of {label}: bytes per tensor")
-    for name, data in zip(("ours, format 2", "ours, format 1", "stock FileSystemWriter"), sizes):
+    out = {"data": label, "tensors": items}
+    for name, data in zip(SIZE_NAMES, sizes):
+        out[name] = len(data) / items
         print(f"  {name:28s} {len(data) / items:8.1f}")
+    return out
 
 
-def minilm_sizes() -> None:
+def minilm_sizes() -> dict | None:
     try:
         from benchmarks.common import minilm_weights
 
         state = {k: v.to(torch.bfloat16) for k, v in minilm_weights().items()}
     except ImportError as exc:
         print(f"MiniLM not installed ({exc}); skipped")
-        return
+        return None
     with tempfile.TemporaryDirectory() as d:
-        _print_sizes(f"MiniLM bf16 ({len(state)} tensors)", _save_both(state, d), len(state))
+        return _sizes(f"MiniLM bf16 ({len(state)} tensors)", _save_both(state, d), len(state))
 
 
-def metadata_sizes_and_open_times(items: int, runs: int) -> None:
+def metadata_sizes_and_open_times(items: int, runs: int) -> tuple[dict, dict[str, float]]:
+    """Bytes per tensor and open times (ms, best of ``runs``) of ``items`` tiny tensors' ``.metadata``."""
     state = {f"model.layers.{i}.mlp.weight": torch.full((16,), float(i)) for i in range(items)}
     with tempfile.TemporaryDirectory() as d:
         ours, v1, stock = _save_both(state, d)
         stock_path = os.path.join(d, "stock")
-        _print_sizes(f"{items} tensors of 16 floats", (ours, v1, stock), items)
+        sizes = _sizes(f"{items} tensors of 16 floats", (ours, v1, stock), items)
         print(f"open .metadata of {items} tensors (best of {runs})")
         cases = {
             "ours, format 2 (decode_metadata)": lambda: decode_metadata(ours, "ours"),
             "ours, format 1 (decode_metadata)": lambda: decode_metadata(v1, "v1"),
             "stock (FileSystemReader)": lambda: dcp.FileSystemReader(stock_path).read_metadata(),
         }
+        opens = {}
         for name, fn in cases.items():
-            print(f"  {name:34s} {best_ms(fn, runs):9.1f} ms")
+            opens[name] = best_ms(fn, runs)
+            print(f"  {name:34s} {opens[name]:9.1f} ms")
+    return sizes, opens
+
+
+def write_doc(cmd: str, sizes: list[dict], opens: dict[str, float], items: int, checks: dict[str, float]) -> None:
+    """The "records" section of docs/benchmarks.md and its raw results."""
+    save_results("records", {"sizes": sizes, "open_ms": opens, "items": items, "check_ms": checks})
+    size_rows = [[s["data"], *(f"{s[n]:.1f}" for n in SIZE_NAMES), f"{s[SIZE_NAMES[0]] / s[SIZE_NAMES[2]]:.2f}"]
+                 for s in sizes]
+    open_rows = [[name, f"{ms:.1f}"] for name, ms in opens.items()]
+    check_rows = [[name, f"{ms:.1f}", f"{ms * 1e3 / items:.2f}"] for name, ms in checks.items()]
+    write_section("records", (
+        f"## `.metadata` size and open time\n\n`{cmd}` — {machine_line()}.\n\n"
+        "Bytes per tensor of the `.metadata` that `CompressedWriter` writes (format 2: records, items and planner "
+        "paths as column tables), the same Metadata pickled as format-1 writers stored it, and stock "
+        "`FileSystemWriter`'s, for the same state saved by each:\n\n"
+        + md_table(["state", *SIZE_NAMES, "ours ÷ stock"], size_rows)
+        + f"\n\nOpening the `.metadata` of {items} tensors (ours: allow-list unpickler, structure scan and every "
+        "check; stock: DCP's plain `pickle.load`), best of the runs, ms:\n\n" + md_table(["open", "ms"], open_rows)
+        + f"\n\nValidating {items} synthetic records in memory (1 to 5 frames each), best of the runs:\n\n"
+        + md_table(["check", "ms", "us per record"], check_rows)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=20000)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 500 tensors, 2 runs")
     args = ap.parse_args()
-    minilm_sizes()
-    metadata_sizes_and_open_times(args.items, args.runs)
+    if args.quick:
+        args.items, args.runs = 500, 2
+    cmd = f".venv/bin/python -m benchmarks.bench_records --items {args.items} --runs {args.runs}"
+    small = minilm_sizes()
+    big, opens = metadata_sizes_and_open_times(args.items, args.runs)
     print("validating records (in memory)")
     md = build(args.items)
     recs = [(i.fqn, r) for i, r in md.storage_data.items()]
@@ -136,9 +173,11 @@ def main() -> None:
         "ItemRecord.from_builtin": lambda: [ItemRecord.from_builtin(r, k, "ckpt") for k, r in recs],
         "record_view (validated dict)": lambda: [record_view(r) for _, r in recs],
     }
+    checks = {}
     for name, fn in cases.items():
-        ms = best_ms(fn, args.runs)
+        ms = checks[name] = best_ms(fn, args.runs)
         print(f"  {name:30s} {ms:8.1f} ms  {ms * 1e3 / args.items:6.2f} us/record")
+    write_doc(cmd, [s for s in (small, big) if s], opens, args.items, checks)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -136,10 +137,17 @@ def setup_save(spec: Spec, base_file: str, label: str, path: str) -> dict:
     return {"state": build_state(spec, base_file), "label": label, "path": path}
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process, all of its threads, so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def measure_save(b: dict) -> dict:
     writer, planner = make_writer(b["label"], b["path"])
+    cpu0 = cpu_seconds()
     secs = timed(lambda: dcp.save(b["state"], storage_writer=writer, planner=planner, no_dist=True))
-    out = {"save_s": secs, "stored": dir_bytes(b["path"]), "raw": nbytes(b["state"]), "codec": getattr(writer, "codec", None)}
+    out = {"save_s": secs, "save_cpu_s": cpu_seconds() - cpu0, "stored": dir_bytes(b["path"]), "raw": nbytes(b["state"]), "codec": getattr(writer, "codec", None)}
     if planner is not None:
         keys = planner.report.downcast
         out["downcast_keys"] = len(keys)
@@ -278,7 +286,7 @@ def bench_set(spec: Spec, base_file: str, base_dir: str, repeat: int, disk_repea
             runs.append({**s.result, "save_peak": s.peak_rss_above_baseline, "load_cold_s": cold.result["load_s"],
                          "dropped": cold.result["dropped"], "load_cold_peak": cold.peak_rss_above_baseline,
                          "load_warm_s": warm.result["load_s"], "load_warm_peak": warm.peak_rss_above_baseline})
-        med = {k: statistics.median(r[k] for r in runs) for k in ("save_s", "load_cold_s", "load_warm_s")}
+        med = {k: statistics.median(r[k] for r in runs) for k in ("save_s", "save_cpu_s", "load_cold_s", "load_warm_s")}
         peaks = {k: max(r[k] for r in runs) for k in ("save_peak", "load_cold_peak", "load_warm_peak")}
         res[label] = {**runs[0], **med, **peaks, "repeats": repeat, "dropped": all(r["dropped"] for r in runs)}
         print(f"  {label}: save {med['save_s']:.2f}s load {med['load_cold_s']:.2f}s/{med['load_warm_s']:.2f}s "
@@ -349,9 +357,10 @@ def main() -> None:
         for label, r in s["writers"].items():
             rows.append([s["name"], label, f"{mbps(r['raw'], r['save_s']):.0f}", f"{mbps(r['raw'], r['load_cold_s']):.0f}",
                          f"{mbps(r['raw'], r['load_warm_s']):.0f}", f"{r['stored'] / 1e6:.0f}", f"{r['stored'] / r['raw']:.3f}",
+                         f"{r['save_cpu_s'] / (r['raw'] / GB):.2f}",
                          f"{r['save_peak'] / 1e6:.0f}", f"{r['load_cold_peak'] / 1e6:.0f}", f"{r['load_warm_peak'] / 1e6:.0f}"])
     table = md_table(["data", "writer", "save MB/s", "load MB/s cold", "load MB/s warm", "stored MB", "stored/raw",
-                      "save peak MB", "load peak MB cold", "load peak MB warm"], rows)
+                      "save CPU core-s per GB", "save peak MB", "load peak MB cold", "load peak MB warm"], rows)
     bf16 = [(s["name"], s["writers"][OURS_BF16]) for s in sets]
     bf16_note = "; ".join(f"{n}: {r['downcast_keys']} of {r['keys']} tensors, {r['downcast_raw'] / r['raw'] * 100:.0f}% of the raw bytes"
                           for n, r in bf16)
@@ -503,11 +512,19 @@ def reading(sets: list[dict]) -> str:
            f"what bounds its save; the CPU work (compression, on {os.cpu_count()} cores shared with the writes) is the likely bound. "
            if ours["disk_frac_save"] < 0.9 else
            f"It writes its stored bytes at {ours['disk_frac_save']:.2f} of the measured disk rate: disk-bound. ")
-        + 
-        f"Peak extra memory: CompressedWriter {ours['save_peak'] / 1e6:.0f} MB on save and "
+        + cpu_reading(w)
+        + f"Peak extra memory: CompressedWriter {ours['save_peak'] / 1e6:.0f} MB on save and "
         f"{ours['load_cold_peak'] / 1e6:.0f} MB on load, stock {stock['save_peak'] / 1e6:.0f} / "
         f"{stock['load_cold_peak'] / 1e6:.0f} MB, for {big['raw'] / 1e6:.0f} MB of state."
     )
+
+
+def cpu_reading(w: dict) -> str:
+    """CPU core-seconds per GB saved, ours against stock with DCP's zstd extension."""
+    per_gb = {lb: w[lb]["save_cpu_s"] / (w[lb]["raw"] / GB) for lb in (OURS, STOCK_ZSTD, STOCK2)}
+    return (f"CPU per GB saved (user + system core-seconds of the saving process): CompressedWriter "
+            f"{per_gb[OURS]:.2f}, {STOCK_ZSTD} {per_gb[STOCK_ZSTD]:.2f} ({per_gb[STOCK_ZSTD] / per_gb[OURS]:.1f}x ours), "
+            f"stock uncompressed {per_gb[STOCK2]:.2f}. ")
 
 
 def limits_reading(sets: list[dict]) -> str:

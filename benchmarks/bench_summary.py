@@ -40,6 +40,33 @@ def codec_rows(codecs: dict | None) -> list[list[str]]:
     return rows
 
 
+def lz4_rows(codecs: dict | None) -> list[list[str]]:
+    """lz4's encode speed against zstd:1's, both ours on 2 threads, per data set."""
+    if codecs is None:
+        return []
+    cells = {(c["data"], c["codec"]): c for c in codecs["data"]["cells"] if c["kind"] == "ours" and c["threads"] == 2}
+    rows = []
+    for data in sorted({d for d, _c in cells}):
+        lz4, zstd = cells.get((data, "lz4")), cells.get((data, "zstd:1"))
+        if lz4 and zstd:
+            x = lz4["compress_mbs"] / zstd["compress_mbs"]
+            rows.append([f"lz4 encode ≥ 1.5x zstd:1 (2 threads): {data}",
+                         f"{lz4['compress_mbs']:.0f} vs {zstd['compress_mbs']:.0f} MB/s", f"{x:.2f}x", verdict(x, 1.5)])
+    return rows
+
+
+def records_rows(records: dict | None) -> list[list[str]]:
+    """``.metadata`` bytes per tensor, ours against stock's."""
+    if records is None:
+        return [[".metadata bytes per tensor ≤ stock's", "—", "not run (`bench_records`)", ""]]
+    rows = []
+    for s in records["data"]["sizes"]:
+        ours, stock = s["ours, format 2"], s["stock FileSystemWriter"]
+        rows.append([f".metadata bytes per tensor ≤ stock's: {s['data']}", f"{ours:.1f} vs {stock:.1f}",
+                     f"{ours / stock:.2f}", verdict(ours / stock, 1.0, higher_is_better=False)])
+    return rows
+
+
 def _codec_mbs(codecs: dict | None, what: str) -> float | None:
     """Our default codec's 2-thread ``compress``/``decompress`` MB/s on real weights and Adam state (harmonic mean)."""
     if codecs is None:
@@ -80,6 +107,12 @@ def storage_rows(storage: dict | None, codecs: dict | None) -> list[list[str]]:
             xz = zstd["save_s"] / ours["save_s"]
             rows.append([f"save ≥ 2x stock + DCP zstd: {s['name']}", f"{raw / ours['save_s'] / 1e6:.0f} vs "
                          f"{raw / zstd['save_s'] / 1e6:.0f} MB/s", f"{xz:.2f}x", verdict(xz, 2.0) + ("" if xz >= 2 else f"; {bound}")])
+        if zstd and "save_cpu_s" in ours:
+            gb = raw / 1e9
+            ours_cpu, zstd_cpu = ours["save_cpu_s"] / gb, zstd["save_cpu_s"] / gb
+            rows.append([f"CPU core-seconds per GB saved ≤ stock + DCP zstd's: {s['name']}",
+                         f"{ours_cpu:.2f} vs {zstd_cpu:.2f} core-s/GB", f"{ours_cpu / zstd_cpu:.2f}",
+                         verdict(ours_cpu / zstd_cpu, 1.0, higher_is_better=False)])
         xl = stock["load_cold_s"] / ours["load_cold_s"]
         rows.append([f"load ≥ stock (cold cache): {s['name']}", f"{raw / ours['load_cold_s'] / 1e6:.0f} vs "
                      f"{raw / stock['load_cold_s'] / 1e6:.0f} MB/s", f"{xl:.2f}x", verdict(xl, 1.0) + ("" if xl >= 1 else f"; {load_bound}")])
@@ -169,7 +202,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="accepted for scripts/bench.sh; the same as without")
     ap.parse_args()
     codecs, storage = load_results("codecs"), load_results("storage")
-    rows = (codec_rows(codecs) + storage_rows(storage, codecs) + scaling_rows(load_results("scaling"))
+    rows = (codec_rows(codecs) + lz4_rows(codecs) + records_rows(load_results("records"))
+            + storage_rows(storage, codecs) + scaling_rows(load_results("scaling"))
             + s3_rows(load_results("s3"))
             + async_rows(load_results("async")) + goodput_rows(load_results("goodput")))
     machines = sorted({r["machine"] for r in (codecs, storage) if r})

@@ -58,3 +58,24 @@ def test_a_section_is_replaced_in_place_and_others_are_kept(tmp_path: Path, monk
     finally:
         monkeypatch.delenv("DCP_TIERED_BENCH_DOC")
         importlib.reload(common)
+
+
+def test_summary_rows_for_the_save_speed_targets() -> None:
+    """lz4 against zstd:1, ``.metadata`` bytes against stock, and CPU per GB against stock + zstd."""
+    from benchmarks.bench_summary import lz4_rows, records_rows, storage_rows
+
+    cell = {"kind": "ours", "threads": 2, "data": "w"}
+    codecs = {"data": {"cells": [{**cell, "codec": "lz4", "compress_mbs": 1500.0},
+                                 {**cell, "codec": "zstd:1", "compress_mbs": 1000.0},
+                                 {**cell, "codec": "lz4", "threads": 1, "compress_mbs": 1.0}]}}
+    assert lz4_rows(codecs) == [["lz4 encode ≥ 1.5x zstd:1 (2 threads): w", "1500 vs 1000 MB/s", "1.50x", "met"]]
+    records = {"data": {"sizes": [{"data": "t", "ours, format 2": 80.0, "stock FileSystemWriter": 200.0}]}}
+    assert records_rows(records)[0][2:] == ["0.40", "met"]
+    w = {"save_s": 1.0, "load_cold_s": 1.0, "stored": 5e8}
+    sets = [{"name": "s", "raw": 2e9, "disk_write_mbps": 1000.0, "disk_read_mbps": 1000.0,
+             "writers": {"CompressedWriter (defaults)": {**w, "save_cpu_s": 6.0, "disk_frac_save": 1, "disk_frac_load": 1},
+                         "stock FileSystemWriter, 2 threads": dict(w),
+                         "stock + DCP zstd extension, 2 threads": {**w, "save_cpu_s": 4.0}}}]
+    cpu = [r for r in storage_rows({"data": {"sets": sets}}, None) if r[0].startswith("CPU core-seconds")]
+    assert cpu == [["CPU core-seconds per GB saved ≤ stock + DCP zstd's: s", "3.00 vs 2.00 core-s/GB", "1.50",
+                    "**missed by 50%**"]]
