@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
-from dcp_tiered.thread_priority import lower_thread_priority
+from dcp_tiered.thread_priority import lower_thread_priority, run_lowered
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, get_codec, parse_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
 from dcp_tiered.dcp.frame_pipeline import ItemSource, write_items
@@ -143,7 +143,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         sync_files: fsync data files on local filesystems before committing.
         check_sizes: before committing, check every data file's size from the coordinator
             (turn off only where other ranks' files are not visible to it, e.g. node-local disks).
-        nice: run the writing thread and the encoding threads at this lower CPU priority
+        nice: encode and write on threads of their own at this lower CPU priority, relative to
+            the process's main thread; the calling thread keeps its priority
             (``TieredCheckpointer`` uses it for background saves, so training keeps the cores).
         safe_globals: classes/functions that non-tensor values need beyond ``torch.load``'s
             ``weights_only`` allow-list (numpy values: :func:`~dcp_tiered.dcp.objects.numpy_safe_globals`),
@@ -354,6 +355,10 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         })
 
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        # with ``nice``, on a lowered thread of its own: the caller may be the training loop
+        return run_lowered(self.nice, lambda: self._encode_and_write(file_name, items, planner))
+
+    def _encode_and_write(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         threads = self.threads or default_threads()
         codecs: dict[tuple[str, int], FrameCodec] = {}
         group = self.byte_group and get_codec(self.codec).compresses
@@ -369,7 +374,6 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         def on_item(src: ItemSource, start: int, lengths: list, sums: list) -> None:
             results.append(self._result(file_name, src, start, lengths, sums))
 
-        lower_thread_priority(self.nice)  # the calling thread is a background one when nice is set
         with self.storage.open_write(file_name, durable=self.sync_files) as f, ThreadPoolExecutor(
             threads, thread_name_prefix="dcp_tiered-encode", initializer=lower_thread_priority, initargs=(self.nice,)
         ) as pool:
