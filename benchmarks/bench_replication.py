@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +46,6 @@ from benchmarks.common import dir_bytes, machine_line, md_table, minilm_weights,
 
 WORLD, LOCAL = 4, 2
 LOST_NODE = 1
-STEP = 1
 
 
 def _tiers(root: Path, replicas: int) -> list:
@@ -64,29 +65,33 @@ def _state(rank: int, per_rank: int) -> dict[str, torch.Tensor]:
     return {f"rank{rank}.{k}": v for k, v in repeated_state(base, per_rank).items()}
 
 
-def _save(root: Path, rank: int, per_rank: int, replicas: int) -> dict:
+def _save(root: Path, rank: int, per_rank: int, replicas: int, steps: int) -> dict:
+    """Save steps 1..``steps``, each waited for; per step: how long the save blocked and until all was done."""
     from dcp_tiered import TieredCheckpointer
 
     ckpt = TieredCheckpointer(_tiers(root, replicas))
     events: list[dict] = []
     ckpt.events.hooks.append(events.append)
     sd = _state(rank, per_rank)
+    blocked, done, ok = [], [], True
     try:
-        dist.barrier()
-        t0 = time.perf_counter()
-        report = ckpt.maybe_save(STEP, sd)
-        blocked = time.perf_counter() - t0
-        ckpt.wait()  # the promotion to shared and the replication, both in the background
-        done = time.perf_counter() - t0
+        for step in range(1, steps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            report = ckpt.maybe_save(step, sd)
+            blocked.append(time.perf_counter() - t0)
+            ckpt.wait()  # the promotion to shared and the replication, both in the background
+            done.append(time.perf_counter() - t0)
+            ok = ok and bool(report and report.ok)
     finally:
         ckpt.close()
     repl = [e for e in events if e.get("event") == "replication"]
-    return {"blocked_s": blocked, "done_s": done, "ok": bool(report and report.ok) and all(e["ok"] for e in repl),
-            "replication_s": max((e.get("seconds", 0.0) for e in repl), default=0.0),
-            "sent_bytes": sum(e.get("sent_bytes", 0) for e in repl)}
+    return {"blocked_s": blocked, "done_s": done, "ok": ok and all(e["ok"] for e in repl),
+            "replication_s": [e.get("seconds", 0.0) for e in repl],
+            "sent_bytes": sum(e.get("sent_bytes", 0) for e in repl) / steps}
 
 
-def _restore(root: Path, rank: int, per_rank: int, replicas: int) -> dict:
+def _restore(root: Path, rank: int, per_rank: int, replicas: int, steps: int) -> dict:
     from dcp_tiered import TieredCheckpointer
 
     ckpt = TieredCheckpointer(_tiers(root, replicas))
@@ -104,12 +109,13 @@ def _restore(root: Path, rank: int, per_rank: int, replicas: int) -> dict:
         failures = ckpt.restore_failures
     finally:
         ckpt.close()
-    exact = step == STEP and all(torch.equal(sd[k], v) for k, v in expected.items())
+    exact = step == steps and all(torch.equal(sd[k], v) for k, v in expected.items())
     return {"restore_s": seconds, "shared_bytes": served, "step": step, "exact": exact, "failures": failures,
             "tiers": [e["tier"] for e in events if e.get("event") == "restore"]}
 
 
-def _worker(rank: int, phase: str, root: str, store: str, out: str, per_rank: int, replicas: int, mbps: float) -> None:
+def _worker(rank: int, phase: str, root: str, store: str, out: str, per_rank: int, replicas: int, mbps: float,
+            steps: int) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
     CountingFS.bytes_per_s = mbps * 1e6
     CountingFS.limit_file = str(Path(root) / "link")
@@ -117,18 +123,18 @@ def _worker(rank: int, phase: str, root: str, store: str, out: str, per_rank: in
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=600))
     try:
-        facts = (_save if phase == "save" else _restore)(Path(root), rank, per_rank, replicas)
+        facts = (_save if phase == "save" else _restore)(Path(root), rank, per_rank, replicas, steps)
         Path(out, f"{phase}.rank{rank}.json").write_text(json.dumps(facts))
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(phase: str, root: Path, per_rank: int, replicas: int, mbps: float) -> list[dict]:
+def _spawn(phase: str, *, root: Path, per_rank: int, replicas: int, mbps: float, steps: int) -> list[dict]:
     """Run ``phase`` in WORLD new processes; every rank's facts."""
     out = root / f"out_{phase}_{time.monotonic_ns()}"
     out.mkdir()
     store = root / f"store_{time.monotonic_ns()}"
-    mp.start_processes(_worker, args=(phase, str(root), str(store), str(out), per_rank, replicas, mbps),
+    mp.start_processes(_worker, args=(phase, str(root), str(store), str(out), per_rank, replicas, mbps, steps),
                        nprocs=WORLD, join=True, start_method="spawn")
     return [json.loads((out / f"{phase}.rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -144,28 +150,37 @@ def _restore_row(name: str, lost: str, facts: list[dict], fetched: int) -> dict:
             "failures": max(f["failures"] for f in facts)}
 
 
-def _save_row(name: str, replicas: int, facts: list[dict], root: Path) -> dict:
-    return {"scenario": name, "replicas": replicas, "blocked_s": max(f["blocked_s"] for f in facts),
-            "done_s": max(f["done_s"] for f in facts), "replication_s": max(f["replication_s"] for f in facts),
+def _per_step(facts: list[dict], key: str) -> float:
+    """Median over the saved steps of the slowest rank's ``key`` (0 when there is none)."""
+    per_step = [max(vals) for vals in zip(*(f[key] for f in facts))]
+    return statistics.median(per_step) if per_step else 0.0
+
+
+def _save_row(name: str, replicas: int, facts: list[dict], root: Path, step: int) -> dict:
+    """Save times (median over steps of the slowest rank), bytes sent per save, and step ``step``'s data bytes."""
+    newest = f"step_{step:09d}"
+    return {"scenario": name, "replicas": replicas, "blocked_s": _per_step(facts, "blocked_s"),
+            "done_s": _per_step(facts, "done_s"), "replication_s": _per_step(facts, "replication_s"),
             "sent_bytes": sum(f["sent_bytes"] for f in facts), "ok": all(f["ok"] for f in facts),
-            "local_bytes": [_data_bytes(root / "local" / str(n)) for n in range(WORLD // LOCAL)],
-            "shared_bytes": _data_bytes(root / "shared")}
+            "local_bytes": [_data_bytes(root / "local" / str(n) / newest) for n in range(WORLD // LOCAL)],
+            "shared_bytes": _data_bytes(root / "shared" / newest)}
 
 
-def run(tmp: Path, per_rank: int, mbps: float) -> dict:
+def run(tmp: Path, per_rank: int, mbps: float, steps: int) -> dict:
     """Scenarios A (and C) and B; the raw rows."""
     saves, restores = [], []
     for name, replicas in (("A", 1), ("B", 2)):
         root = tmp / name
         root.mkdir()
-        saves.append(_save_row(name, replicas, _spawn("save", root, per_rank, replicas, mbps), root))
+        spawn = functools.partial(_spawn, root=root, per_rank=per_rank, replicas=replicas, mbps=mbps, steps=steps)
+        saves.append(_save_row(name, replicas, spawn("save"), root, steps))
         print(saves[-1], flush=True)
         if name == "A":
-            restores.append(_restore_row("C", "nothing (process crash)", _spawn("restore", root, per_rank, replicas, mbps), 0))
+            restores.append(_restore_row("C", "nothing (process crash)", spawn("restore"), 0))
             print(restores[-1], flush=True)
         lost = root / "local" / str(LOST_NODE)
         shutil.rmtree(lost)
-        facts = _spawn("restore", root, per_rank, replicas, mbps)
+        facts = spawn("restore")
         restores.append(_restore_row(name, f"node {LOST_NODE}'s local directory", facts, _data_bytes(lost)))
         print(restores[-1], flush=True)
     order = {"A": 0, "B": 1, "C": 2}
@@ -191,7 +206,8 @@ def tables(res: dict, mbps: float) -> tuple[str, str]:
          for r in res["restores"]])
     save = md_table(
         ["scenario", "replicas", "save returned s", "save + promotion + replication done s",
-         "replication s (background)", "MB sent for replication", "local MB per node (data files)", "shared MB"],
+         "replication s (background)", "MB sent for replication per save", "local MB per node, one step",
+         "shared MB, one step"],
         [[SAVE_LABELS[s["scenario"]], s["replicas"], f"{s['blocked_s']:.2f}", f"{s['done_s']:.2f}",
           f"{s['replication_s']:.2f}" if s["replicas"] > 1 else "-", _mb(s["sent_bytes"]),
           " / ".join(_mb(b) for b in s["local_bytes"]), _mb(s["shared_bytes"])] for s in res["saves"]])
@@ -200,20 +216,21 @@ def tables(res: dict, mbps: float) -> tuple[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=int, default=256, help="state size, MB in all (divided over the 4 ranks)")
+    ap.add_argument("--mb", type=int, default=512, help="state size, MB in all (divided over the 4 ranks)")
     ap.add_argument("--storage-mbps", type=float, default=100.0,
                     help="bandwidth of the shared tier, MB/s shared by all ranks (0: unthrottled)")
+    ap.add_argument("--saves", type=int, default=3, help="steps saved per scenario (save times: their median)")
     ap.add_argument("--write", action="store_true", help="write the section to docs/benchmarks.md")
     ap.add_argument("--quick", action="store_true", help="a small smoke run (8 MB)")
     args = ap.parse_args()
     if args.quick:
-        args.mb = 8
+        args.mb, args.saves = 8, 2
     per_rank = (args.mb << 20) // WORLD
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmpdir:
-        res = run(Path(tmpdir), per_rank, args.storage_mbps)
+        res = run(Path(tmpdir), per_rank, args.storage_mbps, args.saves)
     wall, load1 = time.perf_counter() - t0, os.getloadavg()[0]
-    res.update(mb=args.mb, storage_mbps=args.storage_mbps, load_avg=[load0, load1], wall_s=wall)
+    res.update(mb=args.mb, steps_saved=args.saves, storage_mbps=args.storage_mbps, load_avg=[load0, load1], wall_s=wall)
     restore, save = tables(res, args.storage_mbps)
     cmd = " ".join(["python -m benchmarks.bench_replication", *sys.argv[1:]])
     body = f"""## Surviving a lost node: peer replication (`replicas=2`)
@@ -225,6 +242,8 @@ def main() -> None:
 behind the byte-counting filesystem of the broadcast benchmark, its reads throttled to one
 {args.storage_mbps:.0f} MB/s link shared by all ranks (0: unthrottled); local reads come from the page cache. Every
 phase runs in 4 new processes. Restore time: one `TieredCheckpointer.restore` after a barrier, slowest rank.
+Each scenario first saves {args.saves} steps (the same state), each followed by `wait()`; save times are the median
+over those saves of the slowest rank, and the restore loads the newest step.
 "MB fetched from peers": node {LOST_NODE}'s data files after the restore, all received from node 0's replicas.
 Load average (1 min) {load0:.1f} at the start and {load1:.1f} at the end on {os.cpu_count()} cores: above
 {os.cpu_count()}, other work shared the cores and every time here is longer than on a quiet machine. Whole run
@@ -235,7 +254,7 @@ Load average (1 min) {load0:.1f} at the start and {load1:.1f} at the end on {os.
 {save}
 
 With replication, a replaced node's ranks get their files from their clique peers on the other node and every
-rank restores from `local`, reading only the shared tier's listing; without it, the whole checkpoint comes from
+rank restores from `local`, reading only the shared tier's listing (its `.metadata` files); without it, the whole checkpoint comes from
 the shared tier, so restore time grows with checkpoint size over shared bandwidth. Replication sends
 (replicas - 1) x the checkpoint per save over `torch.distributed` in the background (the save returns before it)
 and doubles each node's local disk use. See docs/reliability.md, "Surviving a lost node".
