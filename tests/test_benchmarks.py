@@ -41,25 +41,6 @@ def test_verdicts_say_by_how_much_a_target_is_missed(value: float, target: float
     assert verdict(value, target, higher) == expected
 
 
-def test_a_section_is_replaced_in_place_and_others_are_kept(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("DCP_TIERED_BENCH_DOC", str(tmp_path / "b.md"))
-    import benchmarks.common as common
-
-    common = importlib.reload(common)
-    try:
-        common.write_section("a", "## A\n1")
-        common.write_section("b", "## B\n2")
-        common.write_section("a", "## A\n3")
-        text = (tmp_path / "b.md").read_text()
-        assert "## A\n3" in text and "## A\n1" not in text and "## B\n2" in text
-        assert text.index("## A") < text.index("## B")
-        common.save_results("x", {"n": 1})
-        assert common.load_results("x")["data"] == {"n": 1}
-    finally:
-        monkeypatch.delenv("DCP_TIERED_BENCH_DOC")
-        importlib.reload(common)
-
-
 def test_replication_bench_restores_a_lost_node_from_peers_at_tiny_size(tmp_path: Path) -> None:
     """bench_replication --quick: after node 1's local directory is deleted, B (replicas=2) restores from
     ``local`` through node 0's replicas, reading only the listing from shared; A reads all from shared."""
@@ -85,3 +66,23 @@ def test_replication_bench_restores_a_lost_node_from_peers_at_tiny_size(tmp_path
     assert saves["A"]["sent_bytes"] == 0 and saves["B"]["sent_bytes"] * 2 == sum(saves["B"]["local_bytes"])
     section = (tmp_path / "benchmarks.md").read_text()
     assert "<!-- bench:replication:start -->" in section and "python -m benchmarks.bench_replication --quick" in section
+
+
+def test_a_section_is_replaced_in_place_and_others_are_kept(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DCP_TIERED_BENCH_DOC", str(tmp_path / "b.md"))
+    import benchmarks.common as common
+
+    common = importlib.reload(common)
+    try:
+        common.write_section("a", "## A\n1")
+        common.write_section("b", "## B\n2")
+        common.write_section("a", "## A\n3")
+        text = (tmp_path / "b.md").read_text()
+        assert "## A\n3" in text and "## A\n1" not in text and "## B\n2" in text
+        assert text.index("## A") < text.index("## B")
+        common.save_results("x", {"n": 1})
+        assert common.load_results("x")["data"] == {"n": 1}
+    finally:
+        monkeypatch.delenv("DCP_TIERED_BENCH_DOC")
+        importlib.reload(common)
+
