@@ -85,4 +85,3 @@ def test_a_section_is_replaced_in_place_and_others_are_kept(tmp_path: Path, monk
     finally:
         monkeypatch.delenv("DCP_TIERED_BENCH_DOC")
         importlib.reload(common)
-
