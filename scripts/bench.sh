@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/python -c "import zipnn, psutil, matplotlib" 2>/dev/null || .venv/bin/python -m pip install -q -e ".[bench]"
-ALL=(codecs storage s3 ranks async tiers broadcast goodput projection summary)
+ALL=(codecs storage s3 ranks async tiers broadcast replication goodput projection summary)
 quick=()
 names=()
 for a in "$@"; do
@@ -23,6 +23,8 @@ done
 for n in "${names[@]}"; do
   echo "=== benchmarks.bench_$n ${quick[*]:-}"
   start=$(date +%s)
-  .venv/bin/python -m "benchmarks.bench_$n" "${quick[@]}"
+  extra=()
+  [ "$n" != replication ] || extra=(--write)  # bench_replication writes its section only when asked
+  .venv/bin/python -m "benchmarks.bench_$n" "${quick[@]}" "${extra[@]}"
   echo "=== bench_$n took $(( $(date +%s) - start )) s"
 done

@@ -41,6 +41,33 @@ def test_verdicts_say_by_how_much_a_target_is_missed(value: float, target: float
     assert verdict(value, target, higher) == expected
 
 
+def test_replication_bench_restores_a_lost_node_from_peers_at_tiny_size(tmp_path: Path) -> None:
+    """bench_replication --quick: after node 1's local directory is deleted, B (replicas=2) restores from
+    ``local`` through node 0's replicas, reading only the listing from shared; A reads all from shared."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DCP_TIERED_BENCH_DOC": str(tmp_path / "benchmarks.md"),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_replication", "--quick", "--write"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_results" / "replication.json").read_text())["data"]
+    restores = {r["scenario"]: r for r in data["restores"]}
+    saves = {s["scenario"]: s for s in data["saves"]}
+    assert all(r["exact"] and r["failures"] == 0 for r in restores.values()), restores
+    assert restores["A"]["tiers"] == ["shared"] and restores["A"]["fetched_bytes"] == 0
+    assert restores["B"]["tiers"] == ["local"] and restores["C"]["tiers"] == ["local"]
+    assert restores["B"]["fetched_bytes"] == saves["A"]["local_bytes"][1] > 0  # node 1's files, from peers
+    assert restores["B"]["shared_bytes"] < restores["A"]["shared_bytes"] / 100  # the listing only
+    assert saves["A"]["sent_bytes"] == 0 and saves["B"]["sent_bytes"] * 2 == sum(saves["B"]["local_bytes"])
+    section = (tmp_path / "benchmarks.md").read_text()
+    assert "<!-- bench:replication:start -->" in section and "python -m benchmarks.bench_replication --quick" in section
+
+
 def test_a_section_is_replaced_in_place_and_others_are_kept(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("DCP_TIERED_BENCH_DOC", str(tmp_path / "b.md"))
     import benchmarks.common as common
