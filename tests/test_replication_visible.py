@@ -237,3 +237,14 @@ def test_ls_replication_flags_are_checked(tmp_path: Path, capsys) -> None:
     assert code == 2 and "--replicas/--replication-jump apply to --local-path" in text
     code, text = ls(capsys, "--local-path", tmp_path / "plain", "--replicas", "2")
     assert code == 2 and "node-local" in text
+
+
+def test_tier_dirs_match_the_placeholder_segment(tmp_path: Path) -> None:
+    from dcp_tiered.cli.replicas import tier_dirs
+
+    for name in ("node0", "node1", "node12", "nodeX", "other3"):
+        (tmp_path / name / "ckpt").mkdir(parents=True)
+    (tmp_path / "node7").write_text("a file, not a directory of the tier")
+    dirs = tier_dirs(Tier("local", f"{tmp_path}/node{{node}}/ckpt", replicas=2))
+    assert {k: s.url for k, s in dirs.items()} == {k: f"{tmp_path}/node{k}/ckpt" for k in (0, 1, 12)}
+    assert sorted(tier_dirs(Tier("local", f"{tmp_path}/none/{{rank}}", replicas=2))) == []

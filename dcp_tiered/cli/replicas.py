@@ -45,7 +45,8 @@ def tier_dirs(tier: Tier) -> dict[int, Storage]:
         pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + r"$")
         found = sorted({int(m.group(1)) for n in Storage(parent, tier.storage_options).listdir()
                         if (m := pattern.match(n))})
-    return {k: Storage(_resolve(tier, k), tier.storage_options) for k in found}
+    dirs = {k: Storage(_resolve(tier, k), tier.storage_options) for k in found}
+    return {k: d for k, d in dirs.items() if d.exists()}
 
 
 def _resolve(tier: Tier, index: int) -> str:

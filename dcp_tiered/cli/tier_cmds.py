@@ -120,9 +120,10 @@ def _ls_tiers(args: argparse.Namespace) -> list:
     from dcp_tiered.errors import ConfigError
 
     tiers, _ = tiers_from_args(args)
-    given = {k: v for k, v in (("replicas", args.replicas), ("replication_jump", args.replication_jump)) if v is not None}
-    if args.ranks_per_node is not None and args.ranks_per_node < 1:
-        raise CliError(f"--ranks-per-node must be a positive integer, got {args.ranks_per_node}")
+    given = {k: v for k in ("replicas", "replication_jump") if (v := getattr(args, k, None)) is not None}
+    per_node = getattr(args, "ranks_per_node", None)  # (the demo's ls passes none of these)
+    if per_node is not None and per_node < 1:
+        raise CliError(f"--ranks-per-node must be a positive integer, got {per_node}")
     if not given:
         return tiers
     if args.tiers or not args.local_path:
@@ -162,7 +163,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     tiers = _ls_tiers(args)
     full = torch_available()  # without torch: names and sizes only (.metadata is a torch pickle)
     _check_reachable(tiers)
-    infos, states = _ls_listing(tiers, full, args.ranks_per_node)
+    infos, states = _ls_listing(tiers, full, getattr(args, "ranks_per_node", None))
     committed_on: dict[int, list[str]] = {}
     for i in infos:
         if i.committed:
