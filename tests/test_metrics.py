@@ -214,6 +214,9 @@ def _busy_exporter(tmp_path: Path) -> PrometheusExporter:
                           "bytes": n, "seconds": 1.0, "ok": True, "raw_bytes": 1000, "stored_bytes": 350})
     exporter.observe({"event": "promotion", "step": 8, "source": "local", "target": "durable", "kind": "data",
                       "bytes": 0, "seconds": 1.0, "ok": False, "error": "unreachable"})
+    exporter.observe({"event": "replication", "tier": "local", "step": 7, "ok": True, "clique": [0, 2],
+                      "sent_bytes": 400, "seconds": 0.5})
+    exporter.observe({"event": "replication", "tier": "local", "step": 8, "ok": False, "error": "peer gone"})
     return exporter
 
 
@@ -241,6 +244,26 @@ def test_metric_names_follow_prometheus_conventions(tmp_path: Path) -> None:
     assert metrics["checkpoint_last_success_timestamp_seconds"] == {local: 1.7e9, durable: 1.7e9}
     assert metrics["checkpoint_save_interval_seconds"] == {local: 300.0, durable: 3600.0}
     assert metrics["checkpoint_promotion_failures_total"] == {local: 0.0, durable: 1.0}
+    assert metrics["checkpoint_replication_bytes_total"] == {local: 400.0}
+    assert metrics["checkpoint_replication_failures_total"] == {local: 1.0}
+
+
+def test_replication_events_count_bytes_sent_and_failures(tmp_path: Path) -> None:
+    """Issue 16: the bytes a rank sent to its clique's peers, and failed replications, per tier; a tier with
+    replicas shows both series from the start, a tier without has none."""
+    tiers = [Tier("local", str(tmp_path / "{node}"), replicas=2), Tier("shared", str(tmp_path / "shared"))]
+    exporter = PrometheusExporter(tiers)
+    start = _families(exporter.render().decode())
+    assert start["checkpoint_replication_bytes_total"] == {(("tier", "local"),): 0.0}
+    assert start["checkpoint_replication_failures_total"] == {(("tier", "local"),): 0.0}
+    for step, ok in ((1, True), (2, True), (3, False)):
+        exporter.observe({"event": "replication", "tier": "local", "step": step, "ok": ok,
+                          **({"sent_bytes": 1000 * step} if ok else {"error": "peer gone"})})
+    after = _families(exporter.render().decode())
+    assert after["checkpoint_replication_bytes_total"] == {(("tier", "local"),): 3000.0}
+    assert after["checkpoint_replication_failures_total"] == {(("tier", "local"),): 1.0}
+    local = exporter.totals.tiers["local"]
+    assert (local.replicated_bytes, local.replication_failures, local.saves, local.written_bytes) == (3000, 1, 0, 0)
 
 
 def test_last_step_is_the_newest_committed_even_when_an_older_promotion_resumes_later() -> None:
@@ -294,7 +317,8 @@ def test_grafana_dashboard_is_json_over_exported_metrics(tmp_path: Path) -> None
     assert used and not used - exported, used - exported
     for needed in ("checkpoint_compression_ratio", "checkpoint_bytes_written_total",
                    "checkpoint_last_success_timestamp_seconds", "checkpoint_last_step",
-                   "checkpoint_promotion_failures_total", "checkpoint_blocking_seconds_bucket"):
+                   "checkpoint_promotion_failures_total", "checkpoint_blocking_seconds_bucket",
+                   "checkpoint_replication_bytes_total"):
         assert needed in used, needed
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 

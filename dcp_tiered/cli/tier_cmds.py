@@ -21,7 +21,8 @@ LS_EXAMPLES = """\
 examples:
   dcp-tiered ls --tiers tiers.yaml
   dcp-tiered ls --local-path /nvme/ckpt --durable-path s3://bucket/run --s3-endpoint-url http://127.0.0.1:9000
-  dcp-tiered ls --tiers tiers.yaml --json | jq '.[] | select(.committed | not)'"""
+  dcp-tiered ls --tiers tiers.yaml --json | jq '.[] | select(.committed | not)'
+  dcp-tiered ls --local-path '/nvme/ckpt/{node}' --replicas 2 --ranks-per-node 8   # replica state per step"""
 
 PROMOTE_EXAMPLES = """\
 examples:
@@ -46,6 +47,13 @@ def add_parsers(sub: Any) -> None:
                                    "size, codec, whether it holds optimizer state, and its promotion state.",
                        epilog=LS_EXAMPLES)
     add_tier_location_args(p, keep=False)  # ls lists; retention (keep) is not its business
+    g = p.add_argument_group("peer replication (the --tiers file's replicas/replication_jump, or these for --local-path)")
+    g.add_argument("--replicas", type=int, metavar="F", help="copies of each rank's files on the node-local --local-path "
+                   "tier (its Tier replicas): show each step's replica state")
+    g.add_argument("--replication-jump", type=int, metavar="J", help="rank distance between the copies (default: the "
+                   "ranks per node)")
+    g.add_argument("--ranks-per-node", type=int, metavar="N", help="ranks per node of a {node} tier (default: "
+                   "LOCAL_WORLD_SIZE, else the world size over the node directories)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
@@ -105,17 +113,57 @@ def _catalog(tiers: list) -> list:
     return list_tiers(tiers)
 
 
+def _ls_tiers(args: argparse.Namespace) -> list:
+    """``tiers_from_args`` with ``--replicas``/``--replication-jump`` applied to the ``--local-path`` tier."""
+    from dataclasses import replace
+
+    from dcp_tiered.errors import ConfigError
+
+    tiers, _ = tiers_from_args(args)
+    given = {k: v for k in ("replicas", "replication_jump") if (v := getattr(args, k, None)) is not None}
+    per_node = getattr(args, "ranks_per_node", None)  # (the demo's ls passes none of these)
+    if per_node is not None and per_node < 1:
+        raise CliError(f"--ranks-per-node must be a positive integer, got {per_node}")
+    if not given:
+        return tiers
+    if args.tiers or not args.local_path:
+        raise CliError("--replicas/--replication-jump apply to --local-path; a --tiers file gives them per tier")
+    try:
+        return [replace(t, **given) if t.name == "local" else t for t in tiers]
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _ls_listing(tiers: list, full: bool, per_node: int | None) -> tuple[list, dict]:
+    """Every checkpoint of every tier; a replicated tier's over all its node directories, with each
+    step's replica state (``(tier, step) -> state``; needs torch)."""
+    from dcp_tiered.cli.replicas import replicated_infos, step_state, tier_dirs
+    from dcp_tiered.tiers.catalog import list_tier
+
+    infos, states = [], {}
+    for index, t in enumerate(tiers):
+        if not (full and t.replicas > 1):
+            infos += list_tier(t, index, with_metadata=full)
+            continue
+        infos += replicated_infos(t, index, full)
+        dirs = tier_dirs(t)
+        for i in infos:
+            if i.tier == t.name and i.step >= 0:
+                states[(t.name, i.step)] = step_state(t, i.step, dirs, per_node)
+    return infos, states
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     import sys
 
     from dcp_tiered.checks import INSTALL_TORCH, torch_available
-    from dcp_tiered.tiers.catalog import list_tiers
+    from dcp_tiered.cli.replicas import summary
     from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
 
-    tiers, _ = tiers_from_args(args)
+    tiers = _ls_tiers(args)
     full = torch_available()  # without torch: names and sizes only (.metadata is a torch pickle)
     _check_reachable(tiers)
-    infos = list_tiers(tiers, with_metadata=full)
+    infos, states = _ls_listing(tiers, full, getattr(args, "ranks_per_node", None))
     committed_on: dict[int, list[str]] = {}
     for i in infos:
         if i.committed:
@@ -136,9 +184,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "complete": i.complete if full else None, "state": state, "size_bytes": i.size_bytes, "codec": i.codec,
                      "optimizer": optim, "pending_promotions": list(i.pending_promotions), "promotion": promo,
                      "problem": i.problem, "unusable": i.unusable})
+        if (i.tier, i.step) in states:  # only tiers with replicas > 1
+            rows[-1]["replication"] = states[(i.tier, i.step)]
     if not full:
-        print(f"note: torch is not installed: committed means .metadata is present; keys, codec, optimizer and "
-              f"completeness need torch ({INSTALL_TORCH})", file=sys.stderr)
+        print(f"note: torch is not installed: committed means .metadata is present; keys, codec, optimizer, "
+              f"completeness and replica state need torch ({INSTALL_TORCH})", file=sys.stderr)
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -148,7 +198,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     body = [(r["tier"], r["step"], r["state"], human_bytes(r["size_bytes"]), r["codec"] or "-",
              "-" if r["optimizer"] is None else "yes" if r["optimizer"] else "no", r["promotion"] or "-",
              r["problem"] or "") for r in rows]
-    print(table(body, ["tier", "step", "state", "size", "codec", "optim", "promotion", "problem"], right=(1, 3)))
+    headers = ["tier", "step", "state", "size", "codec", "optim", "promotion", "problem"]
+    if states:  # a column of its own, only when a tier replicates
+        body = [(*b[:7], summary(r["replication"]) if "replication" in r else "", b[7]) for b, r in zip(body, rows)]
+        headers.insert(7, "replicas")
+    print(table(body, headers, right=(1, 3)))
     return EXIT_OK
 
 

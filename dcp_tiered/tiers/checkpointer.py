@@ -33,7 +33,7 @@ from dcp_tiered.tiers.node_commit import commit_after_save
 from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
-from dcp_tiered.tiers.events import EventLog, SaveReport, describe_error, root_cause
+from dcp_tiered.tiers.events import EventLog, SaveReport, SaveReports, describe_error, root_cause
 from dcp_tiered.tiers.fallback import KeepStaged, fall_back
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
@@ -98,7 +98,7 @@ class TieredCheckpointer:
                                   reader_options={"threads": opts.threads, "safe_globals": self.safe_globals})
         self._due_step: int | None = None  # the step of the decision cached by due()
         self._due_names: tuple[str, ...] = ()
-        self.reports: list[SaveReport] = []
+        self.reports: list[SaveReport] = SaveReports(self.events)  # replication outcomes filled in (at wait())
         self.skipped = 0
         self._skipped_step: int | None = None
         self._saves = 0

@@ -59,6 +59,11 @@ class SaveReport:
     ok: bool | None = None  # None while an async save is in flight
     error: str | None = None
     downcast_kept: dict[str, str] = field(default_factory=dict)
+    #: Bytes this rank sent to its clique's peers for this save (its files x ``replicas - 1``) on a tier
+    #: with ``replicas > 1``.  Replication runs after the save's event was emitted: None until it ends
+    #: (filled at ``wait()`` through :class:`SaveReports`; its own ``replication`` event holds it too).
+    replicated_bytes: int | None = None
+    replication_error: str | None = None  # why this save's replication failed (then ``replicated_bytes`` stays None)
     event: str = "save"
 
     @property
@@ -74,6 +79,50 @@ class SaveReport:
         d["ratio"] = round(self.ratio, 4)
         d["throughput_mb_s"] = round(self.throughput_mb_s, 1) if self.throughput_mb_s else None
         return d
+
+
+class SaveReports(list):
+    """The list of a checkpointer's :class:`SaveReport` objects that fills in each one's replication outcome.
+
+    Subscribed to the ``EventLog``: a ``replication`` event (``tier``, ``step``, ``ok``, ``sent_bytes``
+    or ``error``, emitted by the background replication) sets ``replicated_bytes`` or ``replication_error``
+    of the newest report of that step written to that tier that has none yet.  An outcome that arrives
+    before its report is appended is kept until then."""
+
+    def __init__(self, events: "EventLog | None" = None) -> None:
+        super().__init__()
+        self._early: dict[tuple[str, int], dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        if events is not None:
+            events.hooks.append(self.observe)
+
+    def observe(self, event: dict[str, Any]) -> None:
+        if event.get("event") != "replication":
+            return
+        key = (str(event.get("tier")), event.get("step"))
+        with self._lock:
+            report = next((r for r in reversed(self) if r.tiers[:1] == [key[0]] and r.step == key[1]
+                           and r.replicated_bytes is None and r.replication_error is None), None)
+            if report is None:
+                self._early[key] = dict(event)
+                while len(self._early) > 64:  # bounded: outcomes of reports never appended
+                    del self._early[next(iter(self._early))]
+            else:
+                _fill(report, event)
+
+    def append(self, report: SaveReport) -> None:  # type: ignore[override]
+        with self._lock:
+            super().append(report)
+            early = self._early.pop((report.tiers[0] if report.tiers else "", report.step), None)
+            if early is not None:
+                _fill(report, early)
+
+
+def _fill(report: SaveReport, event: dict[str, Any]) -> None:
+    if event.get("ok"):
+        report.replicated_bytes, report.replication_error = int(event.get("sent_bytes") or 0), None
+    else:
+        report.replication_error = str(event.get("error") or "replication failed")
 
 
 class EventLog:
