@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
@@ -36,6 +37,21 @@ FLUSH_BYTES = 1 << 20
 
 def _encode_all(jobs: list[tuple[FrameCodec, np.ndarray]]) -> list[EncodedFrame]:
     return [fc.encode(arr) for fc, arr in jobs]
+
+
+class GatedPool:
+    """A pool whose jobs each hold one of ``slots`` while they run: coders shared with other
+    background work (promotion re-encodes) so that together they stay within one budget."""
+
+    def __init__(self, pool: ThreadPoolExecutor, slots: threading.Semaphore) -> None:
+        self._pool, self._slots = pool, slots
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._slots:
+            return fn(*args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(self._run, fn, *args)
 
 
 class _Batch:
@@ -95,7 +111,7 @@ def write_items(
     sources: Iterable[ItemSource],
     codec_for: Callable[[dict], FrameCodec],
     frame_size: int,
-    pool: ThreadPoolExecutor,
+    pool: "ThreadPoolExecutor | GatedPool",
     max_inflight_bytes: int,
     on_item: OnItem,
 ) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,7 +26,7 @@ from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.thread_priority import lower_thread_priority, run_lowered
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, get_codec, parse_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
-from dcp_tiered.dcp.frame_pipeline import ItemSource, write_items
+from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, write_items
 from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
@@ -124,7 +125,7 @@ def commit_metadata(storage: Storage, data: bytes, overwrite: bool, own_files: "
 
 #: CompressedWriter's own keywords: a near miss among the fsspec keywords is a typo (TypeError).
 _WRITER_ARGS = ("codec", "storage_options", "byte_group", "frame_size", "threads", "overwrite", "sync_files",
-                "check_sizes", "nice", "safe_globals", "save_id", "thread_count", "single_file_per_rank",
+                "check_sizes", "nice", "cpu_slots", "safe_globals", "save_id", "thread_count", "single_file_per_rank",
                 "per_thread_copy_ahead", "cache_staged_state_dict")
 
 
@@ -146,6 +147,9 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         nice: encode and write on threads of their own at this lower CPU priority, relative to
             the process's main thread; the calling thread keeps its priority
             (``TieredCheckpointer`` uses it for background saves, so training keeps the cores).
+        cpu_slots: a semaphore of coder slots shared with other background work: each frame's
+            encode holds one (``TieredCheckpointer`` shares its ``background_threads`` budget
+            between async saves and promotion re-encodes this way).
         safe_globals: classes/functions that non-tensor values need beyond ``torch.load``'s
             ``weights_only`` allow-list (numpy values: :func:`~dcp_tiered.dcp.objects.numpy_safe_globals`),
             as for ``torch.serialization.add_safe_globals``.  Every non-tensor item is loaded back
@@ -187,6 +191,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         sync_files: bool = True,
         check_sizes: bool = True,
         nice: int | None = None,
+        cpu_slots: threading.Semaphore | None = None,
         safe_globals: SafeGlobals | None = None,
         save_id: str | None = None,
         thread_count: int | None = None,
@@ -206,6 +211,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         self.codec = str(parse_codec(codec))
         check_frame_size(frame_size)
         check_count(nice, "nice", 0, 19, optional=True)
+        if cpu_slots is not None and not (hasattr(cpu_slots, "acquire") and hasattr(cpu_slots, "release")):
+            raise ConfigError(f"cpu_slots must be a threading.Semaphore or None, got {cpu_slots!r}")
         for flag, value in (("byte_group", byte_group), ("overwrite", overwrite), ("sync_files", sync_files),
                             ("check_sizes", check_sizes)):
             if not isinstance(value, bool):
@@ -220,6 +227,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         self.sync_files = sync_files
         self.check_sizes = check_sizes
         self.nice = nice
+        self.cpu_slots = cpu_slots
         self.safe_globals = normalize_safe_globals(safe_globals, "CompressedWriter")
         self.storage = Storage(path, self.storage_options)
         self.storage.check_reachable()
@@ -378,7 +386,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             threads, thread_name_prefix="dcp_tiered-encode", initializer=lower_thread_priority, initargs=(self.nice,)
         ) as pool:
             sources = (self._item_source(item, planner, group) for item in ordered)
-            write_items(f, sources, codec_for, self.frame_size, pool, (2 * threads + 2) * self.frame_size, on_item)
+            coders = GatedPool(pool, self.cpu_slots) if self.cpu_slots is not None else pool
+            write_items(f, sources, codec_for, self.frame_size, coders, (2 * threads + 2) * self.frame_size, on_item)
         return results
 
     def _result(self, file_name: str, src: ItemSource, start: int, lengths: list, sums: list) -> WriteResult:
