@@ -120,12 +120,17 @@ def _init(rank: int, store: str) -> object:
 
 def _restore_facts(ck, mesh, rank: int, gens: range, step: int | None = None) -> dict:
     sd = kl_state(mesh, rank, -1, 0)
+    events: list = []
+    ck.events.hooks.append(events.append)
     try:
         got = ck.restore(sd, step=step)
     except Exception as exc:  # noqa: BLE001 - reported by the test
         return {"step": "error", "error": repr(exc)}
+    finally:
+        ck.events.hooks.remove(events.append)
     return {"step": got, "gen": kl_match(sd, rank, got, gens) if got is not None else None,
-            "failures": ck.restore_failures}
+            "events": [[e["event"], e["step"], e["tier"], e.get("error")] for e in events
+                       if e.get("event", "").startswith("restore")]}
 
 
 # -- one run of the 4 ranks: restore, then train with a kill armed -----------------------------------
@@ -244,7 +249,7 @@ def _loop_rank(rank: int, store: str, data: str, out: str, it: int, plan: dict) 
     outp = Path(out)
     (outp / f"pid.rank{rank}").write_text(str(os.getpid()))
     mesh = _init(rank, store)
-    replication.CHUNK_BYTES = 512  # several chunks per file: kills land inside files
+    replication.CHUNK_BYTES = 128  # several chunks per file: kills land inside files
     ck = TieredCheckpointer(kl_tiers(data, plan.get("shared_every", 1)), leftover_grace=0)
     facts = _restore_facts(ck, mesh, rank, range(it), plan.get("from_step"))
     (outp / f"restore.rank{rank}.json").write_text(json.dumps(facts))
@@ -314,7 +319,7 @@ def make_plan(rng) -> dict:
     kind = rng.choice(KINDS)
     return {"kind": kind, "victim": 2 if kind == "node_commit" else rng.randrange(WS), "all": rng.random() < 0.4,
             "n": rng.randint(1, {"chunk": 24, "marker": 4, "save": 3, "node_commit": 3}.get(kind, 1)),
-            "delay": rng.uniform(0.5, 4.0), "steps": 3, "shared_every": 2}
+            "delay": rng.uniform(0.5, 4.0), "steps": 3, "shared_every": 3}
 
 
 def kill_loop(data: Path, out: Path, seeds: list[int]) -> list[dict]:
@@ -335,8 +340,9 @@ def kill_loop(data: Path, out: Path, seeds: list[int]) -> list[dict]:
             run["lost_node"] = lost = rng.randrange(LOCAL)
             shutil.rmtree(data / "local" / str(lost), ignore_errors=True)
         history.append(run)
+    shared = _committed(data / "shared")
     history.append(launch(ctx, data, out / "final", len(seeds) + 1, {"kind": None, "steps": 0}))
-    history[-1]["shared_before"] = _committed(data / "shared")
+    history[-1]["shared_before"] = shared
     return history
 
 
