@@ -13,7 +13,8 @@ rank's files get a copy on the other node), ``shared`` a shared directory.  Stat
   match the originals (all but rank 1's of step 3).
 - Node 1's directory is deleted (a replaced node) and the shared tier's data files are moved
   away (any read of them fails); the restart restores step 3 from ``local`` on every rank,
-  bit-exact, node 1's files fetched from node 0's replicas.
+  bit-exact, node 1's files fetched from node 0's replicas (and node 0's files kept on node 1 as
+  committed replicas again).
 - A SIGKILL of rank 0 halfway through writing rank 2's file of step 2 (step 1 fully replicated), then
   node 1's directory deleted: the restart never loads a torn state and never hangs; it restores
   bit-exact from the shared tier or an older step (step 2 on ``local`` lacks rank 2's replica).
@@ -379,7 +380,14 @@ def test_lost_node_restores_from_peer_replicas(restarted, root: Path) -> None:
         assert f["events"] == [["restore", STEPS[-1], "local"]] and f["failures"] == 0, f"rank {rank}: {f}"
     node1 = root / "data" / "local" / "1" / step_dir(STEPS[-1])
     assert (node1 / ".metadata").is_file()
-    assert {p.name.split("_")[2] for p in node1.glob("__*.distcp")} == {"2", "3"}
+    # its ranks' files, and the holders' files kept as committed replicas again (node 1 holds what it held)
+    assert {p.name.split("_")[2] for p in node1.glob("__*.distcp")} == {"0", "1", "2", "3"}
+    save_id = json.loads((node1.parent.parent / "0" / step_dir(STEPS[-1]) / ".replica-2.json").read_text())["save_id"]
+    for owner in (0, 1):
+        marker = json.loads((node1 / f".replica-{owner}.json").read_text())
+        assert marker["save_id"] == save_id and marker["step"] == STEPS[-1], marker
+        for entry in marker["files"]:
+            assert xxhash.xxh3_64((node1 / entry["file"]).read_bytes()).hexdigest() == entry["xxh3"], entry
 
 
 def test_kill_during_replication_never_restores_a_torn_state(killed, root: Path) -> None:

@@ -421,3 +421,27 @@ def test_a_resave_uncommits_every_node_before_any_rank_writes(tmp_path: Path) ->
     assert second["node1_committed_after"] is False, "node 1 holds a .metadata of the old save over new files"
     assert (why := _check_restore(third)) is None, why
     assert third["restored"][0]["step"] == 2 and third["restored"][0]["gen"] == 0, third
+
+
+def lost_node(data: Path, out: Path, _arg) -> list[dict]:
+    """Save steps 1 and 2 (replicated to the end), delete node 1's local directory, restart."""
+    import shutil
+
+    ctx = forkserver()
+    first = launch(ctx, data, out / "run0", 0, {"kind": None, "steps": 2, "shared_every": 1})
+    shutil.rmtree(data / "local" / "1")
+    second = launch(ctx, data, out / "run1", 1, {"kind": None, "steps": 0})
+    second["node1_files"] = sorted(p.name for p in (data / "local" / "1" / "step_000000002").iterdir())
+    return [first, second]
+
+
+def test_a_lost_node_whose_ranks_need_another_nodes_file_restores_through_peers(tmp_path: Path) -> None:
+    """``rep`` (replicated state) is stored once, in a node 0 rank's file: node 1's ranks need it.  After
+    node 1 is replaced, the fetch from peers brings its ranks' files and the holders' own files back
+    (committed replicas again), so the restore comes from ``local``, bit-exact, with no failed attempt."""
+    first, second = _drive(tmp_path, "lost_node", None, timeout=600)
+    assert first["codes"] == [0] * WS, first
+    assert (why := _check_restore(second)) is None, why
+    for f in second["restored"]:
+        assert f["step"] == 2 and f["events"] == [["restore", 2, "local", None]], second
+    assert {".replica-0.json", ".replica-1.json", ".metadata"} <= set(second["node1_files"]), second
