@@ -185,7 +185,7 @@ def _die(out: Path, everyone: bool) -> None:
 def _arm(plan: dict, out: Path) -> None:
     """Install the kill of ``plan`` on this rank: at the n-th write of a received replication chunk
     (``chunk``), replica marker name (``marker``, before its commit), data write of a save (``save``),
-    node commit (``node_commit``, before the node's replication), or after ``delay`` s (``timer``)."""
+    node commit (``node_commit``, before the node's replication), start of a replication (``replicate``), or after ``delay`` s (``timer``)."""
     import threading
 
     from dcp_tiered.tiers import node_commit, replication, writer
@@ -208,6 +208,9 @@ def _arm(plan: dict, out: Path) -> None:
     elif kind == "save":
         write_data = writer.TieredWriter.write_data
         writer.TieredWriter.write_data = lambda self, p, planner: (write_data(self, p, planner), hit())[0]
+    elif kind == "replicate":
+        run_job = replication.Replicator._run_job
+        replication.Replicator._run_job = lambda self, *a: (hit(), run_job(self, *a))[1]
     elif kind == "node_commit":
         commit = node_commit.commit_metadata
         node_commit.commit_metadata = lambda *a, **k: (commit(*a, **k), hit())[0]
@@ -312,13 +315,13 @@ def forkserver():
     return ctx
 
 
-KINDS = ["chunk", "chunk", "marker", "marker", "save", "node_commit", "timer"]
+KINDS = ["chunk", "chunk", "marker", "marker", "save", "node_commit", "replicate", "timer"]
 
 
 def make_plan(rng) -> dict:
     kind = rng.choice(KINDS)
     return {"kind": kind, "victim": 2 if kind == "node_commit" else rng.randrange(WS), "all": rng.random() < 0.4,
-            "n": rng.randint(1, {"chunk": 24, "marker": 4, "save": 3, "node_commit": 3}.get(kind, 1)),
+            "n": rng.randint(1, {"chunk": 24, "marker": 4, "save": 3, "node_commit": 3, "replicate": 3}.get(kind, 1)),
             "delay": rng.uniform(0.5, 4.0), "steps": 3, "shared_every": 3}
 
 
@@ -334,6 +337,8 @@ def kill_loop(data: Path, out: Path, seeds: list[int]) -> list[dict]:
         rng = random.Random(seed)
         plan = make_plan(rng)
         shared = _committed(data / "shared")
+        if shared and rng.random() < 0.3:  # resume from an older step: the steps after it are saved again
+            plan["from_step"] = shared[0]
         run = launch(ctx, data, out / f"run{it}", it, plan)
         run["shared_before"] = shared
         if rng.random() < 0.35:
@@ -366,7 +371,8 @@ def _drive(tmp_path: Path, fn: str, arg, timeout: float) -> list[dict]:
 
 def _check_restore(run: dict) -> str | None:
     """What is wrong with one restart's restore, or None: every rank restored the same save of one step,
-    bit-exact, never older than the newest step committed on the shared tier before it."""
+    bit-exact, never older than the newest step committed on the shared tier before it (the requested
+    step where the run resumed from an older one)."""
     facts = run["restored"]
     if any(f is None or f["step"] == "error" for f in facts):
         return f"a rank did not restore: {facts}"
@@ -375,6 +381,8 @@ def _check_restore(run: dict) -> str | None:
         return f"the ranks restored different states: {facts}"
     step, gen = got.pop()
     shared = run.get("shared_before") or []
+    if run["plan"].get("from_step") is not None:
+        shared = [] if step == run["plan"]["from_step"] else [step + 1]  # the requested step
     if step is None:
         return f"restored nothing although shared holds steps {shared}" if shared else None
     if gen is None:
