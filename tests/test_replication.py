@@ -32,10 +32,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import xxhash
 from gloo_ranks import read_records, record, run_ranks_recording
 
 from dcp_tiered import ConfigError, ReplicationError, StorageError, Tier, TieredCheckpointer
+from dcp_tiered.dcp.writer import CompressedWriter
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.node_commit import lacking_files, marker_name, rank_of_file
 from dcp_tiered.tiers.replication import check_replication, cliques
 
 WS, LOCAL = 4, 2
@@ -324,8 +328,7 @@ def test_copies_never_share_their_owner_directory(monkeypatch) -> None:
 def test_markers_of_an_earlier_save_are_dropped(tmp_path: Path) -> None:
     """A step saved again (after a restore from an older step) first loses the replicas of the earlier
     save: a stale marker never vouches for files of another save."""
-    from dcp_tiered.storage import Storage
-    from dcp_tiered.tiers.replication import Replicator, marker_name, read_markers
+    from dcp_tiered.tiers.replication import Replicator, read_markers
 
     child = Storage(str(tmp_path / "step_000000001"))
     child.makedirs()
@@ -415,3 +418,33 @@ def test_pins_are_counted() -> None:
     marks.pin(["local"], 5, False)
     marks.pin(["local"], 5, False)  # one release too many changes nothing
     assert marks.pinned("local") == set()
+
+
+# -- replica files count only under a committed marker of the same save -----------------------------
+
+
+def _saved_dir(tmp_path: Path) -> tuple[Storage, dict[str, int], dict]:
+    """A committed checkpoint written by rank 0 alone (its file ``__0_0.distcp``), save id ``new``."""
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}
+    url = str(tmp_path / "step_000000001")
+    dcp.save(state, storage_writer=CompressedWriter(url, save_id="new"), no_dist=True)
+    child = Storage(url)
+    return child, child.file_sizes(), {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("marker", ["none", "other save", "other size", "same save"])
+def test_a_replica_file_counts_only_under_a_committed_marker_of_the_save(tmp_path: Path, marker: str) -> None:
+    """The directory is node 1's (ranks 2 and 3); ``__0_0.distcp`` is rank 0's file, which node 1 holds
+    only as a replica: without a marker of this save at this size, a load needing it lacks it."""
+    child, files, template = _saved_dir(tmp_path)
+    data = [f for f in files if rank_of_file(f) == 0]
+    assert data, files
+    if marker != "none":
+        entries = [{"file": f, "size": files[f] + (marker == "other size"), "xxh3": "0"} for f in data]
+        save_id = "old" if marker == "other save" else "new"
+        child.commit_bytes(marker_name(0), json.dumps({"owner": 0, "save_id": save_id, "files": entries}).encode())
+    node1 = lambda f: rank_of_file(f) in (2, 3)  # noqa: E731
+    got = lacking_files(child, child.file_sizes(), template, node1)
+    assert got == ([] if marker == "same save" else sorted(data)), (marker, got)
+    # the directory's own ranks' files count as they are, marker or not
+    assert lacking_files(child, child.file_sizes(), template, lambda f: rank_of_file(f) in (0, 1)) == []

@@ -254,12 +254,12 @@ class Restorer:
     def _prepare(self, cand: Candidate, url: str) -> None:
         """Make the files this rank needs of candidate ``cand`` reachable at ``url`` (every rank calls it).
 
-        The seam for fetching missing files from peers.  Today nothing is fetched: a node-local
-        directory holds its own ranks' files only, so a candidate where a rank's load needs
-        another node's file (an item DCP deduplicated into it, e.g. replicated DDP state) is
-        refused when listing (:meth:`_lacking`); a file lost after the listing fails the load in
-        ``CompressedReader``'s check of the files of its read plan, before any data is read, and
-        every rank moves on to the next candidate together.
+        A node-local directory holds its own ranks' files and, with replication, other ranks' files
+        as replicas; a candidate where a rank's load needs another node's file (an item DCP
+        deduplicated into it, e.g. replicated DDP state) that is not here as a committed replica of
+        this save is refused when listing (:meth:`_lacking`); a file lost after the listing fails the
+        load in ``CompressedReader``'s check of the files of its read plan, before any data is read,
+        and every rank moves on to the next candidate together.
 
         A candidate usable through peers (:meth:`_through_peers`) first gets the files of the ranks
         lacking them from their clique peers (:func:`~dcp_tiered.tiers.peer_fetch.fetch`); when that
