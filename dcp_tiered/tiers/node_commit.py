@@ -9,9 +9,10 @@ directory's ranks are all there at their recorded sizes, then commits the same `
 there, with the writer's integrity trailer and commit primitive.  A directory whose files are
 not all in is never committed: restore then skips that step on the node-local tier.
 
-A node's directory holds its own ranks' files only; items DCP deduplicated into another
-node's file (replicated, DDP-style state) are not there.  Restore finds that out before
-reading any data (:class:`~dcp_tiered.dcp.reader.CompressedReader` checks every file of its
+A node's directory holds its own ranks' files, and with peer replication other ranks' files
+as replicas, which count only under a committed replica marker of the same save
+(:func:`vouched_files`); items DCP deduplicated into another node's file (replicated,
+DDP-style state) may not be there.  Restore finds that out before reading any data (:class:`~dcp_tiered.dcp.reader.CompressedReader` checks every file of its
 plan first) and every rank falls back to the next candidate together.
 """
 
