@@ -13,7 +13,8 @@ rank's files get a copy on the other node), ``shared`` a shared directory.  Stat
   match the originals (all but rank 1's of step 3).
 - Node 1's directory is deleted (a replaced node) and the shared tier's data files are moved
   away (any read of them fails); the restart restores step 3 from ``local`` on every rank,
-  bit-exact, node 1's files fetched from node 0's replicas.
+  bit-exact, node 1's files fetched from node 0's replicas (and node 0's files kept on node 1 as
+  committed replicas again).
 - A SIGKILL of rank 0 halfway through writing rank 2's file of step 2 (step 1 fully replicated), then
   node 1's directory deleted: the restart never loads a torn state and never hangs; it restores
   bit-exact from the shared tier or an older step (step 2 on ``local`` lacks rank 2's replica).
@@ -31,10 +32,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import xxhash
 from gloo_ranks import read_records, record, run_ranks_recording
 
 from dcp_tiered import ConfigError, ReplicationError, StorageError, Tier, TieredCheckpointer
+from dcp_tiered.dcp.writer import CompressedWriter
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.node_commit import lacking_files, marker_name, rank_of_file
 from dcp_tiered.tiers.replication import check_replication, cliques
 
 WS, LOCAL = 4, 2
@@ -323,8 +328,7 @@ def test_copies_never_share_their_owner_directory(monkeypatch) -> None:
 def test_markers_of_an_earlier_save_are_dropped(tmp_path: Path) -> None:
     """A step saved again (after a restore from an older step) first loses the replicas of the earlier
     save: a stale marker never vouches for files of another save."""
-    from dcp_tiered.storage import Storage
-    from dcp_tiered.tiers.replication import Replicator, marker_name, read_markers
+    from dcp_tiered.tiers.replication import Replicator, read_markers
 
     child = Storage(str(tmp_path / "step_000000001"))
     child.makedirs()
@@ -379,7 +383,14 @@ def test_lost_node_restores_from_peer_replicas(restarted, root: Path) -> None:
         assert f["events"] == [["restore", STEPS[-1], "local"]] and f["failures"] == 0, f"rank {rank}: {f}"
     node1 = root / "data" / "local" / "1" / step_dir(STEPS[-1])
     assert (node1 / ".metadata").is_file()
-    assert {p.name.split("_")[2] for p in node1.glob("__*.distcp")} == {"2", "3"}
+    # its ranks' files, and the holders' files kept as committed replicas again (node 1 holds what it held)
+    assert {p.name.split("_")[2] for p in node1.glob("__*.distcp")} == {"0", "1", "2", "3"}
+    save_id = json.loads((node1.parent.parent / "0" / step_dir(STEPS[-1]) / ".replica-2.json").read_text())["save_id"]
+    for owner in (0, 1):
+        marker = json.loads((node1 / f".replica-{owner}.json").read_text())
+        assert marker["save_id"] == save_id and marker["step"] == STEPS[-1], marker
+        for entry in marker["files"]:
+            assert xxhash.xxh3_64((node1 / entry["file"]).read_bytes()).hexdigest() == entry["xxh3"], entry
 
 
 def test_kill_during_replication_never_restores_a_torn_state(killed, root: Path) -> None:
@@ -407,3 +418,33 @@ def test_pins_are_counted() -> None:
     marks.pin(["local"], 5, False)
     marks.pin(["local"], 5, False)  # one release too many changes nothing
     assert marks.pinned("local") == set()
+
+
+# -- replica files count only under a committed marker of the same save -----------------------------
+
+
+def _saved_dir(tmp_path: Path) -> tuple[Storage, dict[str, int], dict]:
+    """A committed checkpoint written by rank 0 alone (its file ``__0_0.distcp``), save id ``new``."""
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}
+    url = str(tmp_path / "step_000000001")
+    dcp.save(state, storage_writer=CompressedWriter(url, save_id="new"), no_dist=True)
+    child = Storage(url)
+    return child, child.file_sizes(), {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("marker", ["none", "other save", "other size", "same save"])
+def test_a_replica_file_counts_only_under_a_committed_marker_of_the_save(tmp_path: Path, marker: str) -> None:
+    """The directory is node 1's (ranks 2 and 3); ``__0_0.distcp`` is rank 0's file, which node 1 holds
+    only as a replica: without a marker of this save at this size, a load needing it lacks it."""
+    child, files, template = _saved_dir(tmp_path)
+    data = [f for f in files if rank_of_file(f) == 0]
+    assert data, files
+    if marker != "none":
+        entries = [{"file": f, "size": files[f] + (marker == "other size"), "xxh3": "0"} for f in data]
+        save_id = "old" if marker == "other save" else "new"
+        child.commit_bytes(marker_name(0), json.dumps({"owner": 0, "save_id": save_id, "files": entries}).encode())
+    node1 = lambda f: rank_of_file(f) in (2, 3)  # noqa: E731
+    got = lacking_files(child, child.file_sizes(), template, node1)
+    assert got == ([] if marker == "same save" else sorted(data)), (marker, got)
+    # the directory's own ranks' files count as they are, marker or not
+    assert lacking_files(child, child.file_sizes(), template, lambda f: rank_of_file(f) in (0, 1)) == []

@@ -9,14 +9,16 @@ directory's ranks are all there at their recorded sizes, then commits the same `
 there, with the writer's integrity trailer and commit primitive.  A directory whose files are
 not all in is never committed: restore then skips that step on the node-local tier.
 
-A node's directory holds its own ranks' files only; items DCP deduplicated into another
-node's file (replicated, DDP-style state) are not there.  Restore finds that out before
-reading any data (:class:`~dcp_tiered.dcp.reader.CompressedReader` checks every file of its
+A node's directory holds its own ranks' files, and with peer replication other ranks' files
+as replicas, which count only under a committed replica marker of the same save
+(:func:`vouched_files`); items DCP deduplicated into another node's file (replicated,
+DDP-style state) may not be there.  Restore finds that out before reading any data (:class:`~dcp_tiered.dcp.reader.CompressedReader` checks every file of its
 plan first) and every rank falls back to the next candidate together.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -35,6 +37,9 @@ from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)
+
+#: Name prefix of a committed replica marker ``.replica-{owner}.json`` (:mod:`~dcp_tiered.tiers.replication`).
+MARKER_PREFIX = ".replica-"
 
 #: Global rank of the coordinator (DCP's rank 0 of the save's group), which commits in ``finish``.
 COORDINATOR = 0
@@ -162,12 +167,58 @@ def files_to_read(state_dict: dict[str, Any], metadata: Metadata) -> set[str]:
     return {record_view(metadata.storage_data[item.storage_index]).file for item in planner.create_local_plan().items}
 
 
-def lacking_files(child: Storage, files: dict[str, int], state_dict: dict[str, Any]) -> list[str]:
+def marker_name(owner: int) -> str:
+    return f"{MARKER_PREFIX}{owner}.json"
+
+
+def read_markers(child: Storage) -> dict[int, dict[str, Any]]:
+    """The committed replica markers in step directory ``child``: owner rank -> marker (unreadable ones left out)."""
+    out: dict[int, dict[str, Any]] = {}
+    for name, _size in child.file_sizes().items():
+        if not (name.startswith(MARKER_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            marker = json.loads(child.read_bytes(name, 1 << 20))
+            out[int(marker["owner"])] = marker
+        except (DcpTieredError, ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable replica marker %s: %s", child.url_of(name), exc)
+    return out
+
+
+def vouched_files(child: Storage, metadata: Metadata) -> dict[str, int]:
+    """The data files of other directories' ranks that ``child`` holds as committed replicas of the save
+    ``metadata`` describes: named, with their size, by a ``.replica-{owner}.json`` marker of that save
+    id (:mod:`~dcp_tiered.tiers.replication`).  A file without such a marker (its replication was
+    killed before the marker, or it is left from an earlier save of the step) is not vouched for."""
+    save_id = getattr(metadata.storage_meta, "save_id", None)
+    out: dict[str, int] = {}
+    if not save_id:
+        return out
+    for owner, marker in read_markers(child).items():
+        if marker.get("save_id") != save_id:
+            continue
+        for entry in marker.get("files") or []:
+            try:
+                name, size = str(entry["file"]), int(entry["size"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if rank_of_file(name) == owner:
+                out[name] = size
+    return out
+
+
+def lacking_files(child: Storage, files: dict[str, int], state_dict: dict[str, Any],
+                  own: Callable[[str], bool] | None = None) -> list[str]:
     """The data files this rank would read from the committed node-local directory ``child``
     (``files``: what it holds, with sizes) that are not there at full size: files of another
-    node's ranks, e.g. replicated items that DCP stored once.  Empty when the directory holds
+    node's ranks, e.g. replicated items that DCP stored once.  With ``own`` (which files the
+    directory's own ranks wrote), a file of another rank counts only as a committed replica of
+    this save (:func:`vouched_files`) at its recorded size.  Empty when the directory holds
     every file, or when the plan cannot be made here (the load then reports the problem)."""
     metadata = load_metadata(child)
+    if own is not None:
+        vouched = vouched_files(child, metadata)
+        files = {f: size for f, size in files.items() if own(f) or vouched.get(f) == size}
     absent = {f for f, size in expected_files(metadata, lambda f: True).items() if files.get(f, -1) < size}
     if not absent:
         return []

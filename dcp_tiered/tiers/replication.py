@@ -36,7 +36,8 @@ import xxhash
 from dcp_tiered.errors import ConfigError, DcpTieredError, ReplicationError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.layout import step_name
-from dcp_tiered.tiers.node_commit import expected_files, node_of, rank_of_file
+from dcp_tiered.tiers.node_commit import (  # noqa: F401 - MARKER_PREFIX, marker_name, read_markers re-exported
+    MARKER_PREFIX, expected_files, marker_name, node_of, rank_of_file, read_markers)
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ CHUNK_BYTES = 64 << 20
 IDLE_S = 5.0
 #: Seconds a clique collective may wait for a peer before the replication fails.
 TIMEOUT_S = 300.0
-MARKER_PREFIX = ".replica-"
 FileEntry = tuple[str, int, str]  # (name, size, xxh3-64 hex digest)
 
 
@@ -88,24 +88,6 @@ def check_replication(tier: Tier, world: int) -> list[list[int]]:
             raise ConfigError(f"{where}: ranks {clique} would keep their copies in the same directory; set "
                               "LOCAL_WORLD_SIZE (torchrun does) and replication_jump to the ranks per node")
     return found
-
-
-def marker_name(owner: int) -> str:
-    return f"{MARKER_PREFIX}{owner}.json"
-
-
-def read_markers(child: Storage) -> dict[int, dict[str, Any]]:
-    """The committed replica markers in step directory ``child``: owner rank -> marker (unreadable ones left out)."""
-    out: dict[int, dict[str, Any]] = {}
-    for name, _size in child.file_sizes().items():
-        if not (name.startswith(MARKER_PREFIX) and name.endswith(".json")):
-            continue
-        try:
-            marker = json.loads(child.read_bytes(name, 1 << 20))
-            out[int(marker["owner"])] = marker
-        except (DcpTieredError, ValueError, KeyError, TypeError) as exc:
-            log.warning("unreadable replica marker %s: %s", child.url_of(name), exc)
-    return out
 
 
 def file_digest(storage: Storage, name: str, size: int, chunk: int = CHUNK_BYTES) -> str:

@@ -33,6 +33,9 @@ from dcp_tiered.tiers.spec import Tier
 log = logging.getLogger(__name__)
 
 Candidate = tuple[int, int]  # (step, tier index)
+#: Start of the reason a rank refuses a candidate whose load needs another node's files (:meth:`Restorer._lacking`):
+#: a fetch from peers brings a rank's own files only, so such a candidate is never made usable through peers.
+NEEDS_OTHERS = "its load needs "
 View = tuple[int, int, "str | None", "str | None"]  # (step, tier index, why unusable or None, save id)
 
 
@@ -143,7 +146,7 @@ class Restorer:
                         extra = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
                         why = f"lacks key(s) {missing[:3]}{extra} of the state dict"
                 if why is None and holds is not None and precheck is not None:
-                    why = self._lacking(tier, info, precheck)
+                    why = self._lacking(tier, info, precheck, holds)
                 out.append((info.step, i, why, info.save_id))
         return out
 
@@ -205,6 +208,8 @@ class Restorer:
         holding committed replicas (then :meth:`_prepare` fetches them); every rank decides alike."""
         if self.replicator.group_of(self.tiers[cand[1]].name) is None or len(save_ids - {None}) != 1:
             return False
+        if any(why is not None and why.startswith(NEEDS_OTHERS) for why in by_rank.values()):
+            return False  # the fetch would bring the rank's own files, not the other node's it needs
         ok = [r for r in range(len(held)) if r in by_rank and by_rank[r] is None]
         lacking = [r for r in range(len(held)) if r not in ok]
         cliques = [c for c, _g in self.replicator.all_groups[self.tiers[cand[1]].name]]
@@ -213,16 +218,18 @@ class Restorer:
             self._fetch[cand] = plan
         return plan is not None
 
-    def _lacking(self, tier: Tier, info: Any, state_dict: dict[str, Any]) -> str | None:
-        """Why this rank cannot load the node-local checkpoint ``info`` from its own node, or None."""
+    def _lacking(self, tier: Tier, info: Any, state_dict: dict[str, Any], own: Callable[[str], bool]) -> str | None:
+        """Why this rank cannot load the node-local checkpoint ``info`` from its own node, or None: its load
+        needs a file of another directory's rank that is not here as a committed replica of this save."""
         try:
-            lacking = lacking_files(tier_storage(tier, self.rank, self.node).child(info.name), info.files, state_dict)
+            lacking = lacking_files(tier_storage(tier, self.rank, self.node).child(info.name), info.files, state_dict,
+                                    own)
         except DcpTieredError as exc:
             return f"unreadable metadata: {describe_error(exc)}"
         if not lacking:
             return None
-        return (f"its load needs {lacking[:3]}{' ...' if len(lacking) > 3 else ''}, held by another node only "
-                "(items DCP stored once, e.g. replicated state); fetching them from peers is not supported yet")
+        return (f"{NEEDS_OTHERS}{lacking[:3]}{' ...' if len(lacking) > 3 else ''}, held by another node only, "
+                "not as a committed replica of this save here (items DCP stored once, e.g. replicated state)")
 
     def _broadcasting(self, broadcast: Any) -> bool:
         return broadcast is not False and broadcast is not None and self.distributed
@@ -247,12 +254,12 @@ class Restorer:
     def _prepare(self, cand: Candidate, url: str) -> None:
         """Make the files this rank needs of candidate ``cand`` reachable at ``url`` (every rank calls it).
 
-        The seam for fetching missing files from peers.  Today nothing is fetched: a node-local
-        directory holds its own ranks' files only, so a candidate where a rank's load needs
-        another node's file (an item DCP deduplicated into it, e.g. replicated DDP state) is
-        refused when listing (:meth:`_lacking`); a file lost after the listing fails the load in
-        ``CompressedReader``'s check of the files of its read plan, before any data is read, and
-        every rank moves on to the next candidate together.
+        A node-local directory holds its own ranks' files and, with replication, other ranks' files
+        as replicas; a candidate where a rank's load needs another node's file (an item DCP
+        deduplicated into it, e.g. replicated DDP state) that is not here as a committed replica of
+        this save is refused when listing (:meth:`_lacking`); a file lost after the listing fails the
+        load in ``CompressedReader``'s check of the files of its read plan, before any data is read,
+        and every rank moves on to the next candidate together.
 
         A candidate usable through peers (:meth:`_through_peers`) first gets the files of the ranks
         lacking them from their clique peers (:func:`~dcp_tiered.tiers.peer_fetch.fetch`); when that

@@ -185,6 +185,13 @@ class TieredWriter(StorageWriter):
             raise ConfigError("TieredWriter needs a checkpoint name: pass checkpoint_id='step_000000100' to dcp.save or step=")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Un-commit this rank's directory of a node-local primary tier (not the coordinator's, which
+        :meth:`prepare_global_plan` un-commits under its claim) when replacing a step: every rank does
+        it here, before the global plan's collective, so no rank writes a data file while a
+        ``.metadata`` of an earlier save of the step still stands in any node's directory."""
+        primary = self.by_name[self.due[0]] if self.due else None
+        if primary is not None and primary.node_local and self.overwrite and not self._coordinator_dir(primary):
+            self._target(primary).remove(METADATA_FILE)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -219,8 +226,9 @@ class TieredWriter(StorageWriter):
         target = self._target(primary)  # each rank: node-local tiers differ per node
         if primary.node_local and not self._coordinator_dir(primary):
             # Un-commit a directory that an earlier save of this step committed before rewriting its
-            # files (the coordinator's is un-committed in prepare_global_plan); the save's node
-            # commit (:mod:`~dcp_tiered.tiers.node_commit`) commits it again once its files are in.
+            # files (done already in prepare_local_plan where every rank knew the tier; the
+            # coordinator's is un-committed in prepare_global_plan); the save's node commit
+            # (:mod:`~dcp_tiered.tiers.node_commit`) commits it again once its files are in.
             target.remove(METADATA_FILE)
         url = target.url
         inner = CompressedWriter(url, codec=primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
