@@ -93,13 +93,15 @@ def _step_facts(child: Storage) -> dict[str, Any]:
     return facts
 
 
-def _marker_ok(marker: dict[str, Any], facts: dict[str, Any]) -> bool:
+def _marker_ok(owner: int, marker: dict[str, Any], facts: dict[str, Any]) -> bool:
     """A marker vouches for its owner's files: from the save committed here, every file present at full size."""
+    from dcp_tiered.tiers.node_commit import marker_files  # needs torch, as the rest of the replica state
+
     if facts["save_id"] is not None and marker.get("save_id") != facts["save_id"]:
         return False
-    entries = marker.get("files") or []
-    return bool(entries) and all(isinstance(e, dict) and facts["files"].get(str(e.get("file")), -1) >= int(e.get("size", 0))
-                                 for e in entries)
+    named = marker_files(marker, owner)
+    return bool(named) and len(named) == len(marker.get("files") or []) and all(
+        facts["files"].get(name, -1) >= size for name, size in named.items())
 
 
 def ranks_per_node(given: int | None, world: int, dirs: int) -> int:
@@ -141,7 +143,7 @@ def step_state(tier: Tier, step: int, dirs: dict[int, Storage], per_node: int | 
     held: dict[int, list[int]] = {}
     for k in range(dir_of(world - 1) + 1):
         f = facts.get(k)
-        held[k] = sorted(o for o, m in f["markers"].items() if _marker_ok(m, f)) if f else []
+        held[k] = sorted(o for o, m in f["markers"].items() if _marker_ok(o, m, f)) if f else []
         out["dirs"].append({
             "index": k, "url": f["url"] if f else _resolve(tier, k), "exists": f is not None and bool(f["files"]),
             "committed": bool(f and f["committed"]), "ranks": [r for r in range(world) if dir_of(r) == k],

@@ -195,15 +195,21 @@ def vouched_files(child: Storage, metadata: Metadata) -> dict[str, int]:
     if not save_id:
         return out
     for owner, marker in read_markers(child).items():
-        if marker.get("save_id") != save_id:
+        if marker.get("save_id") == save_id:
+            out.update(marker_files(marker, owner))
+    return out
+
+
+def marker_files(marker: dict[str, Any], owner: int) -> dict[str, int]:
+    """The files (name -> size) a replica marker of ``owner`` names that are ``owner``'s; malformed entries left out."""
+    out: dict[str, int] = {}
+    for entry in marker.get("files") or []:
+        try:
+            name, size = str(entry["file"]), int(entry["size"])
+        except (KeyError, TypeError, ValueError):
             continue
-        for entry in marker.get("files") or []:
-            try:
-                name, size = str(entry["file"]), int(entry["size"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            if rank_of_file(name) == owner:
-                out[name] = size
+        if rank_of_file(name) == owner:
+            out[name] = size
     return out
 
 

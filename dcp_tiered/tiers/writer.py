@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -64,7 +65,7 @@ class TieredWriter(StorageWriter):
         promoter: the background promoter to use (default: one owned by this writer;
             call :meth:`wait` / :meth:`close` to finish its work).
         clock: wall-clock function for schedules.
-        threads, frame_size, nice, overwrite: passed to each tier's ``CompressedWriter`` (``overwrite``
+        threads, frame_size, nice, cpu_slots, overwrite: passed to each tier's ``CompressedWriter`` (``overwrite``
             replaces a checkpoint of the same name, e.g. after a restore from an older step).
 
     ``checkpoint_id`` (``dcp.save(..., checkpoint_id="step_000000100")``, see
@@ -83,6 +84,7 @@ class TieredWriter(StorageWriter):
         frame_size: int | None = None,
         step: int | None = None,
         nice: int | None = None,
+        cpu_slots: threading.Semaphore | None = None,
         overwrite: bool = False,
         safe_globals: "Sequence[Any] | None" = None,
     ) -> None:
@@ -105,7 +107,7 @@ class TieredWriter(StorageWriter):
         self.clock = clock
         self.threads = threads
         self.frame_size = frame_size
-        self.nice = nice
+        self.nice, self.cpu_slots = nice, cpu_slots
         self.overwrite = overwrite
         self.step = step
         self.name: str | None = None
@@ -220,7 +222,8 @@ class TieredWriter(StorageWriter):
         self._plan_tiers = tp.tiers
         primary = self.by_name[tp.tiers[0]]
         kwargs: dict[str, Any] = {"storage_options": primary.storage_options, "threads": self.threads,
-                                  "check_sizes": not primary.node_local, "nice": self.nice}
+                                  "check_sizes": not primary.node_local, "nice": self.nice,
+                                  "cpu_slots": self.cpu_slots}
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
         target = self._target(primary)  # each rank: node-local tiers differ per node
