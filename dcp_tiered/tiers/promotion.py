@@ -11,7 +11,8 @@ promotions resume after a restart.  Intents are untrusted input: validated
 lane per target tier (a stalled tier never delays the others); :mod:`~dcp_tiered.tiers.intents`
 is the source side, :mod:`~dcp_tiered.tiers.fragments` the target side (copies, fragments, the
 commit and its bounded wait, :func:`fragment_wait_bound`), and
-:class:`~dcp_tiered.tiers.retention.Retention` decides and deletes, queued behind promotions.
+:class:`~dcp_tiered.tiers.retention.Retention` decides and deletes, after each save and after each
+promotion (of its source and its target), sparing the steps promotions still read.
 """
 
 from __future__ import annotations
@@ -183,19 +184,27 @@ class Promoter:
         progress can be older than the newest committed checkpoint."""
         self.marks.pin(tier_names, step, writing)
 
-    def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
-        """Queue retention for ``tier``: it runs once every promotion from or to ``tier`` queued before it is done."""
-        before = [j for j in self.jobs.jobs() if isinstance(j.reads, tuple) and tier.name in (j.reads[0], j.lane)]
-
+    def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = (),
+                  after: Job | None = None) -> None:
+        """Queue retention for ``tier`` on its lane; it waits for no promotion (``after``: only for that job
+        to be done).  The steps queued or running promotions read stay (:meth:`busy_steps`), the rest
+        retention does not keep goes now: a lagging slower tier never makes a fast tier hold every save."""
         def run(job: Job) -> float | None:
-            pending = set(self.jobs.jobs())
-            waiting = [j for j in before if j in pending]
-            if waiting and not self.jobs.stopped.is_set():  # poll without holding the lane
-                return job.poll_again(f"waiting for {len(waiting)} promotion(s) of {tier.name} to finish")
+            if after is not None and after in self.jobs.jobs() and not self.jobs.stopped.is_set():
+                return job.poll_again(f"waiting for {after.what} to end")
             self._run_retention(tier, tuple(protect), tuple(busy))
             return None
 
         self.jobs.submit(Job(tier.name, run, f"retention of {tier.name}"))
+
+    def _released(self, job: Job, source: Tier) -> None:
+        """A promotion ``job`` stopped reading its source step: retention of the source tier, which kept that
+        step for it beyond ``keep``, once the job is done (where this rank applies retention to it)."""
+        if self.keeper.applies_to(source) and not self.jobs.stopped.is_set():
+            try:
+                self.retention(source, after=job)
+            except PromotionError:  # closed meanwhile: the next run's retention deletes it
+                pass
 
     def resume(self) -> int:
         """Queue the unfinished promotions this rank recorded before a restart; return how many.
@@ -301,6 +310,10 @@ class Promoter:
         report.seconds, report.attempts = time.monotonic() - t0, attempts
         self._record(report, raise_later, cause)
 
+    def retain_now(self, tier: Tier) -> None:
+        """Retention of ``tier`` now, on the calling thread (before a save checks the tier's memory budget)."""
+        self._run_retention(tier, (), ())
+
     def _run_retention(self, tier: Tier, protect: tuple[int, ...], busy: tuple[int, ...]) -> None:
         def failed(info: Any, exc: DcpTieredError) -> None:  # reported, not raised: retention tries again next time
             self._record(PromotionReport(info.step, tier.name, tier.name, "retention", ok=True,
@@ -318,6 +331,14 @@ class Promoter:
         intent.drop(self._source_dir(intent), target, data, meta, temp_grace=self.leftover_grace)
 
     def _promote(self, job: Job) -> float | None:
+        """Promote one intent to one target (:meth:`_promote_once`); once done, retention of its source."""
+        again = self._promote_once(job)
+        source = self.by_name.get(job.args[0].source)
+        if again is None and source is not None:
+            self._released(job, source)
+        return again
+
+    def _promote_once(self, job: Job) -> float | None:
         """Promote one intent to one target: this rank's data file, then (coordinator) the commit."""
         intent, target_name = job.args
         source, target = self.by_name.get(intent.source), self.by_name.get(target_name)
