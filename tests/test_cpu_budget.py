@@ -202,9 +202,9 @@ def test_refused_memory_save_with_no_other_due_tier_still_fails(shm_dir, tmp_pat
     mem = Tier("mem", shm_dir / "ckpt", memory_budget=2 * MIB)
     disk = Tier("disk", tmp_path / "disk", every_steps=10)
     with TieredCheckpointer([mem, disk], async_save=True) as ck:
-        ck.maybe_save(1, _state(1, 1 << 20))  # only the memory tier is due at step 1
-        with pytest.raises(SaveError, match="memory tier 'mem' refuses the save"):
-            ck.wait()
+        with pytest.raises(SaveError, match="memory tier 'mem' refuses the save"):  # decided before staging
+            ck.maybe_save(1, _state(1, 1 << 20))  # only the memory tier is due at step 1
+        ck.wait()
     assert _files(shm_dir / "ckpt") == {} and not (tmp_path / "disk").exists()
 
 
@@ -225,3 +225,27 @@ def test_two_ranks_fall_back_together(shm_dir, tmp_path):  # noqa: F811
     assert (shm_dir / "ok0").is_file() and (shm_dir / "ok1").is_file()
     assert not (shm_dir / "ckpt").exists() or not any((shm_dir / "ckpt").iterdir())
     assert (tmp_path / "disk" / "step_000000001" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_sync_and_async_refusals_give_the_same_steps_on_disk(shm_dir, tmp_path, use_async):  # noqa: F811
+    """A memory tier too small for the state, disk due every 2 steps: the refusal is decided before
+    staging, so an async save refuses at the call that asked for it, exactly as a sync one (falling
+    back to disk when it is due, raising at once when not), and never costs the next save."""
+    mem = Tier("mem", shm_dir / "ckpt", memory_budget=3 * MIB)
+    disk = Tier("disk", tmp_path / "disk", every_steps=2, keep=10)
+    outcome = {}
+    with TieredCheckpointer([mem, disk], async_save=use_async) as ck:
+        for step in range(1, 8):
+            try:
+                report = ck.maybe_save(step, {"w": torch.full((1 << 20,), float(step))})  # 4 MiB
+                outcome[step] = report.tiers
+            except SaveError as exc:
+                assert "memory tier 'mem' refuses the save" in str(exc)
+                outcome[step] = "refused"
+        ck.wait()
+        assert all(r.ok for r in ck.reports if r.tiers == ["disk"])
+    on_disk = sorted(int(p.name[5:]) for p in (tmp_path / "disk").iterdir() if (p / ".metadata").is_file())
+    assert on_disk == [2, 4, 6], (on_disk, outcome)
+    assert outcome == {1: "refused", 2: ["disk"], 3: "refused", 4: ["disk"], 5: "refused", 6: ["disk"], 7: "refused"}
+    assert _files(shm_dir / "ckpt") == {}

@@ -181,7 +181,7 @@ def node_save_bytes(plans: Sequence[Any], node_of: Any, frame_size: int | None =
             known = sizes[rank].get(it.index) if sizes is not None else None
             if known is None:
                 td = getattr(it, "tensor_data", None)
-                known = item_bytes(it, frame, itemsize=None if td is None else
+                known = item_bytes(it, frame, itemsize=None if td is None or not tier_dtype else
                                    downcast_itemsize(it.index.fqn, td.properties.dtype, tier_dtype))
             out[node_of(rank)] += known
     return dict(out)
