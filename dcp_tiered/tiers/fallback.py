@@ -110,7 +110,6 @@ def check_budget(ck: Any, sd: Mapping[str, Any], report: SaveReport) -> None:
                                 rank=ck.rank, world=ck.world, group=ck._decide_pg, src=ck._src)
         if exc is None:
             return
-        ck.promoter.retention(primary)  # what retention may delete goes now: the next save may fit
         if not fall_back(report, exc, ck.events):
             fail_save(ck, report, exc, time.perf_counter())
 

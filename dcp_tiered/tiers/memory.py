@@ -6,7 +6,11 @@ not fit fails before any byte is written, instead of filling the RAM the trainin
 
 Retention deletes the previous checkpoint only after the new one commits, so while a save is
 written the tier holds its ``keep`` checkpoints plus the new one: a budget for ``keep=1`` must
-hold two checkpoints.
+hold two checkpoints.  The budget counts everything the tier holds and will go on holding
+(:func:`held_bytes`): the checkpoints retention keeps, those pending promotions still read (a
+slower tier lagging behind), and leftovers of crashed saves for ``leftover_grace``.  The new save is
+counted at an upper bound of its stored size (:func:`local_item_bytes`: raw bytes at the tier's dtype,
+frame headers, non-tensor values by their size; the codec is not counted).
 """
 
 from __future__ import annotations

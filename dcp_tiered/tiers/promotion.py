@@ -17,6 +17,7 @@ promotion (of its source and its target), sparing the steps promotions still rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -105,21 +106,11 @@ class Promoter:
     restore candidate pinned by the caller).
     """
 
-    def __init__(
-        self,
-        tiers: Sequence[Tier],
-        *,
-        rank: int = 0,
-        node: int = 0,
-        is_coordinator: bool = True,
-        retry: RetryPolicy = RetryPolicy(),
-        metadata_timeout: float | None = None,
-        on_report: Callable[[PromotionReport], None] | None = None,
-        nice: int | None = 10,
-        cpu_slots: int | None = None,
-        optimizer_keys: Sequence[str] = (),
-        leftover_grace: float = 3600.0,
-    ) -> None:
+    def __init__(self, tiers: Sequence[Tier], *, rank: int = 0, node: int = 0, is_coordinator: bool = True,
+                 retry: RetryPolicy = RetryPolicy(), metadata_timeout: float | None = None,
+                 on_report: Callable[[PromotionReport], None] | None = None, nice: int | None = 10,
+                 cpu_slots: int | None = None, optimizer_keys: Sequence[str] = (), leftover_grace: float = 3600.0
+                 ) -> None:
         self.tiers = list(tiers)
         self.by_name = {t.name: t for t in self.tiers}
         self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
@@ -184,11 +175,9 @@ class Promoter:
         progress can be older than the newest committed checkpoint."""
         self.marks.pin(tier_names, step, writing)
 
-    def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = (),
-                  after: Job | None = None) -> None:
-        """Queue retention for ``tier`` on its lane; it waits for no promotion (``after``: only for that job
-        to be done).  The steps queued or running promotions read stay (:meth:`busy_steps`), the rest
-        retention does not keep goes now: a lagging slower tier never makes a fast tier hold every save."""
+    def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = (), after: Job | None = None) -> None:
+        """Queue retention for ``tier``, waiting for no promotion (``after``: for that job to end).  Steps that
+        promotions read stay (:meth:`busy_steps`): a lagging slow tier never makes a fast one hold every save."""
         def run(job: Job) -> float | None:
             if after is not None and after in self.jobs.jobs() and not self.jobs.stopped.is_set():
                 return job.poll_again(f"waiting for {after.what} to end")
@@ -196,15 +185,6 @@ class Promoter:
             return None
 
         self.jobs.submit(Job(tier.name, run, f"retention of {tier.name}"))
-
-    def _released(self, job: Job, source: Tier) -> None:
-        """A promotion ``job`` stopped reading its source step: retention of the source tier, which kept that
-        step for it beyond ``keep``, once the job is done (where this rank applies retention to it)."""
-        if self.keeper.applies_to(source) and not self.jobs.stopped.is_set():
-            try:
-                self.retention(source, after=job)
-            except PromotionError:  # closed meanwhile: the next run's retention deletes it
-                pass
 
     def resume(self) -> int:
         """Queue the unfinished promotions this rank recorded before a restart; return how many.
@@ -331,11 +311,11 @@ class Promoter:
         intent.drop(self._source_dir(intent), target, data, meta, temp_grace=self.leftover_grace)
 
     def _promote(self, job: Job) -> float | None:
-        """Promote one intent to one target (:meth:`_promote_once`); once done, retention of its source."""
-        again = self._promote_once(job)
-        source = self.by_name.get(job.args[0].source)
-        if again is None and source is not None:
-            self._released(job, source)
+        """:meth:`_promote_once`; once done, retention of its source (it kept the step for this job) after it."""
+        again, source = self._promote_once(job), self.by_name.get(job.args[0].source)
+        if again is None and source is not None and self.keeper.applies_to(source) and not self.jobs.stopped.is_set():
+            with contextlib.suppress(PromotionError):  # closed meanwhile: the next run's retention deletes it
+                self.retention(source, after=job)
         return again
 
     def _promote_once(self, job: Job) -> float | None:
