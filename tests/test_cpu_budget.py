@@ -163,6 +163,34 @@ def test_promotion_reencodes_keep_to_background_threads(tmp_path, monkeypatch, s
         _assert_same(out, sd)
 
 
+def test_async_saves_and_promotion_reencodes_share_one_budget(tmp_path, monkeypatch):
+    """With ``background_threads=1`` an async save's encoders and a promotion's re-encodes, running
+    in the same window, never encode at the same time: one budget of coders for all background work."""
+    counter = _EncodeCounter(monkeypatch)
+    spans: list[tuple[str, float, float]] = []
+    counted = FrameCodec.encode
+
+    def encode(fc, *args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return counted(fc, *args, **kwargs)
+        finally:
+            spans.append((threading.current_thread().name, t0, time.monotonic()))
+
+    monkeypatch.setattr(FrameCodec, "encode", encode)
+    sd = _many_frames()
+    tiers = [Tier("a", tmp_path / "a", codec="zstd:1"), Tier("b", tmp_path / "b", codec="lz4")]
+    with TieredCheckpointer(tiers, frame_size=256 * 1024, background_threads=1, async_save=True) as ck:
+        for step in (1, 2, 3):  # each save's promotion to b re-encodes while the next save encodes
+            ck.maybe_save(step, sd, force=True)
+        ck.wait()
+    saves = [(a, b) for name, a, b in spans if "encode" in name]
+    promos = [(a, b) for name, a, b in spans if "promoter" in name]
+    assert saves and promos
+    assert min(b for _a, b in promos) < max(b for _a, b in saves)  # the two kinds ran in the same window
+    assert counter.most == 1  # ...but never two coders at once
+
+
 # --------------------------------------------------------------------------- memory tier refusal: fall back
 
 
@@ -202,9 +230,9 @@ def test_refused_memory_save_with_no_other_due_tier_still_fails(shm_dir, tmp_pat
     mem = Tier("mem", shm_dir / "ckpt", memory_budget=2 * MIB)
     disk = Tier("disk", tmp_path / "disk", every_steps=10)
     with TieredCheckpointer([mem, disk], async_save=True) as ck:
-        ck.maybe_save(1, _state(1, 1 << 20))  # only the memory tier is due at step 1
-        with pytest.raises(SaveError, match="memory tier 'mem' refuses the save"):
-            ck.wait()
+        with pytest.raises(SaveError, match="memory tier 'mem' refuses the save"):  # decided before staging
+            ck.maybe_save(1, _state(1, 1 << 20))  # only the memory tier is due at step 1
+        ck.wait()
     assert _files(shm_dir / "ckpt") == {} and not (tmp_path / "disk").exists()
 
 
@@ -225,3 +253,27 @@ def test_two_ranks_fall_back_together(shm_dir, tmp_path):  # noqa: F811
     assert (shm_dir / "ok0").is_file() and (shm_dir / "ok1").is_file()
     assert not (shm_dir / "ckpt").exists() or not any((shm_dir / "ckpt").iterdir())
     assert (tmp_path / "disk" / "step_000000001" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_sync_and_async_refusals_give_the_same_steps_on_disk(shm_dir, tmp_path, use_async):  # noqa: F811
+    """A memory tier too small for the state, disk due every 2 steps: the refusal is decided before
+    staging, so an async save refuses at the call that asked for it, exactly as a sync one (falling
+    back to disk when it is due, raising at once when not), and never costs the next save."""
+    mem = Tier("mem", shm_dir / "ckpt", memory_budget=3 * MIB)
+    disk = Tier("disk", tmp_path / "disk", every_steps=2, keep=10)
+    outcome = {}
+    with TieredCheckpointer([mem, disk], async_save=use_async) as ck:
+        for step in range(1, 8):
+            try:
+                report = ck.maybe_save(step, {"w": torch.full((1 << 20,), float(step))})  # 4 MiB
+                outcome[step] = report.tiers
+            except SaveError as exc:
+                assert "memory tier 'mem' refuses the save" in str(exc)
+                outcome[step] = "refused"
+        ck.wait()
+        assert all(r.ok for r in ck.reports if r.tiers == ["disk"])
+    on_disk = sorted(int(p.name[5:]) for p in (tmp_path / "disk").iterdir() if (p / ".metadata").is_file())
+    assert on_disk == [2, 4, 6], (on_disk, outcome)
+    assert outcome == {1: "refused", 2: ["disk"], 3: "refused", 4: ["disk"], 5: "refused", 6: ["disk"], 7: "refused"}
+    assert _files(shm_dir / "ckpt") == {}

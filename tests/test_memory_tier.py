@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
+import threading
+import time
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -157,18 +160,72 @@ def test_budget_problem_refuses_exactly_over_budget(needed, held, budget):
     assert (problem is not None) == (needed + held > budget)
     if problem:
         assert "'mem'" in problem and str(budget) in problem and str(needed + held) in problem
-        assert "raise memory_budget" in problem and "lower keep" in problem and "codec" in problem
+        assert "raise memory_budget" in problem and "lower keep" in problem and "dtype='bf16'" in problem
+        assert "codec" not in problem  # the estimate counts raw bytes: a codec would not change it
+
+
+def _info(step: int, size: int, committed: bool = True, pending: tuple = (), keys: frozenset | None = None):
+    from dcp_tiered.tiers.catalog import CheckpointInfo
+
+    name = f"step_{step:09d}"
+    return CheckpointInfo("mem", 0, step, name, f"/x/{name}", committed, size, pending_promotions=pending, keys=keys)
 
 
 def test_budget_problem_free_space_and_held_bytes():
     assert "only 100 bytes free" in budget_problem("mem", 200, 0, None, 100, 1)
     assert budget_problem("mem", 100, 10**9, None, 100, 1) is None  # held bytes already take their space
-    sizes = {"step_000000001/__0_0.distcp": 100, "step_000000001/.metadata": 5, "step_000000002/__0_0.distcp": 7,
-             "step_000000003/__0_0.distcp": 50, "step_000000003/.metadata": 3, "stray": 1000}
-    assert held_bytes(sizes, keep=1) == 53  # step 1 is retention's to delete, step 2 an interrupted save
-    assert held_bytes(sizes, keep=2) == 158
-    assert held_bytes(sizes, keep=2, replacing="step_000000003") == 105
-    assert held_bytes({}, keep=1) == 0
+    assert "dtype='bf16'" not in budget_problem("mem", 200, 0, 100, None, 1, dtype="bf16")
+    infos = [_info(1, 105), _info(2, 7, committed=False), _info(3, 53)]
+    # keep=1: step 1 is retention's to delete; step 2, a crashed save's leftover, stays for the grace period
+    assert held_bytes(infos, keep=1) == 60
+    assert held_bytes(infos, keep=1, own=[2]) == 53  # this process's own leftover: deleted at once
+    assert held_bytes(infos, keep=2) == 165
+    assert held_bytes(infos, keep=2, replacing="step_000000003") == 112
+    assert held_bytes([], keep=1) == 0
+
+
+def test_held_bytes_counts_steps_promotions_still_read():
+    """Steps pinned by pending promotions (an intent in the directory, or a queued job of this process)
+    stay in the tier past keep: the budget counts them."""
+    infos = [_info(1, 100, pending=("disk",)), _info(2, 10), _info(3, 1)]
+    assert held_bytes(infos, keep=1) == 101
+    assert held_bytes(infos, keep=1, busy=[2]) == 111
+    assert held_bytes(infos, keep=1, known_tiers={"other"}) == 1  # an intent naming no known tier pins nothing
+
+
+def test_held_bytes_counts_the_newest_full_checkpoint_beyond_keep():
+    """optimizer_every > 1: retention keeps the newest checkpoint holding the optimizer state beyond keep."""
+    infos = [_info(1, 300, keys=frozenset({"model.w", "optim.m"})), _info(2, 100, keys=frozenset({"model.w"}))]
+    assert held_bytes(infos, keep=1, optimizer_keys=("optim",)) == 400
+    assert held_bytes(infos, keep=1) == 100
+
+
+def test_object_bytes_counts_lengths_and_pickled_sizes():
+    import io
+    import pickle
+
+    assert memory.object_bytes(b"x" * 5000) == 5000
+    assert memory.object_bytes(bytearray(7)) == 7
+    assert memory.object_bytes(io.BytesIO(b"y" * 123)) == 123
+    big = list(range(100_000))
+    assert memory.object_bytes(big) == len(pickle.dumps(big, protocol=pickle.DEFAULT_PROTOCOL))
+    assert memory.object_bytes(lambda: 1) == memory.OBJECT_ESTIMATE  # cannot be pickled: the save names it
+
+
+def test_free_ram_is_the_least_of_tmpfs_meminfo_and_cgroup(tmp_path, monkeypatch):
+    assert memory.mem_available("MemTotal: 100 kB\nMemAvailable:     2048 kB\n") == 2 << 20
+    assert memory.mem_available("") is None
+    cg = tmp_path / "cg"
+    (cg / "job" / "step").mkdir(parents=True)
+    for d, limit, cur in ((cg, "max", 10), (cg / "job", "5000", 1000), (cg / "job" / "step", "max", 900)):
+        (d / "memory.max").write_text(limit + "\n")
+        (d / "memory.current").write_text(f"{cur}\n")
+    assert memory.cgroup_room("0::/job/step\n", str(cg)) == 4000  # the parent's limit applies
+    assert memory.cgroup_room("12:memory:/x\n", str(cg)) is None  # cgroup v1: not read
+    reads = {"/proc/meminfo": "MemAvailable: 1 kB\n", "/proc/self/cgroup": ""}
+    monkeypatch.setattr(memory, "_read", lambda path: reads.get(path, ""))
+    assert memory._free_bytes("/") == 1024
+    assert memory._free_bytes("/", ram=False) > 1024  # a disk tier: its file system only
 
 
 # --------------------------------------------------------------------------- budget: real saves
@@ -222,11 +279,13 @@ def test_budget_counts_the_checkpoint_kept_while_the_next_is_written(shm_dir):
     assert [p.name for p in (shm_dir / "ckpt2").iterdir()] == ["step_000000003"]
 
 
-def test_async_over_budget_save_surfaces_at_the_next_call(shm_dir):
+def test_async_over_budget_save_is_refused_at_once(shm_dir):
+    """Decided on the main thread before staging, as in sync mode: raised by the call that asked for it."""
     with TieredCheckpointer([Tier("mem", shm_dir / "ckpt", memory_budget=2 * MIB)], async_save=True) as ck:
-        ck.maybe_save(1, _state(1, 1 << 20), force=True)
         with pytest.raises(SaveError) as info:
-            ck.wait()
+            ck.maybe_save(1, _state(1, 1 << 20), force=True)
+        assert isinstance(info.value.__cause__, MemoryBudgetError)
+        ck.wait()
         assert "memory tier 'mem'" in str(info.value) and "nothing was written" in str(info.value)
         assert _files(shm_dir / "ckpt") == {}
         small = _state(2, 1024)
@@ -238,7 +297,7 @@ def test_async_over_budget_save_surfaces_at_the_next_call(shm_dir):
 
 
 def test_free_space_is_checked_without_a_budget(shm_dir, monkeypatch):
-    monkeypatch.setattr(memory, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(memory, "_free_bytes", lambda path, ram=True: 1000)
     with TieredCheckpointer([Tier("mem", shm_dir / "ckpt")]) as ck:
         with pytest.raises(SaveError, match="only 1000 bytes free"):
             ck.save_now(1, _state(1, 1024))
@@ -401,3 +460,140 @@ def test_cli_tier_flags_on_tmpfs_get_the_memory_defaults(tmp_path: Path) -> None
     assert (mem.keep, mem.codec) == (2, "zstd:1")
     (disk,), _ = tiers_from_args(p.parse_args(["--local-path", str(tmp_path / "local")]))
     assert disk.kind == "storage" and (disk.keep, disk.codec) != (1, "none")
+
+
+# --------------------------------------------------------------------------- budget: lagging promotions
+
+
+def _dirs(root: Path) -> set[int]:
+    return {int(p.name.split("_")[1]) for p in root.iterdir() if p.name.startswith("step_")} if root.exists() else set()
+
+
+def _held(root: Path) -> int:
+    total = 0
+    for p in root.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:  # deleted meanwhile by retention
+            pass
+    return total
+
+
+def _eventually(check, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_lagging_promotions_never_grow_the_memory_tier_past_its_budget(shm_dir, tmp_path, monkeypatch, use_async):
+    """Promotions to a stalled slower tier pin their source steps in RAM; every other step goes at
+    once (retention waits for no promotion), and the budget counts the pinned steps, so a save that
+    would not fit is refused (falling back to the slow tier when it is due) instead of filling RAM."""
+    import dcp_tiered.tiers.promotion as promotion
+
+    gate, real = threading.Event(), promotion.copy_with_fragment
+
+    def stalled(src, dst, *args, **kwargs):
+        if "/disk/" in dst.url + "/":
+            gate.wait(120)
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(promotion, "copy_with_fragment", stalled)
+    ram = shm_dir / "ckpt"
+    budget = 4 * MIB + 512 * 1024  # four 1 MiB checkpoints and their headers
+    tiers = [Tier("ram", ram, memory_budget=budget), Tier("disk", tmp_path / "disk", every_steps=3, keep=10)]
+    sd = {"w": torch.randn(1 << 18)}  # 1 MiB
+    saved, refused, peak = {}, [], 0
+    try:
+        with TieredCheckpointer(tiers, async_save=use_async) as ck:
+            for step in range(1, 13):
+                try:
+                    report = ck.maybe_save(step, sd)
+                    saved[step] = report.tiers
+                except SaveError as exc:
+                    assert isinstance(exc.__cause__, MemoryBudgetError), exc
+                    refused.append(step)
+                ck.raise_if_failed()
+                peak = max(peak, _held(ram))
+            ck._finish_inflight(wait=True)
+            pinned = {s for s, t in saved.items() if t[0] == "ram" and "disk" in t}
+            newest = max(s for s, t in saved.items() if t[0] == "ram")
+            # the steps no promotion reads are gone without waiting for the stalled tier
+            assert _eventually(lambda: _dirs(ram) == pinned | {newest}), (_dirs(ram), pinned, newest, saved)
+            assert refused and pinned, (saved, refused)
+            assert any(t == ["disk"] for t in saved.values()), saved  # refused by RAM, saved to disk instead
+            gate.set()
+            ck.wait()
+            assert _eventually(lambda: _dirs(ram) == {newest})  # promoted: the pinned steps go too
+    finally:
+        gate.set()
+    assert peak <= budget, (peak, budget)
+    for step, names in saved.items():  # every step due to disk reached it, directly or promoted
+        if "disk" in names:
+            assert (tmp_path / "disk" / f"step_{step:09d}" / ".metadata").is_file(), step
+
+
+def test_budget_counts_non_tensor_values_by_their_size(shm_dir):
+    sd = {"w": torch.randn(1024), "blob": os.urandom(3 * MIB), "io": io.BytesIO(b"z" * MIB)}
+    with TieredCheckpointer([Tier("mem", shm_dir / "ckpt", memory_budget=2 * MIB)]) as ck:
+        with pytest.raises(SaveError, match="memory tier 'mem' refuses the save") as info:
+            ck.save_now(1, sd)
+        assert info.value.__cause__.needed > 4 * MIB
+        ck.save_now(2, {"w": sd["w"], "lst": list(range(1000))})
+    assert sorted(_files(shm_dir / "ckpt")) and _dirs(shm_dir / "ckpt") == {2}
+
+
+def test_budget_counts_the_newest_optimizer_checkpoint_retention_keeps(shm_dir):
+    """optimizer_every=3, keep=1: retention also keeps the newest save holding the optimizer state."""
+    sd = {"model": {"w": torch.randn(1 << 18)}, "optim": {"m": torch.randn(1 << 18), "v": torch.randn(1 << 18)}}
+    tier = Tier("mem", shm_dir / "ckpt", memory_budget=5 * MIB)
+    with TieredCheckpointer([tier], optimizer_every=3, optimizer_keys=["optim"]) as ck:
+        assert ck.maybe_save(1, sd).optimizer  # 3 MiB
+        assert not ck.maybe_save(2, sd).optimizer  # 1 MiB; step 1 stays (the newest with the optimizer)
+        ck.wait()
+        with pytest.raises(SaveError, match="refuses the save"):  # 3 MiB more: 7 MiB > 5 MiB
+            ck.maybe_save(3, sd)
+    assert _held(shm_dir / "ckpt") <= 5 * MIB and _dirs(shm_dir / "ckpt") == {1, 2}
+
+
+def test_bf16_tier_is_estimated_at_its_stored_size(shm_dir):
+    sd = {"w": torch.randn(1 << 20), "b": torch.randn(1 << 20)}  # 8 MiB of float32, 4 MiB as bf16
+    with TieredCheckpointer([Tier("mem", shm_dir / "ckpt", memory_budget=6 * MIB, dtype="bf16")]) as ck:
+        report = ck.save_now(1, sd)
+        assert report.ok and report.stored_bytes < 5 * MIB
+        with pytest.raises(SaveError) as info:  # 8 MiB as bf16 + the 4 MiB held: over; no dtype advice now
+            ck.save_now(2, {"w": torch.randn(1 << 21), "b": torch.randn(1 << 21)})
+        assert "dtype='bf16'" not in str(info.value) and "codec" not in str(info.value)
+
+
+def test_wait_timeout_is_honoured_while_a_refused_async_save_falls_back(shm_dir, tmp_path, monkeypatch):
+    """The writer refusing in the background (the tier changed after the main thread's check): the
+    fallback save to the slow tier is in flight, and wait(timeout=) raises instead of blocking on it."""
+    import dcp_tiered.dcp.writer as dcp_writer
+    from dcp_tiered.tiers import fallback
+
+    monkeypatch.setattr(fallback, "save_budget_error", lambda *a, **k: None, raising=False)  # only the writer checks
+    gate, real = threading.Event(), dcp_writer.CompressedWriter.write_data
+
+    def slow(self, plan, planner):
+        if "/disk/" in self.storage.url + "/":
+            gate.wait(30)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(dcp_writer.CompressedWriter, "write_data", slow)
+    tiers = [Tier("mem", shm_dir / "ckpt", memory_budget=MIB), Tier("disk", tmp_path / "disk")]
+    try:
+        with TieredCheckpointer(tiers, async_save=True) as ck:
+            ck.maybe_save(1, {"w": torch.randn(1 << 19)})  # 2 MiB
+            with pytest.raises(SaveError, match="still in flight"):
+                ck.wait(timeout=1)
+            gate.set()
+            ck.wait()
+            assert ck.reports[-1].ok and ck.reports[-1].tiers == ["disk"]
+    finally:
+        gate.set()
+    assert (tmp_path / "disk" / "step_000000001" / ".metadata").is_file()

@@ -34,7 +34,7 @@ from dcp_tiered.tiers.options import CheckpointerOptions
 from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
 from dcp_tiered.tiers.events import EventLog, SaveReport, SaveReports, describe_error, root_cause
-from dcp_tiered.tiers.fallback import KeepStaged, fall_back
+from dcp_tiered.tiers.fallback import KeepStaged, check_budget, fail_save, fall_back
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.spec import Tier, check_step, load_tiers_yaml, validate_tiers
@@ -99,9 +99,8 @@ class TieredCheckpointer:
         self._due_step: int | None = None  # the step of the decision cached by due()
         self._due_names: tuple[str, ...] = ()
         self.reports: list[SaveReport] = SaveReports(self.events)  # replication outcomes filled in (at wait())
-        self.skipped = 0
+        self.skipped = self._saves = 0
         self._skipped_step: int | None = None
-        self._saves = 0
         self._inflight: tuple[Future, SaveReport, float, TieredWriter, DowncastSavePlanner | None] | None = None
         self._failed: BaseException | None = None
         self._sync_next = self._closed = False
@@ -230,18 +229,24 @@ class TieredCheckpointer:
         use_async, self._sync_next = self.options.async_save and not self._sync_next, False
         return self._write(sd, SaveReport(step, list(due), with_optim, use_async, state_bytes(sd), waited_s=waited))
 
+    def _planner(self, tier_name: str) -> DowncastSavePlanner | None:
+        dtype = next(t for t in self.tiers if t.name == tier_name).dtype
+        return DowncastSavePlanner(_DTYPES[dtype]) if dtype else None
+
     def _write(self, sd: Mapping[str, Any], report: SaveReport, staged: bool = False) -> SaveReport:
         """Save ``sd`` to ``report.tiers``; ``staged``: ``sd`` is the staged copy of an async save falling back."""
+        if not staged:
+            check_budget(self, sd, report)
         step, due, opts, bg = report.step, report.tiers, self.options, report.async_save
-        primary = next(t for t in self.tiers if t.name == due[0])
-        planner = DowncastSavePlanner(_DTYPES[primary.dtype]) if primary.dtype else None
+        planner = self._planner(due[0])
         for name in due:
             self.promoter.mark_own(name, step)
         self.promoter.set_writing(due, step, True)
         # async: within the CPU budget (sync blocks training anyway); overwrite: a step saved again after a restore
         writer = TieredWriter(self.tiers, due=due, promoter=self.promoter, frame_size=opts.frame_size,
                               threads=opts.background_threads_or_default() if bg else opts.threads,
-                              safe_globals=self.safe_globals, nice=opts.nice if bg else None, overwrite=True)
+                              safe_globals=self.safe_globals, nice=opts.nice if bg else None, overwrite=True,
+                              cpu_slots=self.promoter.cpu if bg else None)  # one budget with promotion re-encodes
         kwargs: dict[str, Any] = {"storage_writer": writer, "planner": planner, "checkpoint_id": step_name(step),
                                   **({"process_group": self._save_pg} if self.distributed else {"no_dist": True})}
         t0 = time.perf_counter()
@@ -264,14 +269,8 @@ class TieredCheckpointer:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             if fall_back(report, exc, self.events):
-                return self._write(sd, report)
-            report.ok, report.error = False, describe_error(exc, 2000)
-            report.total_s = time.perf_counter() - t0
-            report.blocked_s = report.waited_s + report.total_s
-            self.reports.append(report)
-            self.events.emit(report.as_dict())
-            raise SaveError(f"checkpoint save of step {step} to tier {due[0]!r} failed: {describe_error(exc)}"
-                            ) from root_cause(exc)
+                return self._write(sd, report, staged=True)  # the writer refused: decided, no second check
+            fail_save(self, report, exc, t0)
         self.promoter.set_writing(due, step, False)
         report.total_s = time.perf_counter() - t0
         report.blocked_s = report.waited_s + report.total_s
@@ -310,10 +309,20 @@ class TieredCheckpointer:
             self._restorer.replicator.submit(report.step, primary, metadata)  # in the background, to its clique
         self.events.emit(report.as_dict())
 
-    def _finish_inflight(self, wait: bool = False) -> None:
+    def _finish_inflight(self, wait: bool = False, deadline: float | None = None) -> None:
+        """Collect the async save in flight (``wait``: block for it, until ``deadline``, a monotonic time:
+        then raise :class:`SaveError` and leave it in flight), and a fallback save it turns into."""
         if self._inflight is None:
             return
         fut, report, t0, writer, planner = self._inflight  # type: ignore[misc]
+        if wait and deadline is not None:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise SaveError(f"the save of step {report.step} to tier {report.tiers[0]!r} is still in flight "
+                                "when the timeout ran out") from None
+            except BaseException:  # noqa: BLE001 - handled below
+                pass
         if not wait and not fut.done():
             return
         self._inflight = None
@@ -326,7 +335,7 @@ class TieredCheckpointer:
                 raise
             if staged is not None and fall_back(report, exc, self.events):  # write the staged copy to the other tiers
                 self._write(staged, report, staged=True)
-                return self._finish_inflight(wait)
+                return self._finish_inflight(wait, deadline)
             report.ok, report.error = False, describe_error(exc, 2000)
             report.total_s = time.perf_counter() - t0
             self.events.emit(report.as_dict())
@@ -348,16 +357,7 @@ class TieredCheckpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._closed:
             self._resume_promotions()
-        if self._inflight is not None and deadline is not None:
-            fut, report = self._inflight[0], self._inflight[1]
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                raise SaveError(f"the save of step {report.step} to tier {report.tiers[0]!r} is still in flight "
-                                f"after {timeout} s") from None
-            except BaseException:  # noqa: BLE001 - recorded and raised by _check_background below
-                pass
-        self._finish_inflight(wait=True)
+        self._finish_inflight(wait=True, deadline=deadline)
         self._check_background()
         self.promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._restorer.replicator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))

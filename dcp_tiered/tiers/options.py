@@ -93,7 +93,7 @@ class CheckpointerOptions:
         background_threads: the CPU budget of an async save while training runs: its encode
             threads (default: this rank's cores less torch's intra-op threads, at least 1:
             :func:`default_background_threads`).  Promotions run one thread per target tier,
-            and their re-encodes share this many coders.
+            and their re-encodes share these coder slots with async saves.
         nice: CPU priority offset (0 to 19) of async saves and promotions, so the training
             loop gets the cores first (default 10; 0: the training's priority).
         frame_size: raw bytes per compressed frame (default 4 MiB).

@@ -11,11 +11,13 @@ promotions resume after a restart.  Intents are untrusted input: validated
 lane per target tier (a stalled tier never delays the others); :mod:`~dcp_tiered.tiers.intents`
 is the source side, :mod:`~dcp_tiered.tiers.fragments` the target side (copies, fragments, the
 commit and its bounded wait, :func:`fragment_wait_bound`), and
-:class:`~dcp_tiered.tiers.retention.Retention` decides and deletes, queued behind promotions.
+:class:`~dcp_tiered.tiers.retention.Retention` decides and deletes, after each save and after each
+promotion (of its source and its target), sparing the steps promotions still read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -104,21 +106,11 @@ class Promoter:
     restore candidate pinned by the caller).
     """
 
-    def __init__(
-        self,
-        tiers: Sequence[Tier],
-        *,
-        rank: int = 0,
-        node: int = 0,
-        is_coordinator: bool = True,
-        retry: RetryPolicy = RetryPolicy(),
-        metadata_timeout: float | None = None,
-        on_report: Callable[[PromotionReport], None] | None = None,
-        nice: int | None = 10,
-        cpu_slots: int | None = None,
-        optimizer_keys: Sequence[str] = (),
-        leftover_grace: float = 3600.0,
-    ) -> None:
+    def __init__(self, tiers: Sequence[Tier], *, rank: int = 0, node: int = 0, is_coordinator: bool = True,
+                 retry: RetryPolicy = RetryPolicy(), metadata_timeout: float | None = None,
+                 on_report: Callable[[PromotionReport], None] | None = None, nice: int | None = 10,
+                 cpu_slots: int | None = None, optimizer_keys: Sequence[str] = (), leftover_grace: float = 3600.0
+                 ) -> None:
         self.tiers = list(tiers)
         self.by_name = {t.name: t for t in self.tiers}
         self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
@@ -183,15 +175,12 @@ class Promoter:
         progress can be older than the newest committed checkpoint."""
         self.marks.pin(tier_names, step, writing)
 
-    def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
-        """Queue retention for ``tier``: it runs once every promotion from or to ``tier`` queued before it is done."""
-        before = [j for j in self.jobs.jobs() if isinstance(j.reads, tuple) and tier.name in (j.reads[0], j.lane)]
-
+    def retention(self, tier: Tier, protect: Sequence[int] = (), busy: Sequence[int] = (), after: Job | None = None) -> None:
+        """Queue retention for ``tier``, waiting for no promotion (``after``: for that job to end).  Steps that
+        promotions read stay (:meth:`busy_steps`): a lagging slow tier never makes a fast one hold every save."""
         def run(job: Job) -> float | None:
-            pending = set(self.jobs.jobs())
-            waiting = [j for j in before if j in pending]
-            if waiting and not self.jobs.stopped.is_set():  # poll without holding the lane
-                return job.poll_again(f"waiting for {len(waiting)} promotion(s) of {tier.name} to finish")
+            if after is not None and after in self.jobs.jobs() and not self.jobs.stopped.is_set():
+                return job.poll_again(f"waiting for {after.what} to end")
             self._run_retention(tier, tuple(protect), tuple(busy))
             return None
 
@@ -301,6 +290,10 @@ class Promoter:
         report.seconds, report.attempts = time.monotonic() - t0, attempts
         self._record(report, raise_later, cause)
 
+    def retain_now(self, tier: Tier) -> None:
+        """Retention of ``tier`` now, on the calling thread (before a save checks the tier's memory budget)."""
+        self._run_retention(tier, (), ())
+
     def _run_retention(self, tier: Tier, protect: tuple[int, ...], busy: tuple[int, ...]) -> None:
         def failed(info: Any, exc: DcpTieredError) -> None:  # reported, not raised: retention tries again next time
             self._record(PromotionReport(info.step, tier.name, tier.name, "retention", ok=True,
@@ -318,6 +311,14 @@ class Promoter:
         intent.drop(self._source_dir(intent), target, data, meta, temp_grace=self.leftover_grace)
 
     def _promote(self, job: Job) -> float | None:
+        """:meth:`_promote_once`; once done, retention of its source (it kept the step for this job) after it."""
+        again, source = self._promote_once(job), self.by_name.get(job.args[0].source)
+        if again is None and source is not None and self.keeper.applies_to(source) and not self.jobs.stopped.is_set():
+            with contextlib.suppress(PromotionError):  # closed meanwhile: the next run's retention deletes it
+                self.retention(source, after=job)
+        return again
+
+    def _promote_once(self, job: Job) -> float | None:
         """Promote one intent to one target: this rank's data file, then (coordinator) the commit."""
         intent, target_name = job.args
         source, target = self.by_name.get(intent.source), self.by_name.get(target_name)

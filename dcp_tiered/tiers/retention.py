@@ -115,6 +115,7 @@ class Retention:
         self.optimizer_keys = tuple(optimizer_keys)
         self.leftover_grace = leftover_grace
         self.marks = marks if marks is not None else StepMarks()
+        self._locks: dict[str, threading.Lock] = {}
 
     def applies_to(self, tier: Tier) -> bool:
         """Only the coordinator applies retention to a shared tier; every rank to its node-local ones."""
@@ -160,12 +161,13 @@ class Retention:
         """:meth:`plan` and :meth:`apply` where this rank applies retention; a tier it cannot list is logged and left."""
         if not self.applies_to(tier):
             return []
-        try:
-            plan = self.plan(tier, protect, busy)
-        except DcpTieredError as exc:
-            log.warning("retention: cannot list tier %s: %s", tier.name, exc)
-            return []
-        return self.apply(plan, on_failure)
+        with self._locks.setdefault(tier.name, threading.Lock()):  # one at a time per tier: a lane's and a save's
+            try:
+                plan = self.plan(tier, protect, busy)
+            except DcpTieredError as exc:
+                log.warning("retention: cannot list tier %s: %s", tier.name, exc)
+                return []
+            return self.apply(plan, on_failure)
 
 
 def delete_checkpoint(child: Storage) -> None:
