@@ -472,3 +472,21 @@ def test_unfinished_promotion_resumes_after_a_crash(tmp_path: Path) -> None:
     assert torch.equal(out["w"], torch.arange(1000.0))
     assert not (tmp_path / "local" / "step_000000007" / ".promote-0.json").exists()
     ckpt.close()
+
+
+def test_restore_says_which_newer_checkpoints_it_passed_over(tmp_path: Path, caplog) -> None:
+    """Going back in steps is never silent: restore warns, naming each newer checkpoint it skipped and why."""
+    tiers = [Tier("local", str(tmp_path / "local"), every_steps=1, keep=3), Tier("shared", str(tmp_path / "shared"),
+                                                                                  every_steps=2, keep=3)]
+    sd = {"w": torch.arange(1024, dtype=torch.float32)}
+    with TieredCheckpointer(tiers) as ck:
+        for step in (2, 3):
+            sd["w"] += 1
+            ck.maybe_save(step, sd)
+        ck.wait()
+    (tmp_path / "local" / "step_000000003" / "__0_0.distcp").write_bytes(b"torn")  # step 3 exists only here
+    out = {"w": torch.zeros(1024)}
+    with TieredCheckpointer(tiers) as ck, caplog.at_level("WARNING", logger="dcp_tiered.tiers.restore"):
+        assert ck.restore(out) == 2
+    skipped = [r.getMessage() for r in caplog.records if "newer checkpoint(s) skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "restored step 2" in skipped[0] and "step 3 on local" in skipped[0], skipped

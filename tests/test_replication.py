@@ -230,7 +230,8 @@ def _restore(root: Path, out: Path, mesh, rank: int) -> None:
         got = _in_thread(lambda: ckpt.restore(sd))
         facts = {"step": got, "diffs": diffs(sd, rank, got) if isinstance(got, int) else ["nothing restored"],
                  "failures": ckpt.restore_failures,
-                 "events": [(e["event"], e["step"], e["tier"]) for e in events if e.get("event", "").startswith("restore")]}
+                 "events": [(e["event"], e["step"], e["tier"]) for e in events if e.get("event", "").startswith("restore")],
+                 "fetched": [e.get("fetched_bytes") for e in events if e.get("event") == "restore" and e.get("through_peers")]}
     finally:
         ckpt.close()
     (out / f"restore.rank{rank}.json").write_text(json.dumps(facts))
@@ -381,6 +382,8 @@ def test_lost_node_restores_from_peer_replicas(restarted, root: Path) -> None:
     for rank, f in enumerate(_facts(restarted[0], "restore")):
         assert f["step"] == STEPS[-1] and f["diffs"] == [], f"rank {rank}: {f}"
         assert f["events"] == [["restore", STEPS[-1], "local"]] and f["failures"] == 0, f"rank {rank}: {f}"
+        # the restore event says it came through peers; node 1's ranks received their files, node 0's nothing
+        assert len(f["fetched"]) == 1 and (f["fetched"][0] > 0) == (rank >= 2), f"rank {rank}: {f}"
     node1 = root / "data" / "local" / "1" / step_dir(STEPS[-1])
     assert (node1 / ".metadata").is_file()
     # its ranks' files, and the holders' files kept as committed replicas again (node 1 holds what it held)

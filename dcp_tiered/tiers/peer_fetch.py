@@ -83,15 +83,16 @@ def _offer(mine: Storage, holder: int, receiver: int) -> Any:
 
 
 def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
-          clique_groups: Sequence[tuple[list[int], Any]]) -> str | None:
+          clique_groups: Sequence[tuple[list[int], Any]]) -> tuple[str | None, int]:
     """Carry out ``plan`` (the same on every rank; every rank calls it): each holder streams the files of
     its receiver on their clique's group, then its own files, which the receiver keeps as a committed
     replica again (its node held them before it was lost, and its ranks' loads may need them: items
-    DCP stored once, in the holder's file).  Returns None, or why this rank failed (it still took
-    part in every collective of its clique)."""
+    DCP stored once, in the holder's file).  Returns why this rank failed, or None (it still took
+    part in every collective of its clique), and the bytes this rank received."""
     name = step_name(step)
     mine = tier_storage(tier, rank, node).child(name)
     error: str | None = None
+    received = 0
     for receiver, holder in sorted(plan.items()):
         clique, group = next(((c, g) for c, g in clique_groups if receiver in c), ([], None))
         if rank not in clique:
@@ -109,6 +110,7 @@ def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
         if problems:
             error = error or "; ".join(problems[:3])
             continue
+        received += sum(e[1] for e in entries + own)
         try:
             marker = {"owner": holder, "save_id": save_id, "step": step,
                       "files": [{"file": n, "size": s, "xxh3": d} for n, s, d in own]}
@@ -118,4 +120,4 @@ def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
             error = error or f"cannot commit {mine.url}: {exc}"
         log.info("restore: rank %d fetched %d file(s) of step %d from rank %d", rank, len(entries) + len(own), step,
                  holder)
-    return error
+    return error, received

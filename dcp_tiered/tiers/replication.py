@@ -77,7 +77,9 @@ def check_replication(tier: Tier, world: int) -> list[list[int]]:
     where = f"tier {tier.name!r}"
     if per_node and jump % per_node:
         raise ConfigError(f"{where}: replication_jump={jump} must be a multiple of the ranks per node "
-                          f"(LOCAL_WORLD_SIZE={per_node}), or a copy lands on its owner's node; use {per_node}")
+                          f"(LOCAL_WORLD_SIZE={per_node}), or a copy lands on its owner's node; use {per_node} "
+                          f"(the world size must then be a multiple of {per_node * tier.replicas}: "
+                          f"{tier.replicas} nodes or a multiple)")
     try:
         found = cliques(world, tier.replicas, jump)
     except ConfigError as exc:

@@ -94,6 +94,7 @@ class Restorer:
                     rejected.pop(cand, None)
                     why = self._attempt(cand, state_dict, broadcast, bucket_bytes)
                     if why is None:
+                        self._warn_skipped(cand, rejected, step)
                         return cand[0], {c[1] for c in candidates}
                     rejected[cand] = why
         finally:
@@ -102,6 +103,17 @@ class Restorer:
         if not committed and not unlisted:
             return None
         raise self._error(rejected, unlisted, step)
+
+    def _warn_skipped(self, restored: Candidate, rejected: dict[Candidate, str], step: int | None) -> None:
+        """Say which newer checkpoints restore passed over and why (e.g. a node-local step whose
+        load needs another node's file), so that going back in steps is never silent."""
+        if step is not None or self.rank != 0:
+            return
+        newer = [(s, i) for s, i in restore_order(rejected) if s > restored[0]]
+        if newer:
+            log.warning("restore: restored step %d from tier %s; newer checkpoint(s) skipped: %s", restored[0],
+                        self.tiers[restored[1]].name,
+                        "; ".join(f"step {s} on {self.tiers[i].name}: {rejected[(s, i)]}" for s, i in newer[:4]))
 
     def _error(self, rejected: dict[Candidate, str], unlisted: list[str], step: int | None) -> RestoreError:
         order = restore_order(rejected)
@@ -251,7 +263,7 @@ class Restorer:
             dcp.load(plain, storage_reader=reader or make_reader(), **kwargs)
         finish()
 
-    def _prepare(self, cand: Candidate, url: str) -> None:
+    def _prepare(self, cand: Candidate, url: str) -> int:
         """Make the files this rank needs of candidate ``cand`` reachable at ``url`` (every rank calls it).
 
         A node-local directory holds its own ranks' files and, with replication, other ranks' files
@@ -266,14 +278,15 @@ class Restorer:
         fails on any rank, every rank raises here and moves on together."""
         plan = self._fetch.get(cand)
         if plan is None:
-            return
+            return 0
         tier = self.tiers[cand[1]]
-        error = peer_fetch.fetch(tier, cand[0], plan, rank=self.rank, node=self.node,
-                                 clique_groups=self.replicator.all_groups[tier.name])
+        error, received = peer_fetch.fetch(tier, cand[0], plan, rank=self.rank, node=self.node,
+                                           clique_groups=self.replicator.all_groups[tier.name])
         failed = [(r, e) for r, e in enumerate(self._gather(error)) if e]
         if failed:
             raise RestoreError(f"fetching the files of step {cand[0]} from peers failed on rank {failed[0][0]}: "
                                f"{failed[0][1]}")
+        return received
 
     def _everywhere(self, fn: Callable[[], None]) -> list[tuple[int, str]]:
         """Run ``fn`` on every rank; the ``(rank, error)`` of each rank where it failed, the same on every rank."""
@@ -298,7 +311,7 @@ class Restorer:
 
         def open_candidate() -> None:
             url = opened["url"] = Storage(tier.resolved_url(self.rank, self.node), tier.storage_options).child(step_name(s)).url
-            self._prepare(cand, url)
+            opened["fetched"] = self._prepare(cand, url)
             if not self._broadcasting(broadcast):  # with broadcast only each group's leader reads
                 opened["reader"] = CompressedReader(url, storage_options=tier.storage_options, **self.reader_options)
 
@@ -307,7 +320,9 @@ class Restorer:
             failed = self._everywhere(lambda: self._load(opened["url"], tier, state_dict, broadcast, bucket_bytes,
                                                          opened.get("reader")))
         if not failed:
-            self.events.emit({"event": "restore", "step": s, "tier": tier.name, "seconds": time.perf_counter() - t0})
+            peers = {"through_peers": True, "fetched_bytes": opened.get("fetched", 0)} if cand in self._fetch else {}
+            self.events.emit({"event": "restore", "step": s, "tier": tier.name, "seconds": time.perf_counter() - t0,
+                              **peers})
             return None
         why = failed[0][1] if len(failed) == self.world else f"rank {failed[0][0]}: {failed[0][1]}"
         self.failures += 1
