@@ -225,3 +225,31 @@ def test_promote_keeps_the_newest_checkpoint_with_optimizer_state(tmp_path: Path
     assert cli_main(["promote", "--tiers", str(yaml_path), "--json"]) == 0
     tiers = [Tier("local", str(root / "local"), keep=2), Tier("shared", str(root / "shared"), keep=1)]
     assert {s for t, s in on_disk(tiers) if t == "shared"} == {1, 4}
+
+
+def test_a_save_racing_the_listing_is_never_taken_for_a_leftover(tmp_path: Path, template: Path, monkeypatch) -> None:
+    """A step this process is saving can be listed uncommitted and be committed and unpinned a moment
+    later: retention must neither plan it from a stale listing (pins read before and after it) nor
+    delete it once it is committed (checked again before deleting)."""
+    import dcp_tiered.tiers.retention as retention_mod
+
+    tiers, _ = build(tmp_path, template, "leftovers")
+    keeper = Retention(tiers, leftover_grace=HOUR)
+    keeper.marks.mark_own("local", 2)  # step 2: this process's save, listed while still uncommitted
+    keeper.marks.pin(["local"], 2, True)
+    real_list = retention_mod.list_tier
+
+    def listing_then_commit(*args, **kwargs):
+        infos = real_list(*args, **kwargs)
+        keeper.marks.pin(["local"], 2, False)  # the save finished during the listing
+        return infos
+
+    monkeypatch.setattr(retention_mod, "list_tier", listing_then_commit)
+    assert 2 not in {i.step for i in keeper.plan(tiers[0]).victims}
+    monkeypatch.setattr(retention_mod, "list_tier", real_list)
+    plan = keeper.plan(tiers[0])  # unpinned and still uncommitted: a leftover of this process
+    assert 2 in {i.step for i in plan.victims}
+    step2 = Path(tiers[0].url) / "step_000000002"
+    shutil.copy(Path(tiers[0].url) / "step_000000003" / ".metadata", step2 / ".metadata")  # committed since
+    keeper.apply(plan)
+    assert (step2 / ".metadata").is_file()

@@ -124,9 +124,10 @@ class Retention:
     def plan(self, tier: Tier, protect: Iterable[int] = (), busy: Iterable[int] = ()) -> RetentionPlan:
         """List ``tier`` and decide what to delete; raises :class:`~dcp_tiered.errors.DcpTieredError` if it cannot list."""
         storage = tier_storage(tier, self.rank, self.node)
+        pinned_before = self.marks.pinned(tier.name)  # a save pinned during the listing may have committed since
         infos = list_tier(tier, self.tiers.index(tier), self.rank, self.node, with_metadata=bool(self.optimizer_keys))
         ages = storage.file_ages(time.time()) if self.leftover_grace > 0 else {}
-        busy_now = set(busy) | self.marks.pinned(tier.name)
+        busy_now = set(busy) | pinned_before | self.marks.pinned(tier.name)
         own = self.marks.own(tier.name)
         known = {t.name for t in self.tiers}
         usable = [i for i in infos if not i.unusable]  # a link (or a .metadata that is no file): never deleted
@@ -144,6 +145,8 @@ class Retention:
             log.warning("retention of tier %s: leaving %s alone: %s", plan.tier.name, info.name, info.problem)
         deleted = []
         for info in plan.victims:
+            if not info.committed and self._written_since(plan, info):
+                continue
             self.marks.mark_own(plan.tier.name, info.step)  # whatever a failed delete leaves needs no grace
             try:
                 delete_checkpoint(plan.storage.child(info.name))
@@ -155,6 +158,16 @@ class Retention:
             log.info("retention: deleted %s", info.url)
             deleted.append(info)
         return deleted
+
+    def _written_since(self, plan: RetentionPlan, info: CheckpointInfo) -> bool:
+        """Whether a step listed as an uncommitted leftover is being saved or got committed since the
+        listing (a save of this process started after it): then it is no leftover."""
+        if info.step in self.marks.pinned(plan.tier.name):
+            return True
+        try:
+            return plan.storage.child(info.name).exists(METADATA_FILE)
+        except DcpTieredError:
+            return True  # cannot tell: leave it for the next pass
 
     def run(self, tier: Tier, protect: Iterable[int] = (), busy: Iterable[int] = (),
             on_failure: Callable[[CheckpointInfo, DcpTieredError], None] | None = None) -> list[CheckpointInfo]:
