@@ -111,7 +111,8 @@ def _restore(root: Path, rank: int, per_rank: int, replicas: int, steps: int) ->
         ckpt.close()
     exact = step == steps and all(torch.equal(sd[k], v) for k, v in expected.items())
     return {"restore_s": seconds, "shared_bytes": served, "step": step, "exact": exact, "failures": failures,
-            "tiers": [e["tier"] for e in events if e.get("event") == "restore"]}
+            "tiers": [e["tier"] for e in events if e.get("event") == "restore"],
+            "fetched_bytes": sum(e.get("fetched_bytes", 0) for e in events if e.get("event") == "restore")}
 
 
 def _worker(rank: int, phase: str, root: str, store: str, out: str, per_rank: int, replicas: int, mbps: float,
@@ -181,7 +182,8 @@ def run(tmp: Path, per_rank: int, mbps: float, steps: int) -> dict:
         lost = root / "local" / str(LOST_NODE)
         shutil.rmtree(lost)
         facts = spawn("restore")
-        restores.append(_restore_row(name, f"node {LOST_NODE}'s local directory", facts, _data_bytes(lost)))
+        restores.append(_restore_row(name, f"node {LOST_NODE}'s local directory", facts,
+                                     sum(f["fetched_bytes"] for f in facts)))
         print(restores[-1], flush=True)
     order = {"A": 0, "B": 1, "C": 2}
     return {"saves": saves, "restores": sorted(restores, key=lambda r: order[r["scenario"]])}
@@ -260,7 +262,7 @@ behind the byte-counting filesystem of the broadcast benchmark, its reads thrott
 phase runs in 4 new processes. Restore time: one `TieredCheckpointer.restore` after a barrier, slowest rank.
 Each scenario first saves {args.saves} steps (the same state), each followed by `wait()`; save times are the median
 over those saves of the slowest rank, and the restore loads the newest step.
-"MB fetched from peers": node {LOST_NODE}'s data files after the restore, all received from node 0's replicas.
+"MB fetched from peers": the bytes node {LOST_NODE}'s ranks received from node 0 (the restore events' `fetched_bytes`): their own files from node 0's replicas, and node 0's files, which node {LOST_NODE} held as replicas before it was lost.
 Load average (1 min) {load0:.1f} at the start and {load1:.1f} at the end on {os.cpu_count()} cores: above
 {os.cpu_count()}, other work shared the cores and every time here is longer than on a quiet machine. Whole run
 {wall:.0f} s.

@@ -232,7 +232,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
             if r.kind == "data":
                 bar.update(max(0, min(r.bytes, total - bar.n)))
 
-        promoter = Promoter(tiers, on_report=on_report, optimizer_keys=keys)
+        promoter = Promoter(tiers, on_report=on_report, optimizer_keys=keys, retain_sources=False)
         try:
             n = promoter.resume()
             try:

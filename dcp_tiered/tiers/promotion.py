@@ -109,9 +109,10 @@ class Promoter:
     def __init__(self, tiers: Sequence[Tier], *, rank: int = 0, node: int = 0, is_coordinator: bool = True,
                  retry: RetryPolicy = RetryPolicy(), metadata_timeout: float | None = None,
                  on_report: Callable[[PromotionReport], None] | None = None, nice: int | None = 10,
-                 cpu_slots: int | None = None, optimizer_keys: Sequence[str] = (), leftover_grace: float = 3600.0
-                 ) -> None:
+                 cpu_slots: int | None = None, optimizer_keys: Sequence[str] = (), leftover_grace: float = 3600.0,
+                 retain_sources: bool = True) -> None:
         self.tiers = list(tiers)
+        self.retain_sources = retain_sources  # off for `dcp-tiered promote`: deleting is gc's job there
         self.by_name = {t.name: t for t in self.tiers}
         self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
         self.retry = retry
@@ -313,7 +314,8 @@ class Promoter:
     def _promote(self, job: Job) -> float | None:
         """:meth:`_promote_once`; once done, retention of its source (it kept the step for this job) after it."""
         again, source = self._promote_once(job), self.by_name.get(job.args[0].source)
-        if again is None and source is not None and self.keeper.applies_to(source) and not self.jobs.stopped.is_set():
+        if (again is None and self.retain_sources and source is not None and self.keeper.applies_to(source)
+                and not self.jobs.stopped.is_set()):
             with contextlib.suppress(PromotionError):  # closed meanwhile: the next run's retention deletes it
                 self.retention(source, after=job)
         return again
