@@ -114,8 +114,10 @@ def storage_rows(storage: dict | None, codecs: dict | None) -> list[list[str]]:
                          f"{ours_cpu:.2f} vs {zstd_cpu:.2f} core-s/GB", f"{ours_cpu / zstd_cpu:.2f}",
                          verdict(ours_cpu / zstd_cpu, 1.0, higher_is_better=False)])
         xl = stock["load_cold_s"] / ours["load_cold_s"]
-        rows.append([f"load ≥ stock (cold cache): {s['name']}", f"{raw / ours['load_cold_s'] / 1e6:.0f} vs "
-                     f"{raw / stock['load_cold_s'] / 1e6:.0f} MB/s", f"{xl:.2f}x", verdict(xl, 1.0) + ("" if xl >= 1 else f"; {load_bound}")])
+        want = 1.5 if raw >= 0.5e9 else 1.0  # issue 15: 1.5x stock on 0.5 GB and more
+        rows.append([f"load ≥ {want:g}x stock (cold cache): {s['name']}", f"{raw / ours['load_cold_s'] / 1e6:.0f} vs "
+                     f"{raw / stock['load_cold_s'] / 1e6:.0f} MB/s", f"{xl:.2f}x",
+                     verdict(xl, want) + ("" if xl >= want else f"; {load_bound}")])
         rows.append([f"save within 10% of disk write bandwidth on stored bytes: {s['name']}",
                      f"{ours['stored'] / ours['save_s'] / 1e6:.0f} vs {s['disk_write_mbps']:.0f} MB/s",
                      f"{ours['disk_frac_save']:.2f}", verdict(ours["disk_frac_save"], 0.9) + ("" if ours["disk_frac_save"] >= 0.9 else f"; {bound}")])
