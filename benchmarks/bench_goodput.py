@@ -8,7 +8,7 @@ gaps, mean ``--mtbf-s``; the same schedule for both configurations) and relaunch
 each restart resumes from the newest committed checkpoint, until step ``--steps`` is reached.
 Two configurations:
 
-* **tiered**: local tier lz4 every ``--local-s`` seconds, durable tier zstd:3 every
+* **tiered**: local tier zstd:1 every ``--local-s`` seconds, durable tier zstd:3 every
   ``--durable-s`` seconds (written via the local tier and promoted in the background),
   ``--async-checkpoint``;
 * **baseline**: one tier, codec none, synchronous, every ``--local-s`` seconds;
@@ -137,8 +137,12 @@ def tier_yaml(path: Path, tiers: list[dict[str, Any]], async_save: bool, **optio
     return str(path)
 
 
+#: The hot tier's codec: zstd:1 encodes floats faster than lz4 and stores less (docs/benchmarks.md, codecs).
+LOCAL_CODEC = "zstd:1"
+
+
 def _tiered(root: Path, prefix: str, local_s: float, durable_s: float) -> list[dict[str, Any]]:
-    return [{"name": "local", "url": str(root / f"{prefix}-local"), "every": local_s, "keep": 2, "codec": "lz4"},
+    return [{"name": "local", "url": str(root / f"{prefix}-local"), "every": local_s, "keep": 2, "codec": LOCAL_CODEC},
             {"name": "durable", "url": str(root / f"{prefix}-durable"), "every": durable_s, "keep": 2, "codec": "zstd:3"}]
 
 
@@ -154,7 +158,7 @@ def configs(root: Path, local_s: float, durable_s: float) -> tuple[Config, Confi
     root.mkdir(parents=True, exist_ok=True)
     tiered = Config(
         "tiered", tier_yaml(root / "tiered.yaml", _tiered(root, "t", local_s, durable_s), True),
-        f"local lz4 every {local_s:g} s + durable zstd:3 every {durable_s:g} s, async")
+        f"local {LOCAL_CODEC} every {local_s:g} s + durable zstd:3 every {durable_s:g} s, async")
     baseline = Config(
         "baseline", tier_yaml(root / "baseline.yaml", [
             {"name": "local", "url": str(root / "b-local"), "every": local_s, "keep": 2, "codec": "none"},
