@@ -205,7 +205,7 @@ def test_train_accepts_the_options_the_api_accepts_and_refuses_string_bools(tmp_
     assert res.returncode == 2 and "optimizer_every" in res.stderr
     for flag, value, field in (("--nice", "20", "nice"), ("--background-threads", "0", "background_threads")):
         res = _cli("train", "--tiers", good, flag, value, *small)  # the budget flags go through the same model
-        assert res.returncode == 2 and field in res.stderr, res.stderr
+        assert res.returncode == 2 and field in res.stderr and "command line: " in res.stderr, res.stderr
 
 
 # --------------------------------------------------------------------------- the one due-tier decision

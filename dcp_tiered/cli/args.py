@@ -34,7 +34,8 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
 # -- tiers from a YAML file or flags ---------------------------------------------------------
 
 TIER_NAMES = ("local", "shared", "durable")
-DEFAULT_CODECS = {"local": "lz4", "shared": "zstd", "durable": "zstd:3"}
+# zstd (level 1) for the hot tier: on floats it encodes faster than lz4 and stores less (docs/benchmarks.md)
+DEFAULT_CODECS = {"local": "zstd", "shared": "zstd", "durable": "zstd:3"}
 DEFAULT_KEEP = {"local": 2, "shared": 4, "durable": 24}
 
 
@@ -80,7 +81,7 @@ def add_tier_encoding_args(p: argparse.ArgumentParser) -> None:
     """How saves are encoded (``--codec``, ``--dtype``) and when each tier saves (the schedules)."""
     g = p.add_argument_group("encoding")
     add_codec_dtype_args(g, codec_default=None,
-                         codec_help="codec for every tier: none, lz4, zstd, zstd:N (default lz4 local, zstd shared, zstd:3 durable)",
+                         codec_help="codec for every tier: none, lz4, zstd, zstd:N (default zstd local and shared, zstd:3 durable)",
                          dtype_help="store floating weights in 16 bits (optimizer state stays fp32); default fp32")
     s = p.add_argument_group("schedules (minutes, seconds for short runs, or steps)")
     for flag, name in (("checkpoint", "local"), ("shared", "shared"), ("durable", "durable")):

@@ -115,8 +115,9 @@ def _checkpointer_options(args: argparse.Namespace, options: dict[str, Any]) -> 
 
     flags = {"async_save": args.async_checkpoint, "optimizer_every": args.optimizer_every,
              "event_log": args.event_log or None, "background_threads": args.background_threads, "nice": args.nice}
-    merged = {**options, **{k: v for k, v in flags.items() if v is not None}}
-    return CheckpointerOptions.from_mapping(merged, where=args.tiers)
+    given = {k: v for k, v in flags.items() if v is not None}
+    CheckpointerOptions.from_mapping(given, where="command line")  # a bad flag is not the file's fault
+    return CheckpointerOptions.from_mapping({**options, **given}, where=args.tiers)
 
 
 def _device(args: argparse.Namespace) -> Any:

@@ -6,7 +6,7 @@ import lightning as L
 from dcp_tiered import Tier
 from dcp_tiered.integrations.lightning import TieredCheckpointCallback
 
-cb = TieredCheckpointCallback([Tier("local", "/nvme/ckpt", every_steps=100, keep=2, codec="lz4"),
+cb = TieredCheckpointCallback([Tier("local", "/nvme/ckpt", every_steps=100, keep=2, codec="zstd"),
                                Tier("durable", "s3://bucket/run", every="1h", keep=24)])
 trainer = L.Trainer(max_steps=10_000, callbacks=[cb], enable_checkpointing=False)
 trainer.fit(model, data)       # resumes from the newest good checkpoint when there is one
