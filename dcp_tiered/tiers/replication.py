@@ -100,17 +100,19 @@ def file_digest(storage: Storage, name: str, size: int, chunk: int = CHUNK_BYTES
     return h.hexdigest()
 
 
-_BROKEN: dict[int, str] = {}  # id(group) -> why: a clique group whose collective failed (timed out) is never used again
+#: id(group) -> (group, why): clique groups whose collective failed (timed out); never used again.  The
+#: group itself is held so that its id is never reused by another object.
+_BROKEN: dict[int, tuple[Any, str]] = {}
 
 
 def mark_broken(group: Any, why: str) -> None:
     """Remember that a collective on ``group`` failed: gloo leaves it unusable, later uses fail fast."""
-    _BROKEN[id(group)] = why
+    _BROKEN[id(group)] = (group, why)
 
 
 def check_group(group: Any, clique: Sequence[int]) -> None:
     """Raise :class:`ReplicationError` when ``group`` (of ``clique``) failed earlier, instead of hanging on it."""
-    why = _BROKEN.get(id(group))
+    why = _BROKEN.get(id(group), (None, None))[1]
     if why is not None:
         raise ReplicationError(f"the process group of clique {list(clique)} failed earlier ({why}) and is not used "
                                "again in this job; restart the job to replicate or fetch through this clique")
