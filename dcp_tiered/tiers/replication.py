@@ -213,10 +213,19 @@ def offer_problem(entries: Sequence[FileEntry], metadata: Any, owner: int) -> st
     return None
 
 
+def _refused(entries: Sequence[FileEntry], metadata: Any, owner: int) -> str | None:
+    """:func:`offer_problem`, never raising (a receiver must take part in the streams that follow)."""
+    try:
+        return offer_problem(entries, metadata, owner)
+    except Exception as exc:  # noqa: BLE001
+        return f"cannot check the offer of rank {owner} against the save's metadata: {exc}"
+
+
 def agree_settings(tiers: Sequence[Tier], group: Any = None) -> None:
     """All-gather every rank's replication settings (per tier: replicas, jump, ``LOCAL_WORLD_SIZE``) on
     ``group`` (default: the default group); the same :class:`ConfigError` on every rank when they differ."""
-    mine = [(t.name, t.replicas, jump_of(t) if t.replicas > 1 else None) for t in tiers], local_world()
+    replicated = [(t.name, t.replicas, jump_of(t)) for t in tiers if t.replicas > 1]
+    mine = replicated, local_world() if replicated else None  # ranks without replication may differ otherwise
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     odd = [r for r, theirs in enumerate(every) if theirs != every[0]]
@@ -228,6 +237,8 @@ def agree_settings(tiers: Sequence[Tier], group: Any = None) -> None:
 
 def _settings(value: Any) -> str:
     tiers, per_node = value
+    if not tiers:
+        return "no replicated tier"
     return ", ".join(f"tier {n!r} replicas={f} jump={j}" for n, f, j in tiers) + f", LOCAL_WORLD_SIZE={per_node}"
 
 
@@ -323,12 +334,12 @@ class Replicator:
         Storage problems of one rank never skip a collective: they are collected and raised at the
         end (one failure for this step; later steps replicate as usual).  A failed collective marks
         the clique's group broken (:func:`check_group`): later jobs fail fast instead of hanging."""
+        self._sent = 0
         clique, group = self.plans[tier.name]
         check_group(group, clique)
         node_dir = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(step_name(step))
         save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
         t0, errors = time.perf_counter(), []
-        self._sent = 0
         try:
             self._drop_stale(node_dir, clique, save_id)
         except Exception as exc:  # noqa: BLE001 - still take part in the collectives below
@@ -344,13 +355,18 @@ class Replicator:
                 errors.append(header[0])
                 continue
             entries, chunk = header[0]
-            refused = None if owner == self.rank else offer_problem(entries, metadata, owner)
+            refused = None if owner == self.rank else _refused(entries, metadata, owner)
             write = None if owner == self.rank or refused else node_dir  # a refused offer is received, not kept
-            problems = [p for e in entries if (p := stream_file(group, owner, self.rank, e, node_dir, write, chunk))
-                        is not None]
+            problems = []
+            for e in entries:
+                if (p := stream_file(group, owner, self.rank, e, node_dir, write, chunk)) is not None:
+                    problems.append(p)
+                elif owner == self.rank:
+                    self._sent += e[1] * (len(clique) - 1)
             if owner == self.rank:
-                self._sent += sum(e[1] for e in entries) * (len(clique) - 1)
-            elif refused or problems:
+                errors += problems  # the sender's own read failures
+                continue
+            if refused or problems:
                 errors += [refused] if refused else problems
             else:
                 marker = {"owner": owner, "save_id": save_id, "step": step,
@@ -370,7 +386,7 @@ class Replicator:
             return f"step {step}: no committed metadata"
         try:
             return owner_files(node_dir, metadata, owner), self.chunk_bytes  # the sender's chunks
-        except (DcpTieredError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the clique still gets a header
             return f"rank {owner} cannot read its files of step {step}: {exc}"
 
     def _drop_stale(self, node_dir: Storage, clique: list[int], save_id: "str | None") -> None:
