@@ -14,6 +14,11 @@ node's step directory, checks the digest of what it received, and commits
 ``.replica-{owner}.json`` (save id, files, sizes, digests).  A step is replicated on a node when
 the markers of every other clique member are there.  Replication runs on its own thread and
 never blocks or raises into training: failures are events, raised at ``wait()``.
+
+A storage problem never makes a rank skip a collective (:func:`stream_file`): the clique stays in
+step and the next step replicates.  Only a failed collective (a timeout) leaves a group unusable;
+it is then marked broken and never used again (:func:`check_group`).  The ranks agree on their
+replication settings before any group is made (:func:`agree_settings`).
 """
 
 from __future__ import annotations
@@ -166,8 +171,8 @@ def stream_file(group: Any, src: int, me: int, entry: FileEntry, read: Storage |
                 stack.close()  # flush and close: may fail too (ENOSPC)
             except Exception as exc:  # noqa: BLE001
                 error = error or f"cannot write {write.url_of(name)}: {exc}"  # type: ignore[union-attr]
-        if out is not None and error is None and h.hexdigest() != digest:
-            error = f"{write.url_of(name)}: received bytes have xxh3 {h.hexdigest()}, the sender's file {digest}"  # type: ignore[union-attr]
+        if write is not None and error is None and h.hexdigest() != digest:
+            error = f"{write.url_of(name)}: received bytes have xxh3 {h.hexdigest()}, the sender's file {digest}"
         done = True
     finally:
         if write is not None and (error is not None or not done):
