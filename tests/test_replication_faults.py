@@ -286,6 +286,7 @@ def test_a_failed_write_fails_one_step_on_one_rank_and_the_clique_goes_on(ran, r
         assert (f["error1"] is not None) == (rank == 2), f"rank {rank}: {f}"
         assert rank != 2 or "No space left" in f["error1"], f
         assert [e[:2] for e in f["events"]] == [[1, rank != 2], [2, True]], f"rank {rank}: {f}"
+        assert all(e[2] > 0 for e in f["events"]), f"rank {rank}: {f}"  # rank 2 sent its files before failing
     step1 = root / "data" / "f5" / "local" / "1" / step_dir(1)
     assert not list(step1.glob("__0_*")) and not (step1 / marker_name(0)).exists(), sorted(os.listdir(step1))
     assert (root / "data" / "f5" / "local" / "1" / step_dir(2) / marker_name(0)).is_file()
