@@ -27,6 +27,7 @@ from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import tier_storage
 from dcp_tiered.tiers.layout import parse_step, step_name
+from dcp_tiered.tiers import replication
 from dcp_tiered.tiers.replication import (check_group, mark_broken, marker_name, offer_problem, owner_files,
                                           read_markers, stream_file)
 from dcp_tiered.tiers.spec import Tier
@@ -93,7 +94,8 @@ def _offer(mine: Storage, holder: int, receiver: int) -> Any:
                 break
         if why is not None:
             return f"rank {holder} cannot offer its replica of rank {receiver}: {why}"
-        return entries, mine.read_bytes(METADATA), owner_files(mine, metadata, holder), marker["save_id"]
+        own = owner_files(mine, metadata, holder)
+        return entries, mine.read_bytes(METADATA), own, marker["save_id"], replication.CHUNK_BYTES  # the holder's chunks
     except Exception as exc:  # noqa: BLE001 - the clique still gets a header
         return f"rank {holder} cannot read its replica of rank {receiver}: {exc}"
 
@@ -124,10 +126,11 @@ def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
         if isinstance(header[0], str):
             error = error or header[0] if rank == receiver else error
             continue
-        entries, md, own, save_id = header[0]
+        entries, md, own, save_id, chunk = header[0]
         refused = _refusal(md, entries, own, receiver, holder) if rank == receiver else None
         write = mine if rank == receiver and refused is None else None  # a refused offer is received, not kept
-        problems = [p for e in entries + own if (p := stream_file(group, holder, rank, e, mine, write)) is not None]
+        problems = [p for e in entries + own if (p := stream_file(group, holder, rank, e, mine, write, chunk))
+                    is not None]
         if rank != receiver:
             continue
         problems = [refused] if refused else problems
