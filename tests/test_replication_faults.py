@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_ranks import read_records, record, run_ranks_recording
+from test_replication import _in_thread
 
 from dcp_tiered import ConfigError, ReplicationError, Tier, TieredCheckpointer
 from dcp_tiered.storage import Storage
@@ -56,25 +57,6 @@ def state(rank: int, step: int) -> dict:
 
 def step_dir(step: int) -> str:
     return f"step_{step:09d}"
-
-
-def _in_thread(fn, timeout: float = OP_TIMEOUT):
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise TimeoutError(f"{fn} did not return within {timeout} s")
-    if "exc" in box:
-        raise box["exc"]
-    return box.get("value")
 
 
 class _NoSpace:
