@@ -193,7 +193,8 @@ def node_save_bytes(plans: Sequence[Any], node_of: Any, frame_size: int | None =
 
 def held_bytes(infos: Sequence[Any], keep: int, replacing: str | None = None, *, busy: Collection[int] = (),
                own: Collection[int] = (), ages: Mapping[str, float] | None = None, grace: float = 3600.0,
-               optimizer_keys: Sequence[str] = (), known_tiers: Collection[str] | None = None) -> int:
+               optimizer_keys: Sequence[str] = (), known_tiers: Collection[str] | None = None,
+               protect: Collection[int] = ()) -> int:
     """Bytes the tier holds, and will go on holding, next to a new save: every checkpoint directory of
     ``infos`` (:func:`~dcp_tiered.tiers.catalog.list_tier`) that retention would not delete now, leaving
     out the one ``replacing`` rewrites.
@@ -202,7 +203,9 @@ def held_bytes(infos: Sequence[Any], keep: int, replacing: str | None = None, *,
     beyond ``keep`` with ``optimizer_every``), every step ``busy`` (a save or restore of this process, a
     queued or running promotion reading it) or with a pending promotion intent, and the uncommitted
     leftovers of crashed saves younger than ``grace`` seconds (``own``: this process's steps, whose
-    leftovers retention deletes at once).  Committed steps retention deletes are not counted.  Pure.
+    leftovers retention deletes at once), and the steps in ``protect`` (the newest fully replicated one of a
+    replicated tier, see :func:`~dcp_tiered.tiers.retention.newest_replicated`).  Committed steps
+    retention deletes are not counted.  Pure.
     """
     from dcp_tiered.tiers.policy import retention_victims
     from dcp_tiered.tiers.retention import checkpoint_facts
@@ -211,7 +214,7 @@ def held_bytes(infos: Sequence[Any], keep: int, replacing: str | None = None, *,
     known = known_tiers if known_tiers is not None else {t for i in usable for t in i.pending_promotions}
     facts = [checkpoint_facts(i, ages=ages or {}, busy=busy, own=own, known_tiers=known,
                               optimizer_keys=optimizer_keys) for i in usable]
-    victims = set(retention_victims(facts, keep, (), grace))
+    victims = set(retention_victims(facts, keep, protect, grace))
     return sum(i.size_bytes for i in usable if i.step not in victims)
 
 
@@ -317,6 +320,7 @@ def budget_error(tier: Any, per_node: Mapping[int, int], checkpoint: str | None,
     pinned steps.  Lists the tier."""
     from dcp_tiered.storage import Storage
     from dcp_tiered.tiers.catalog import list_tier
+    from dcp_tiered.tiers.retention import newest_replicated
     from dcp_tiered.tiers.writer import node_of
 
     budget = getattr(tier, "memory_budget", None)
@@ -331,8 +335,10 @@ def budget_error(tier: Any, per_node: Mapping[int, int], checkpoint: str | None,
         root, local = root or store.root, local or store.is_local
         infos = list_tier(tier, 0, r, node, with_metadata=bool(optimizer_keys))
         ages = store.file_ages(time.time()) if grace > 0 else {}
+        replicated = newest_replicated(tier, store, infos, r, world)  # retention keeps it too
         held += held_bytes(infos, tier.keep, checkpoint, busy=busy, own=own, ages=ages, grace=grace,
-                           optimizer_keys=optimizer_keys, known_tiers=known_tiers)
+                           optimizer_keys=optimizer_keys, known_tiers=known_tiers,
+                           protect=[replicated] if replicated is not None else [])
     busiest, needed = max(per_node.items(), key=lambda kv: kv[1], default=(node, 0))
     free = _free_bytes(root, ram=getattr(tier, "kind", None) == "memory") if local and root else None
     problem = budget_problem(tier.name, needed, held, budget, free, tier.keep, busiest, getattr(tier, "dtype", None))

@@ -172,16 +172,24 @@ def marker_name(owner: int) -> str:
 
 
 def read_markers(child: Storage) -> dict[int, dict[str, Any]]:
-    """The committed replica markers in step directory ``child``: owner rank -> marker (unreadable ones left out)."""
+    """The committed replica markers in step directory ``child``: owner rank -> marker.
+
+    The owner is the one the file name ``.replica-{owner}.json`` says; a marker whose JSON names
+    another owner, or whose ``files`` is not a list, is malformed: logged and treated as absent."""
     out: dict[int, dict[str, Any]] = {}
     for name, _size in child.file_sizes().items():
         if not (name.startswith(MARKER_PREFIX) and name.endswith(".json")):
             continue
         try:
+            owner = int(name[len(MARKER_PREFIX):-len(".json")])
             marker = json.loads(child.read_bytes(name, 1 << 20))
-            out[int(marker["owner"])] = marker
+            if not isinstance(marker, dict) or int(marker["owner"]) != owner:
+                raise ValueError(f"it does not name owner {owner}")
+            if not isinstance(marker.get("files"), list):
+                raise ValueError(f"its files are {marker.get('files')!r}, not a list")
+            out[owner] = marker
         except (DcpTieredError, ValueError, KeyError, TypeError) as exc:
-            log.warning("unreadable replica marker %s: %s", child.url_of(name), exc)
+            log.warning("unreadable replica marker %s, treated as absent: %s", child.url_of(name), exc)
     return out
 
 
@@ -203,7 +211,8 @@ def vouched_files(child: Storage, metadata: Metadata) -> dict[str, int]:
 def marker_files(marker: dict[str, Any], owner: int) -> dict[str, int]:
     """The files (name -> size) a replica marker of ``owner`` names that are ``owner``'s; malformed entries left out."""
     out: dict[str, int] = {}
-    for entry in marker.get("files") or []:
+    files = marker.get("files")
+    for entry in files if isinstance(files, list) else []:
         try:
             name, size = str(entry["file"]), int(entry["size"])
         except (KeyError, TypeError, ValueError):

@@ -6,8 +6,11 @@ report the ranks make the same plan (:func:`plan_fetch`): for each rank lacking 
 lowest rank of its clique that holds its files under a marker of the same save and sees the step
 committed.  :func:`fetch` then streams the files on the clique's group (the receiver's, then the
 holder's own, which the receiver keeps as a replica again); the receiver checks each digest, writes
-them into its node's directory, commits the holder's replica marker and the holder's
-``.metadata`` there if missing.  The load that follows verifies every frame's checksum as it reads.
+them into its node's directory (a file failing its digest, or any write, is deleted), commits the
+holder's replica marker, and once every rank's fetch succeeded, the node's lowest receiving rank
+commits the ``.metadata`` there if missing (:func:`commit_node_metadata`).  Offers are checked
+against the committed ``.metadata`` on both sides: no file, and no byte, that it does not record
+is sent or written.  The load that follows verifies every frame's checksum as it reads.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_tiered.dcp.metadata_io import load_metadata
+from dcp_tiered.dcp.metadata_io import decode_metadata, load_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import tier_storage
 from dcp_tiered.tiers.layout import parse_step, step_name
-from dcp_tiered.tiers.replication import marker_name, owner_files, read_markers, stream_file
+from dcp_tiered.tiers import replication
+from dcp_tiered.tiers.replication import (check_group, mark_broken, marker_name, offer_problem, owner_files,
+                                          read_markers, stream_file)
 from dcp_tiered.tiers.spec import Tier
 
 log = logging.getLogger(__name__)
@@ -48,7 +53,7 @@ def holdings(tiers: Sequence[Tier], rank: int, node: int) -> list[Held]:
                     continue
                 for owner, marker in read_markers(storage.child(name)).items():
                     out.append((i, step, owner, marker.get("save_id")))
-        except DcpTieredError as exc:
+        except Exception as exc:  # noqa: BLE001 - one tier's problem never hides the others' replicas
             log.warning("restore: cannot list the replicas of tier %s: %s", tier.name, exc)
     return out
 
@@ -73,40 +78,62 @@ def plan_fetch(cand: tuple[int, int], lacking: Sequence[int], ok_ranks: Sequence
 def _offer(mine: Storage, holder: int, receiver: int) -> Any:
     """The holder's header for ``receiver``: the receiver's files (from their replica marker) and the
     holder's own (to be kept there as a replica again), with sizes and digests, the ``.metadata`` to
-    commit and the save id; or why the holder cannot send them."""
+    commit and the save id; or why the holder cannot send them.  Every file of the marker must be
+    one the committed ``.metadata`` records for ``receiver``, at that size, and be that size here:
+    a damaged or hostile marker never makes a receiver write more (or other) bytes than the checkpoint has."""
     try:
         marker = read_markers(mine)[receiver]
-        entries = [(f["file"], int(f["size"]), f["xxh3"]) for f in marker["files"]]
-        return entries, mine.read_bytes(METADATA), owner_files(mine, load_metadata(mine), holder), marker["save_id"]
-    except (DcpTieredError, KeyError, TypeError, ValueError) as exc:
+        entries = [(str(f["file"]), int(f["size"]), str(f["xxh3"])) for f in marker["files"]]
+        metadata = load_metadata(mine)
+        if marker.get("save_id") != getattr(metadata.storage_meta, "save_id", None):
+            return f"rank {holder}'s replica of rank {receiver} is of another save than its .metadata"
+        why = offer_problem(entries, metadata, receiver)
+        for name, size, _digest in entries if why is None else ():
+            if mine.size(name) != size:
+                why = f"{mine.url_of(name)} has {mine.size(name)} bytes, its replica marker says {size}"
+                break
+        if why is not None:
+            return f"rank {holder} cannot offer its replica of rank {receiver}: {why}"
+        own = owner_files(mine, metadata, holder)
+        return entries, mine.read_bytes(METADATA), own, marker["save_id"], replication.CHUNK_BYTES  # the holder's chunks
+    except Exception as exc:  # noqa: BLE001 - the clique still gets a header
         return f"rank {holder} cannot read its replica of rank {receiver}: {exc}"
 
 
 def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
-          clique_groups: Sequence[tuple[list[int], Any]]) -> tuple[str | None, int]:
+          clique_groups: Sequence[tuple[list[int], Any]]) -> tuple[str | None, int, bytes | None]:
     """Carry out ``plan`` (the same on every rank; every rank calls it): each holder streams the files of
     its receiver on their clique's group, then its own files, which the receiver keeps as a committed
     replica again (its node held them before it was lost, and its ranks' loads may need them: items
-    DCP stored once, in the holder's file).  Returns why this rank failed, or None (it still took
-    part in every collective of its clique), and the bytes this rank received."""
-    name = step_name(step)
-    mine = tier_storage(tier, rank, node).child(name)
+    DCP stored once, in the holder's file).  Returns why this rank failed, or None (storage problems
+    never make it skip a collective of its clique), the bytes this rank received, and the
+    ``.metadata`` a receiver got (its node commits it once every receiving rank of the node succeeded:
+    :func:`commit_node_metadata`).  A failed collective raises and marks the clique's group broken."""
+    mine = tier_storage(tier, rank, node).child(step_name(step))
     error: str | None = None
-    received = 0
+    received, metadata = 0, None
     for receiver, holder in sorted(plan.items()):
         clique, group = next(((c, g) for c, g in clique_groups if receiver in c), ([], None))
         if rank not in clique:
             continue
+        check_group(group, clique)
         header: list[Any] = [_offer(mine, holder, receiver) if rank == holder else None]
-        dist.broadcast_object_list(header, src=holder, group=group)
+        try:
+            dist.broadcast_object_list(header, src=holder, group=group)
+        except Exception as exc:
+            mark_broken(group, f"fetch header of rank {holder}: {exc}")
+            raise
         if isinstance(header[0], str):
             error = error or header[0] if rank == receiver else error
             continue
-        entries, metadata, own, save_id = header[0]
-        write = mine if rank == receiver else None
-        problems = [p for e in entries + own if (p := stream_file(group, holder, rank, e, mine, write)) is not None]
+        entries, md, own, save_id, chunk = header[0]
+        refused = _refusal(md, entries, own, receiver, holder) if rank == receiver else None
+        write = mine if rank == receiver and refused is None else None  # a refused offer is received, not kept
+        problems = [p for e in entries + own if (p := stream_file(group, holder, rank, e, mine, write, chunk))
+                    is not None]
         if rank != receiver:
             continue
+        problems = [refused] if refused else problems
         if problems:
             error = error or "; ".join(problems[:3])
             continue
@@ -115,9 +142,34 @@ def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
             marker = {"owner": holder, "save_id": save_id, "step": step,
                       "files": [{"file": n, "size": s, "xxh3": d} for n, s, d in own]}
             mine.commit_bytes(marker_name(holder), json.dumps(marker).encode())
-            mine.commit_bytes(METADATA, metadata, exclusive=True)  # the node's commit, if not there yet
-        except DcpTieredError as exc:
+            metadata = md
+        except Exception as exc:  # noqa: BLE001 - the other pairs' collectives still follow
             error = error or f"cannot commit {mine.url}: {exc}"
         log.info("restore: rank %d fetched %d file(s) of step %d from rank %d", rank, len(entries) + len(own), step,
                  holder)
-    return error, received
+    return error, received, metadata
+
+
+def _refusal(md: bytes, entries: list, own: list, receiver: int, holder: int) -> str | None:
+    """The receiver's own check of an offer against the ``.metadata`` that came with it, or None."""
+    try:
+        metadata = decode_metadata(md, f"the .metadata offered by rank {holder}")
+        return offer_problem(entries, metadata, receiver) or offer_problem(own, metadata, holder)
+    except Exception as exc:  # noqa: BLE001 - the receiver still takes part in the streams
+        return f"rank {holder} offered an unreadable .metadata or offer: {exc}"
+
+
+def commit_node_metadata(tier: Tier, step: int, plan: Plan, metadata: "bytes | None", *, rank: int, node: int,
+                         node_of: Any) -> str | None:
+    """After every rank's fetch succeeded: the lowest receiving rank of this rank's directory commits the
+    ``.metadata`` it received there (if not there yet); why that failed, or None."""
+    here = tier.resolved_url(rank, node)
+    receivers = sorted(r for r in plan if tier.resolved_url(r, node_of(r)) == here)
+    if not receivers or receivers[0] != rank or metadata is None:
+        return None
+    mine = tier_storage(tier, rank, node).child(step_name(step))
+    try:
+        mine.commit_bytes(METADATA, metadata, exclusive=True)
+    except DcpTieredError as exc:
+        return f"cannot commit {mine.url_of(METADATA)}: {exc}"
+    return None

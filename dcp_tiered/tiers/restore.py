@@ -18,11 +18,11 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
-from dcp_tiered.errors import DcpTieredError, RestoreError
+from dcp_tiered.errors import RestoreError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import list_tier, tier_storage
 from dcp_tiered.tiers.layout import step_name
-from dcp_tiered.tiers.node_commit import holds_file, lacking_files
+from dcp_tiered.tiers.node_commit import holds_file, lacking_files, node_of
 from dcp_tiered.tiers import peer_fetch
 from dcp_tiered.tiers.replication import Replicator
 from dcp_tiered.tiers.policy import restore_order
@@ -59,7 +59,7 @@ class Restorer:
         # Replication of node-local tiers (every clique's group is made here, on every rank alike);
         # restore fetches a lost node's files through the same groups.
         self.replicator = Replicator(self.tiers, rank=rank, world=world, events=events, promoter=promoter,
-                                     distributed=distributed)
+                                     distributed=distributed, group=list_group)
         self._fetch: dict[Candidate, peer_fetch.Plan] = {}  # candidates usable through peers' replicas
         #: Candidates that failed to load, over every restore (each was skipped for the next).
         self.failures = 0
@@ -137,9 +137,9 @@ class Restorer:
             if not tier.node_local and self.rank != 0:
                 continue
             holds = holds_file(tier, self.rank, self.world) if tier.node_local else None
-            try:
+            try:  # any problem of one tier leaves the other tiers' candidates in
                 infos = list_tier(tier, i, self.rank, self.node, holds=holds)
-            except DcpTieredError as exc:
+            except Exception as exc:  # noqa: BLE001
                 log.warning("restore: cannot list tier %s: %s", tier.name, exc)
                 unlisted.append(f"tier {tier.name!r} cannot be listed: {describe_error(exc)}")
                 continue
@@ -176,12 +176,15 @@ class Restorer:
         and whether any committed checkpoint exists; listing problems of any rank go to ``unlisted``."""
         problems: list[str] = []
         held: list[peer_fetch.Held] = []
+        view: list[View] = []
         try:
             view = self._local_view(plain, pinned, problems, precheck)
-            held = peer_fetch.holdings(self.tiers, self.rank, self.node) if self.replicator.plans else []
         except Exception as exc:  # noqa: BLE001 - this rank must still take part in the collective below
             problems.append(f"listing the tiers failed: {describe_error(exc)}")
-            view = []
+        try:  # apart: a problem with the replicas never drops the candidates listed above
+            held = peer_fetch.holdings(self.tiers, self.rank, self.node) if self.replicator.plans else []
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"listing the replicas failed: {describe_error(exc)}")
         views = self._gather((view, problems, held))
         seen: dict[Candidate, dict[int, str | None]] = {}
         save_ids: dict[Candidate, set[str | None]] = {}
@@ -236,8 +239,8 @@ class Restorer:
         try:
             lacking = lacking_files(tier_storage(tier, self.rank, self.node).child(info.name), info.files, state_dict,
                                     own)
-        except DcpTieredError as exc:
-            return f"unreadable metadata: {describe_error(exc)}"
+        except Exception as exc:  # noqa: BLE001 - e.g. a malformed marker: this candidate only is unusable
+            return f"cannot check what its load needs: {describe_error(exc)}"
         if not lacking:
             return None
         return (f"{NEEDS_OTHERS}{lacking[:3]}{' ...' if len(lacking) > 3 else ''}, held by another node only, "
@@ -275,18 +278,33 @@ class Restorer:
 
         A candidate usable through peers (:meth:`_through_peers`) first gets the files of the ranks
         lacking them from their clique peers (:func:`~dcp_tiered.tiers.peer_fetch.fetch`); when that
-        fails on any rank, every rank raises here and moves on together."""
+        fails on any rank (any exception, a collective's timeout too), every rank raises here after the
+        same gathers and moves on together; each node's ``.metadata`` is committed only once every
+        rank's fetch succeeded."""
         plan = self._fetch.get(cand)
         if plan is None:
             return 0
         tier = self.tiers[cand[1]]
-        error, received = peer_fetch.fetch(tier, cand[0], plan, rank=self.rank, node=self.node,
-                                           clique_groups=self.replicator.all_groups[tier.name])
-        failed = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        error, received, metadata = None, 0, None
+        try:
+            error, received, metadata = peer_fetch.fetch(tier, cand[0], plan, rank=self.rank, node=self.node,
+                                                         clique_groups=self.replicator.all_groups[tier.name])
+        except Exception as exc:  # noqa: BLE001 - a gloo timeout too: every rank must still gather below
+            error = f"fetch failed: {describe_error(exc)}"
+        self._raise_failed(cand, self._gather(error))
+        try:  # the node's .metadata only now that every receiving rank of every node verified its files
+            error = peer_fetch.commit_node_metadata(tier, cand[0], plan, metadata, rank=self.rank, node=self.node,
+                                                    node_of=node_of)
+        except Exception as exc:  # noqa: BLE001
+            error = describe_error(exc)
+        self._raise_failed(cand, self._gather(error))
+        return received
+
+    def _raise_failed(self, cand: Candidate, errors: list[Any]) -> None:
+        failed = [(r, e) for r, e in enumerate(errors) if e]
         if failed:
             raise RestoreError(f"fetching the files of step {cand[0]} from peers failed on rank {failed[0][0]}: "
                                f"{failed[0][1]}")
-        return received
 
     def _everywhere(self, fn: Callable[[], None]) -> list[tuple[int, str]]:
         """Run ``fn`` on every rank; the ``(rank, error)`` of each rank where it failed, the same on every rank."""

@@ -133,6 +133,8 @@ class Retention:
         usable = [i for i in infos if not i.unusable]  # a link (or a .metadata that is no file): never deleted
         facts = [checkpoint_facts(i, ages=ages, busy=busy_now, own=own, known_tiers=known,
                                   optimizer_keys=self.optimizer_keys) for i in usable]
+        replicated = newest_replicated(tier, storage, infos, self.rank, world_size())
+        protect = [*protect, *([replicated] if replicated is not None else [])]
         victims = set(retention_victims(facts, tier.keep, protect, self.leftover_grace))
         return RetentionPlan(tier, storage, [i for i in usable if i.step in victims], [i for i in infos if i.unusable])
 
@@ -181,6 +183,45 @@ class Retention:
                 log.warning("retention: cannot list tier %s: %s", tier.name, exc)
                 return []
             return self.apply(plan, on_failure)
+
+
+def world_size() -> int | None:
+    """The default group's world size, or None outside ``torch.distributed`` (replication needs it)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
+def newest_replicated(tier: Tier, storage: Storage, infos: Sequence[CheckpointInfo], rank: int,
+                      world: int | None) -> int | None:
+    """On a tier with ``replicas > 1``: the newest committed step of the directory ``storage`` that is fully
+    replicated there (a marker of every clique peer of the directory's ranks, of the save its ``.metadata``
+    names), which retention keeps until a newer one is; None otherwise (also without a known ``world``).
+
+    So a step whose replication is still running (or was killed) never leaves a node without a
+    replicated copy, even with ``keep=1``."""
+    if tier.replicas <= 1 or not world:
+        return None
+    from dcp_tiered.dcp.metadata_io import load_metadata
+    from dcp_tiered.tiers.node_commit import dir_ranks, read_markers
+    from dcp_tiered.tiers.replication import check_replication
+
+    try:
+        cliques = check_replication(tier, world)
+    except DcpTieredError:
+        return None
+    mine = set(dir_ranks(tier, rank, world))
+    peers = {p for c in cliques if mine & set(c) for p in c} - mine
+    for info in sorted((i for i in infos if i.committed and not i.unusable), key=lambda i: -i.step):
+        try:
+            child = storage.child(info.name)
+            save_id = getattr(load_metadata(child).storage_meta, "save_id", None)
+            markers = read_markers(child)
+        except DcpTieredError:
+            continue
+        if save_id and all(markers.get(p, {}).get("save_id") == save_id for p in peers):
+            return info.step
+    return None
 
 
 def delete_checkpoint(child: Storage) -> None:
