@@ -178,12 +178,13 @@ class TierTotals:
         if not event.get("tier"):
             return []
         t = self._tier(str(event["tier"]))
+        n = int(event.get("sent_bytes") or 0)  # a failed replication counts what it had sent
+        t.replicated_bytes += n
+        out = [("replicated", t.tier, n)]
         if not event.get("ok"):
             t.replication_failures += 1
-            return [("replication_failure", t.tier, 1)]
-        n = int(event.get("sent_bytes") or 0)
-        t.replicated_bytes += n
-        return [("replicated", t.tier, n)]
+            out.append(("replication_failure", t.tier, 1))
+        return out
 
     def seed(self, listing: Iterable[Any], committed_at: Mapping[tuple[str, int], float] | None = None,
              optimizer_keys: Sequence[str] = (), newest_sizes: Mapping[str, tuple[int, int]] | None = None) -> None:

@@ -141,18 +141,17 @@ def _no_local_world(monkeypatch) -> None:
 def test_reports_and_metrics_count_the_bytes_sent_for_replication(saved: Path) -> None:
     """After ``wait()`` each report holds the bytes its rank sent to its clique (its own data files,
     ``replicas - 1`` = 1 copy); the failed replication of step 3 on clique [1, 3] leaves an error and
-    no bytes; the exporter's counters add up the same."""
+    the bytes it had sent; the exporter's counters add up the same."""
     facts = json.loads((saved / "facts.json").read_text())
     for rank, f in enumerate(facts):
         failed = rank in (1, 3)
         for step in STEPS:
             sent, error = f["reports"][str(step)]
-            if step == 3 and failed:
-                assert sent is None and "injected read failure" in error, f"rank {rank}: {f}"
+            if step == 3 and failed:  # what it had sent before the failure, at most its files
+                assert 0 <= sent <= f["own"][str(step)] and "injected read failure" in error, f"rank {rank}: {f}"
             else:
                 assert error is None and sent == f["own"][str(step)] > 0, f"rank {rank} step {step}: {f}"
-        ok_steps = [s for s in STEPS if not (s == 3 and failed)]
-        assert f["metrics"]["checkpoint_replication_bytes_total"] == sum(f["own"][str(s)] for s in ok_steps), f
+        assert f["metrics"]["checkpoint_replication_bytes_total"] == sum(r[0] for r in f["reports"].values()), f
         assert f["metrics"]["checkpoint_replication_failures_total"] == (1 if failed else 0), f
         assert ("wait_error_3" in f) == failed, f
         assert f["event"]["replicated_bytes"] == f["own"]["1"], f
@@ -166,7 +165,7 @@ def test_save_reports_take_an_outcome_that_arrives_first() -> None:
     reports.append(SaveReport(6, ["local"], True, False))
     events.emit({"event": "replication", "tier": "local", "step": 6, "ok": False, "error": "peer gone"})
     events.emit({"event": "replication", "tier": "other", "step": 6, "ok": True, "sent_bytes": 1})
-    assert [(r.replicated_bytes, r.replication_error) for r in reports] == [(42, None), (None, "peer gone")]
+    assert [(r.replicated_bytes, r.replication_error) for r in reports] == [(42, None), (0, "peer gone")]
     assert reports[0].as_dict()["replicated_bytes"] == 42
 
 

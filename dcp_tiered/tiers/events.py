@@ -119,10 +119,8 @@ class SaveReports(list):
 
 
 def _fill(report: SaveReport, event: dict[str, Any]) -> None:
-    if event.get("ok"):
-        report.replicated_bytes, report.replication_error = int(event.get("sent_bytes") or 0), None
-    else:
-        report.replication_error = str(event.get("error") or "replication failed")
+    report.replicated_bytes = int(event.get("sent_bytes") or 0)  # also what a failed replication had sent
+    report.replication_error = None if event.get("ok") else str(event.get("error") or "replication failed")
 
 
 class EventLog:
