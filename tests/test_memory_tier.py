@@ -471,11 +471,12 @@ def _dirs(root: Path) -> set[int]:
 
 def _held(root: Path) -> int:
     total = 0
-    for p in root.rglob("*"):
-        try:
-            total += p.stat().st_size if p.is_file() else 0
-        except OSError:  # deleted meanwhile by retention
-            pass
+    for top, _dirs, files in os.walk(root):  # os.walk skips a directory retention deletes meanwhile
+        for name in files:
+            try:
+                total += os.stat(os.path.join(top, name)).st_size
+            except OSError:  # deleted meanwhile by retention
+                pass
     return total
 
 
