@@ -20,15 +20,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from dcp_tiered.dcp.metadata_io import decode_metadata, load_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import tier_storage
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers import replication
-from dcp_tiered.tiers.replication import (check_group, mark_broken, marker_name, offer_problem, owner_files,
+from dcp_tiered.tiers.replication import (broadcast_header, check_group, marker_name, offer_problem, owner_files,
                                           read_markers, stream_file)
 from dcp_tiered.tiers.spec import Tier
 
@@ -118,11 +116,7 @@ def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
             continue
         check_group(group, clique)
         header: list[Any] = [_offer(mine, holder, receiver) if rank == holder else None]
-        try:
-            dist.broadcast_object_list(header, src=holder, group=group)
-        except Exception as exc:
-            mark_broken(group, f"fetch header of rank {holder}: {exc}")
-            raise
+        broadcast_header(header, holder, group, f"fetch header of rank {holder}")
         if isinstance(header[0], str):
             error = error or header[0] if rank == receiver else error
             continue

@@ -123,6 +123,16 @@ def check_group(group: Any, clique: Sequence[int]) -> None:
                                "again in this job; restart the job to replicate or fetch through this clique")
 
 
+def broadcast_header(header: list[Any], src: int, group: Any, what: str) -> None:
+    """``broadcast_object_list`` of ``header`` from ``src`` on a clique's ``group``; a failure marks the
+    group broken (:func:`check_group`) and is raised."""
+    try:
+        dist.broadcast_object_list(header, src=src, group=group)
+    except Exception as exc:
+        mark_broken(group, f"{what}: {exc}")
+        raise
+
+
 def stream_file(group: Any, src: int, me: int, entry: FileEntry, read: Storage | None, write: Storage | None,
                 chunk: int = CHUNK_BYTES) -> str | None:
     """Broadcast one file from global rank ``src`` (reading it from ``read``) to the other ranks of
@@ -351,11 +361,7 @@ class Replicator:
             errors.append(f"rank {self.rank} cannot drop the replicas of an earlier save of step {step}: {exc}")
         for owner in clique:
             header: list[Any] = [self._header(node_dir, metadata, owner, step, save_id) if owner == self.rank else None]
-            try:
-                dist.broadcast_object_list(header, src=owner, group=group)
-            except Exception as exc:
-                mark_broken(group, f"header of rank {owner}: {exc}")
-                raise
+            broadcast_header(header, owner, group, f"header of rank {owner}")
             if isinstance(header[0], str):
                 errors.append(header[0])
                 continue
