@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch.distributed as dist
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
 
 from dcp_tiered.errors import MemoryBudgetError, SaveError
@@ -80,8 +79,11 @@ def save_budget_error(tier: Any, sd: Mapping[str, Any], checkpoint: str, *, plan
     if rank == 0:  # the coordinator (group rank 0, global rank ``src``)
         from dcp_tiered.tiers.writer import node_of
 
-        dedup = getattr(planner, "_dedup_save_plans", None) or (lambda plans: dedup_save_plans(plans, False))
-        plans = dedup([p for p, _ in gathered])
+        plans = [p for p, _ in gathered]
+        try:  # the planner's public global plan drops replicated items as the save will
+            plans = planner.create_global_plan(plans)[0]
+        except Exception as exc:  # noqa: BLE001 - the save reports it; count every item meanwhile
+            log.debug("budget check of %s: no global plan (%s); counting replicated items on every rank", checkpoint, exc)
         by_index = [dict(s) for _, s in gathered]
         per_node = node_save_bytes(plans, node_of, frame_size, sizes=by_index, tier_dtype=tier.dtype)
         answer[0] = budget_error(tier, per_node, checkpoint, rank=rank, world=world, marks=promoter.marks,
