@@ -181,7 +181,7 @@ def tier_dirs(cfg: Config) -> list[Path]:
 def newest_committed(cfg: Config) -> int:
     """The step a correct resume must pick: newest committed, complete checkpoint with optimizer state."""
     from dcp_tiered.tiers.catalog import list_tiers
-    from dcp_tiered.tiers.spec import load_tiers_yaml
+    from dcp_tiered.tiers.config import load_tiers_yaml
 
     tiers, _ = load_tiers_yaml(cfg.tiers_yaml)
     good = [i.step for i in list_tiers(tiers) if i.committed and i.complete and i.has_prefix(("optim",))

@@ -20,7 +20,7 @@ def pytest_configure(config: pytest.Config) -> None:
     machines whose /tmp is a tmpfs.  The memory-tier tests use /dev/shm explicitly."""
     import tempfile
 
-    from dcp_tiered.tiers.memory import is_memory_path
+    from dcp_tiered.tiers.config import is_memory_path
 
     if not is_memory_path(tempfile.gettempdir()):
         return

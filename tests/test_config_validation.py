@@ -13,8 +13,8 @@ import pytest
 
 from dcp_tiered import CompressedWriter, ConfigError, StorageError
 from dcp_tiered.dcp.writer import MAX_FRAME_SIZE, MIN_FRAME_SIZE
-from dcp_tiered.tiers.options import CheckpointerOptions
-from dcp_tiered.tiers.spec import (
+from dcp_tiered.tiers.config import CheckpointerOptions
+from dcp_tiered.tiers.config import (
     Tier,
     check_step,
     check_str_list,

@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import CompressedReader, SaveError, Tier, TieredCheckpointer
 from dcp_tiered.codecs import FrameCodec
-from dcp_tiered.tiers import options as options_mod
-from dcp_tiered.tiers.options import CheckpointerOptions, default_background_threads
+from dcp_tiered.tiers import config as options_mod
+from dcp_tiered.tiers.config import CheckpointerOptions, default_background_threads
 from test_config_validation import config_error
 from test_memory_tier import MIB, _assert_same, _files, _state, _zeros_like, shm_dir  # noqa: F401 (fixture)
 

@@ -50,7 +50,7 @@ import json, sys, os
 from dcp_tiered import CompressedReader
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import list_tier
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 path, tier_root = sys.argv[1], sys.argv[2]
 out = {}
 def attempt(what, fn):
@@ -154,7 +154,7 @@ def test_subdirectory_linked_outside_the_checkpoint_is_not_followed(tmp_path):
 
 def test_step_directory_linked_into_a_tier_is_not_followed(tmp_path):
     from dcp_tiered.tiers.catalog import list_tier
-    from dcp_tiered.tiers.spec import Tier
+    from dcp_tiered.tiers.config import Tier
 
     tier, elsewhere = tmp_path / "tier", tmp_path / "elsewhere" / "step_000000007"
     save(elsewhere, state())
@@ -202,7 +202,7 @@ import json, os, sys, time
 import torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from dcp_tiered import CompressedWriter
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.writer import TieredWriter
 me, root, sync, rounds, opts, kind = sys.argv[1:]
 me, rounds, opts = int(me), int(rounds), json.loads(opts) or None

@@ -25,7 +25,8 @@ from dcp_tiered import (CompressedReader, CompressedWriter, ConfigError, Corrupt
 from dcp_tiered.dcp.format import record_view
 from dcp_tiered.tiers import memory
 from dcp_tiered.tiers.events import root_cause
-from dcp_tiered.tiers.memory import budget_problem, held_bytes, is_memory_path, mount_fstype, node_save_bytes, parse_bytes
+from dcp_tiered.tiers.config import is_memory_path, mount_fstype, parse_bytes
+from dcp_tiered.tiers.memory import budget_problem, held_bytes, node_save_bytes
 
 from gloo_ranks import run_ranks
 from isolated import run_isolated

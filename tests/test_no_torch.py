@@ -64,7 +64,7 @@ def test_tier_options_and_cost_import_without_torch():
     res = run_without_torch(
         "from dcp_tiered import Tier, ConfigError\n"
         "from dcp_tiered.tiers import Tier as T2, parse_duration\n"
-        "from dcp_tiered.tiers.options import CheckpointerOptions\n"
+        "from dcp_tiered.tiers.config import CheckpointerOptions\n"
         "import dcp_tiered.cost as cost\n"
         "t = Tier('durable', 's3://bucket/run', every='1h30m', keep=3)\n"
         "assert T2 is Tier and parse_duration('1h30m') == 5400\n"

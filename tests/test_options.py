@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from dcp_tiered import CompressedReader, CompressedWriter, Tier, TieredCheckpointer
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.dcp.writer import RankFilePrefix
-from dcp_tiered.tiers.options import CheckpointerOptions
+from dcp_tiered.tiers.config import CheckpointerOptions
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.spec import parse_duration
+from dcp_tiered.tiers.config import parse_duration
 from test_config_validation import config_error
 
 PROPS = settings(max_examples=200, deadline=None)

@@ -23,7 +23,7 @@ from dcp_tiered.tiers.policy import (
     step_period,
 )
 from dcp_tiered.tiers.schedule import SaveSchedule
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 PROPS = settings(max_examples=300, deadline=None)
 SIM = settings(max_examples=200, deadline=None)

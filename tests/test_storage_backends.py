@@ -290,7 +290,7 @@ def test_a_registered_backend_is_picked_for_its_filesystem() -> None:
 @pytest.mark.xfail(strict=True, reason="same_place ignores the endpoint: validate_tiers accepts one bucket path on two "
                    "endpoints as two tiers, and the promoter then skips every promotion between them as 'onto itself'")
 def test_same_place_agrees_with_validate_tiers_on_endpoints() -> None:
-    from dcp_tiered.tiers.spec import Tier, validate_tiers
+    from dcp_tiered.tiers.config import Tier, validate_tiers
 
     one = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
     two = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:2"}}

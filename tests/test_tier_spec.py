@@ -1,4 +1,4 @@
-"""``Tier`` validation, durations, tier lists and YAML tier files (dcp_tiered.tiers.spec)."""
+"""``Tier`` validation, durations, tier lists and YAML tier files (dcp_tiered.tiers.config)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_tiered import ConfigError
-from dcp_tiered.tiers.spec import Tier, load_tiers_yaml, parse_duration, validate_tiers
+from dcp_tiered.tiers.config import Tier, load_tiers_yaml, parse_duration, validate_tiers
 
 PROPS = settings(max_examples=300, deadline=None)
 

@@ -108,7 +108,7 @@ def _interval(args: argparse.Namespace, name: str) -> float | None:
 def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[list[Any], dict[str, Any]]:
     """Build the tier list (fastest first) and checkpointer options from ``--tiers`` or the path flags."""
     from dcp_tiered.errors import ConfigError
-    from dcp_tiered.tiers.spec import DEFAULT, Tier, load_tiers_yaml, validate_tiers
+    from dcp_tiered.tiers.config import DEFAULT, Tier, load_tiers_yaml, validate_tiers
 
     paths = {n: getattr(args, f"{n}_path", None) for n in TIER_NAMES}
     dtype = None if getattr(args, "dtype", "fp32") in (None, "fp32") else args.dtype
@@ -169,7 +169,7 @@ def _check_keep_has_tier(args: argparse.Namespace, names: list[str]) -> None:
 def _on_tmpfs(url: str) -> bool:
     import fsspec
 
-    from dcp_tiered.tiers.memory import is_memory_path
+    from dcp_tiered.tiers.config import is_memory_path
 
     protocol, path = fsspec.core.split_protocol(url)
     return protocol in (None, "file", "local") and is_memory_path(path)

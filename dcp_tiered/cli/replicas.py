@@ -20,7 +20,7 @@ from dcp_tiered.errors import ConfigError, DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import METADATA_FILE, CheckpointInfo, inspect_checkpoint, list_tier
 from dcp_tiered.tiers.layout import parse_step, step_name
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 
 def dir_kind(tier: Tier) -> str:

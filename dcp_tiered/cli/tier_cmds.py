@@ -260,13 +260,13 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def _file_options(args: argparse.Namespace, options: dict) -> Any:
     """The checkpointer options of the ``--tiers`` YAML (defaults without one): ``gc`` and ``promote``
     apply retention as the checkpointer does (its ``optimizer_keys``: keep the newest checkpoint holding them)."""
-    from dcp_tiered.tiers.options import CheckpointerOptions
+    from dcp_tiered.tiers.config import CheckpointerOptions
 
     return CheckpointerOptions.from_mapping(options, where=getattr(args, "tiers", None))
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from dcp_tiered.tiers.options import parse_grace
+    from dcp_tiered.tiers.config import parse_grace
     from dcp_tiered.tiers.retention import Retention
 
     tiers, options = tiers_from_args(args)

@@ -110,8 +110,8 @@ def _say(msg: str) -> None:
 
 def _checkpointer_options(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     """The YAML file's checkpointer options with the flags over them, read by the one options
-    model (:class:`~dcp_tiered.tiers.options.CheckpointerOptions`)."""
-    from dcp_tiered.tiers.options import CheckpointerOptions
+    model (:class:`~dcp_tiered.tiers.config.CheckpointerOptions`)."""
+    from dcp_tiered.tiers.config import CheckpointerOptions
 
     flags = {"async_save": args.async_checkpoint, "optimizer_every": args.optimizer_every,
              "event_log": args.event_log or None, "background_threads": args.background_threads, "nice": args.nice}

@@ -30,6 +30,7 @@ from dcp_tiered.dcp.bucket_broadcast import broadcast_tensors
 from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.statedict import Path_, expand_stateful, leaves_by_path, set_leaf
 from dcp_tiered.errors import ConfigError, LeaderLoadError
+from dcp_tiered.ranks import cores, default_threads
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "BroadcastStats", "LeaderLoadError", "load_and_broadcast"]
 
@@ -149,13 +150,7 @@ def _comm_device(group: Any) -> torch.device:
 def _leader_threads(group_size: int) -> int:
     """Decompression threads for a leader: its own share of the node's cores plus the shares of
     the receivers of its group (they wait while it reads), at most every core."""
-    from dcp_tiered.dcp.writer import default_threads
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, default_threads() * group_size))
+    return max(1, min(cores(), default_threads() * group_size))
 
 
 def _reader(source: ReaderSource, storage_options: dict | None, threads: int | None = None,

@@ -20,13 +20,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dcp_tiered.codecs import FILTERS
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MAX_FRAMES_PER_RECORD, MIN_FRAME_SIZE, stored_frame_bounds
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
+from dcp_tiered.names import DATA_SUFFIX, METADATA_FILE  # noqa: F401 - re-exported for the dcp layer
 
 #: Format the writer emits.  Format 2 records are format 1's; only ``.metadata`` stores them
 #: as one record table (``dcp.record_table``).  Readers accept every version in READ_VERSIONS.
 FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
-METADATA_FILE = ".metadata"
-DATA_SUFFIX = ".distcp"
 KIND_TENSOR = "tensor"
 KIND_BYTES = "bytes"
 _REQUIRED = ("fmt", "kind", "file", "offset", "length", "raw", "codec", "filter", "itemsize", "frame", "frames", "sums")

@@ -42,7 +42,7 @@ from dcp_tiered.dcp.pickle_scan import check_torch_payload
 from dcp_tiered.dcp.raw_frames import read_raw_frames
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
-from dcp_tiered.dcp.writer import default_threads
+from dcp_tiered.ranks import default_threads
 from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 

@@ -37,12 +37,12 @@ from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.checks import check_count, check_frame_size  # noqa: F401  (importable from here, as before)
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
+from dcp_tiered.names import LOCK_FILE, data_file, rank_prefix
+from dcp_tiered.ranks import default_threads
 from dcp_tiered.storage import FileLock, Storage
 
 _FILTER_BYTES = filter_for(False, 1)
 
-#: Lock file a local checkpoint directory holds while a save writes it (removed at commit).
-LOCK_FILE = ".lock"
 
 
 def exists_error(url: str, busy: bool = False) -> CheckpointExistsError:
@@ -56,16 +56,6 @@ def exists_error(url: str, busy: bool = False) -> CheckpointExistsError:
         f"Checkpoint already exists at {url} (overwrite=False); pass overwrite=True to replace it or save to a new "
         "path (unlike stock FileSystemWriter, CompressedWriter refuses by default)"
     )
-
-
-def default_threads() -> int:
-    """Cores available to this process divided among the ranks of this node."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        cores = os.cpu_count() or 1
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, cores // max(1, local_ranks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +262,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 raise exists_error(self.storage.url)
             self._replacing = True
         if self.rank is not None and plan.storage_data is None:
-            plan = dataclasses.replace(plan, storage_data=RankFilePrefix(f"__{self.rank}_"))
+            plan = dataclasses.replace(plan, storage_data=RankFilePrefix(rank_prefix(self.rank)))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -283,12 +273,12 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             # files that are being replaced.
             self.storage.remove(METADATA_FILE)
         tag = unique_tag(self.storage)
-        prefixes = [p.storage_data.prefix if isinstance(p.storage_data, RankFilePrefix) else f"__{i}_" for i, p in enumerate(plans)]
+        prefixes = [p.storage_data.prefix if isinstance(p.storage_data, RankFilePrefix) else rank_prefix(i) for i, p in enumerate(plans)]
         return [dataclasses.replace(p, storage_data=RankFilePrefix(prefix + tag)) for p, prefix in zip(plans, prefixes)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data.prefix if plan.storage_data is not None else "__0_"
-        file_name = f"{prefix}0{DATA_SUFFIX}"
+        prefix = plan.storage_data.prefix if plan.storage_data is not None else rank_prefix(0)
+        file_name = data_file(prefix)
         def write() -> list[WriteResult]:
             try:
                 return self._write_file(file_name, plan.items, planner)

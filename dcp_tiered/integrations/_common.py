@@ -29,7 +29,7 @@ def build_checkpointer(source: CheckpointerSource, options: dict[str, Any]) -> A
     distributed state when constructed.
     """
     from dcp_tiered.tiers.checkpointer import TieredCheckpointer
-    from dcp_tiered.tiers.spec import Tier
+    from dcp_tiered.tiers.config import Tier
 
     if isinstance(source, TieredCheckpointer):
         if options:

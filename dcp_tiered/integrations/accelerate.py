@@ -135,7 +135,7 @@ def project_checkpointer(accelerator: Any, **options: Any) -> Any:
     :class:`TieredAccelerator`) at the end of training.
     """
     from dcp_tiered.tiers.checkpointer import TieredCheckpointer
-    from dcp_tiered.tiers.spec import Tier
+    from dcp_tiered.tiers.config import Tier
 
     ck = _PROJECT.get(accelerator)
     if ck is not None and not getattr(ck, "_closed", False):

@@ -15,9 +15,9 @@ _LAZY = {
     "Promoter": "dcp_tiered.tiers.promotion",
     "PromotionReport": "dcp_tiered.tiers.promotion",
     "SaveReport": "dcp_tiered.tiers.events",
-    "Tier": "dcp_tiered.tiers.spec",
-    "load_tiers_yaml": "dcp_tiered.tiers.spec",
-    "parse_duration": "dcp_tiered.tiers.spec",
+    "Tier": "dcp_tiered.tiers.config",
+    "load_tiers_yaml": "dcp_tiered.tiers.config",
+    "parse_duration": "dcp_tiered.tiers.config",
     "TieredWriter": "dcp_tiered.tiers.writer",
 }
 

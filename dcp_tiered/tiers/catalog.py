@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.layout import INTENT_FILE, parse_step, read_intent
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

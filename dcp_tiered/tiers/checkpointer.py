@@ -30,14 +30,14 @@ from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.node_commit import commit_after_save
-from dcp_tiered.tiers.options import CheckpointerOptions
+from dcp_tiered.tiers.config import CheckpointerOptions
 from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
 from dcp_tiered.tiers.events import EventLog, SaveReport, SaveReports, describe_error, root_cause
 from dcp_tiered.tiers.fallback import KeepStaged, check_budget, fail_save, fall_back
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
-from dcp_tiered.tiers.spec import Tier, check_step, load_tiers_yaml, validate_tiers
+from dcp_tiered.tiers.config import Tier, check_step, load_tiers_yaml, validate_tiers
 from dcp_tiered.tiers.state import committed_stats, state_bytes, without_paths
 from dcp_tiered.tiers.writer import TieredWriter, node_of
 
@@ -50,7 +50,7 @@ class TieredCheckpointer:
 
     Args:
         tiers: tiers, fastest first (see :class:`Tier`).
-        options: a :class:`~dcp_tiered.tiers.options.CheckpointerOptions`.  Its fields are
+        options: a :class:`~dcp_tiered.tiers.config.CheckpointerOptions`.  Its fields are
             also keyword arguments here (``async_save=True``, ``optimizer_every=5``, ...),
             which override ``options``.
         clock: wall-clock function for schedules (inject a fake one in tests).

@@ -25,7 +25,7 @@ from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.tiers.intents import committed_save_id, index_from_json, index_to_json
 from dcp_tiered.tiers.layout import fragment_name, read_small_file
 from dcp_tiered.tiers.reencode import copy_file, reencode_file
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

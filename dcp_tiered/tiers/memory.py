@@ -26,12 +26,9 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from dcp_tiered.errors import ConfigError, MemoryBudgetError
+from dcp_tiered.errors import MemoryBudgetError
+from dcp_tiered.tiers.config import existing_parent
 
-#: File system types whose files live in RAM.
-MEMORY_FSTYPES = frozenset({"tmpfs", "ramfs"})
-#: Where Linux keeps its shared-memory tmpfs.
-SHM_DIR = "/dev/shm"
 #: Estimated stored size of one non-tensor item (its size is unknown before it is serialized).
 OBJECT_ESTIMATE = 4096
 #: Bytes per item of ``.metadata`` and frame headers, beyond the raw bytes (an upper bound).
@@ -40,64 +37,6 @@ ITEM_OVERHEAD = 512
 FRAME_HEADER_MAX = 41
 _DEFAULT_FRAME = 4 << 20
 METADATA_FILE = ".metadata"  # the commit marker of a checkpoint (as dcp.format names it, without torch)
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)
-
-
-def parse_bytes(value: "int | str | None", where: str = "size") -> int | None:
-    """``"8GiB"`` -> 8589934592, ``"512MiB"``, ``"1.5GB"`` (decimal), or a positive int of bytes; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected bytes or a size such as '8GiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)) and m.group(2).lower() in _UNITS:
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise ConfigError(f"{where}: cannot read {value!r} as a size; use bytes or e.g. '512MiB', '8GiB', '2GB'")
-    if n < 1:
-        raise ConfigError(f"{where}: must be at least 1 byte, got {value!r}")
-    return n
-
-
-def mount_fstype(mounts: str, path: str) -> str | None:
-    """The file system type of the mount holding absolute ``path``, from ``/proc/mounts`` text (the longest
-    mount point containing it wins; mount points use octal escapes for spaces)."""
-    best, fstype = "", None
-    for line in mounts.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, fstype = point, parts[2]
-    return fstype
-
-
-def _existing(path: str) -> str:
-    while path and not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
-def is_memory_path(path: str) -> bool:
-    """Whether local ``path`` (or, when it does not exist yet, its nearest existing parent) is on a tmpfs."""
-    real = os.path.realpath(_existing(os.path.abspath(os.path.expanduser(path))))
-    try:
-        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-            fstype = mount_fstype(f.read(), real)
-    except OSError:  # no /proc (not Linux): only the well-known place
-        fstype = None
-    if fstype is not None:
-        return fstype in MEMORY_FSTYPES
-    return real == SHM_DIR or real.startswith(SHM_DIR + "/")
 
 
 class _Counter:
@@ -288,7 +227,7 @@ def _free_bytes(path: str, ram: bool = True) -> int | None:
     cgroup v2 room (:func:`cgroup_room`): a tmpfs file takes RAM, whatever the tmpfs size says."""
     found = []
     try:
-        st = os.statvfs(_existing(path))
+        st = os.statvfs(existing_parent(path))
         found.append(st.f_bavail * st.f_frsize)
     except OSError:
         pass

@@ -34,7 +34,7 @@ from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.tiers.fragments import _DATA_RANK
 from dcp_tiered.tiers.layout import step_name
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

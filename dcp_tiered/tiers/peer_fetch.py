@@ -28,7 +28,7 @@ from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers import replication
 from dcp_tiered.tiers.replication import (broadcast_header, check_group, marker_name, offer_problem, owner_files,
                                           read_markers, stream_file)
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

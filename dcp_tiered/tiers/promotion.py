@@ -44,7 +44,7 @@ from dcp_tiered.tiers.intents import (
 from dcp_tiered.tiers.jobs import Job, JobRunner
 from dcp_tiered.tiers.layout import intent_name, parse_step, read_intent
 from dcp_tiered.tiers.retention import Retention, StepMarks
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.node_commit import (  # noqa: F401 - MARKER_PREFIX, marker_name, read_markers re-exported
     MARKER_PREFIX, expected_files, marker_files, marker_name, node_of, rank_of_file, read_markers)
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dcp_tiered.tiers.replication import Replicator
 from dcp_tiered.tiers.policy import restore_order
 from dcp_tiered.tiers.promotion import Promoter
 from dcp_tiered.tiers.events import EventLog, describe_error
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tier, tier_storage
 from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
 from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
 

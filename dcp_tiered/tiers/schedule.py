@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from dcp_tiered.tiers.policy import Schedule, TierHistory, due_tiers, record_save, step_period
-from dcp_tiered.tiers.spec import Tier
+from dcp_tiered.tiers.config import Tier
 
 
 class SaveSchedule:

@@ -34,7 +34,7 @@ from dcp_tiered.tiers.memory import check_save_fits
 from dcp_tiered.tiers.node_commit import NodeCommit, commit_node, node_of
 from dcp_tiered.tiers.promotion import Promoter
 from dcp_tiered.tiers.schedule import SaveSchedule
-from dcp_tiered.tiers.spec import Tier, validate_tiers
+from dcp_tiered.tiers.config import Tier, validate_tiers
 
 
 def _refuse_link(target: Storage) -> None:
