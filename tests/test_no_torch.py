@@ -117,13 +117,6 @@ def test_other_commands_say_install_torch_and_exit_2(tmp_path, argv):
     assert "Traceback" not in res.stderr
 
 
-def test_catalog_metadata_name_matches_the_format():
-    from dcp_tiered.dcp.format import METADATA_FILE
-    from dcp_tiered.tiers import catalog
-
-    assert catalog.METADATA_FILE == METADATA_FILE
-
-
 def test_import_dcp_tiered_stays_light():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-X", "importtime", "-c", "import dcp_tiered"], cwd=ROOT, env=env,

@@ -33,7 +33,8 @@ from gloo_ranks import read_records, record, run_ranks_recording
 from dcp_tiered import Tier, TieredCheckpointer
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.node_commit import commit_node, rank_of_file
+from dcp_tiered.names import rank_of_file
+from dcp_tiered.tiers.node_commit import commit_node
 
 WS, LOCAL = 4, 2
 NODES = WS // LOCAL

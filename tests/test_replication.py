@@ -39,8 +39,10 @@ from gloo_ranks import read_records, record, run_ranks_recording
 from dcp_tiered import ConfigError, ReplicationError, StorageError, Tier, TieredCheckpointer
 from dcp_tiered.dcp.writer import CompressedWriter
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.node_commit import lacking_files, marker_name, rank_of_file
-from dcp_tiered.tiers.replication import check_replication, cliques
+from dcp_tiered.names import rank_of_file
+from dcp_tiered.tiers.node_commit import lacking_files
+from dcp_tiered.tiers.replicas.markers import marker_name
+from dcp_tiered.tiers.topology import check_replication, cliques
 
 WS, LOCAL = 4, 2
 SPAWN_TIMEOUT = 420.0
@@ -110,7 +112,7 @@ def _mesh():
 
 def _save(root: Path, out: Path, mesh, rank: int) -> None:
     """Save steps 1 and 2; the replication of step 1 is held until the save of step 1 returned."""
-    from dcp_tiered.tiers import replication
+    from dcp_tiered.tiers.replicas import replicate as replication
 
     held, release = threading.Event(), threading.Event()
     original = replication.Replicator._run_job
@@ -136,16 +138,16 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
     try:
         assert ckpt.maybe_save(1, make_state(mesh, rank, 1)) is not None  # returns with replication held
         assert held.wait(WAIT_TIMEOUT), "replication of step 1 never started"
-        facts["busy_while_held"] = sorted(ckpt._restorer.replicator.busy_steps("local"))
+        facts["busy_while_held"] = sorted(ckpt.replicator.busy_steps("local"))
         facts["pinned_while_held"] = sorted(ckpt.promoter.busy_steps("local"))
         mine = root / "local" / str(rank // LOCAL) / step_dir(1)
         peer = (rank + LOCAL) % WS  # this rank's clique partner; the other clique of the node runs on its own
         facts["markers_while_held"] = sorted(p.name for p in mine.glob(f".replica-{peer}.json"))
-        facts["replicated_while_held"] = ckpt._restorer.replicator.state(1)["local"]["replicated"]
+        facts["replicated_while_held"] = ckpt.replicator.state(1)["local"]["replicated"]
         release.set()
         assert ckpt.maybe_save(2, make_state(mesh, rank, 2)) is not None
         _in_thread(ckpt.wait)
-        facts["replicated"] = ckpt._restorer.replicator.state(2)["local"]["replicated"]
+        facts["replicated"] = ckpt.replicator.state(2)["local"]["replicated"]
         replication.owner_files = failing
         assert ckpt.maybe_save(3, make_state(mesh, rank, 3)) is not None  # the failure is not raised here
         try:
@@ -200,7 +202,7 @@ class _KillingFile:
 def _killed_worker(rank: int, world_size: int, data: str, out: str) -> None:
     """Save step 1 (replicated to the end), then step 2, whose replication rank 0 dies in: SIGKILL as it
     starts receiving rank 2's file.  The spawn fails (the other ranks are killed with it)."""
-    from dcp_tiered.tiers import replication
+    from dcp_tiered.tiers.replicas import replicate as replication, stream
 
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
     mesh = _mesh()
@@ -213,7 +215,7 @@ def _killed_worker(rank: int, world_size: int, data: str, out: str) -> None:
         return original(group, src, me, entry, read, write, *args)
 
     replication.stream_file = killing
-    replication.CHUNK_BYTES = 256
+    stream.CHUNK_BYTES = 256
     ckpt = TieredCheckpointer(tiers(Path(data)))
     ckpt.maybe_save(1, make_state(mesh, rank, 1))
     _in_thread(ckpt.wait)
@@ -329,7 +331,8 @@ def test_copies_never_share_their_owner_directory(monkeypatch) -> None:
 def test_markers_of_an_earlier_save_are_dropped(tmp_path: Path) -> None:
     """A step saved again (after a restore from an older step) first loses the replicas of the earlier
     save: a stale marker never vouches for files of another save."""
-    from dcp_tiered.tiers.replication import Replicator, read_markers
+    from dcp_tiered.tiers.replicas.markers import read_markers
+    from dcp_tiered.tiers.replicas.replicate import Replicator
 
     child = Storage(str(tmp_path / "step_000000001"))
     child.makedirs()
@@ -411,7 +414,7 @@ def test_kill_during_replication_never_restores_a_torn_state(killed, root: Path)
 
 def test_pins_are_counted() -> None:
     """A restore pinning and releasing a step that a replication also pins leaves it pinned (busy for retention)."""
-    from dcp_tiered.tiers.retention import StepMarks
+    from dcp_tiered.tiers.pins import StepMarks
 
     marks = StepMarks()
     marks.pin(["local"], 5, True)  # the replication of step 5

@@ -37,7 +37,7 @@ from test_replication import _in_thread
 
 from dcp_tiered import ConfigError, ReplicationError, Tier, TieredCheckpointer
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.node_commit import marker_name, read_markers
+from dcp_tiered.tiers.replicas.markers import marker_name, read_markers
 
 WS, LOCAL = 4, 2
 SPAWN_TIMEOUT = 600.0
@@ -107,7 +107,7 @@ def _dump(out: Path, name: str, rank: int, facts: dict) -> None:
 
 
 def _write_fails_in_replication(root: Path, out: Path, rank: int) -> None:
-    from dcp_tiered.tiers import replication
+    from dcp_tiered.tiers.replicas import replicate as replication
 
     ckpt = TieredCheckpointer(tiers(root))
     events: list = []
@@ -134,7 +134,7 @@ def _keep1(root: Path, out: Path, rank: int) -> None:
     retention, step 1 (the newest fully replicated step) is still on every node."""
     import torch.distributed as dist
 
-    from dcp_tiered.tiers import replication
+    from dcp_tiered.tiers.replicas import replicate as replication
 
     ckpt = TieredCheckpointer(tiers(root, keep=1))
     release = threading.Event()
@@ -199,7 +199,7 @@ def _damage(data: Path) -> None:
 
 
 def _restore(root: Path, out: Path, name: str, rank: int) -> None:
-    from dcp_tiered.tiers import peer_fetch
+    from dcp_tiered.tiers.replicas import fetch as peer_fetch
 
     ckpt = TieredCheckpointer(tiers(root))
     events: list = []
@@ -230,10 +230,10 @@ def _odd_config(root: Path, out: Path, rank: int) -> None:
 
 
 def _worker(rank: int, world_size: int, data: str, out: str) -> None:
-    from dcp_tiered.tiers import replication
+    from dcp_tiered.tiers.replicas import replicate as replication, stream
 
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
-    replication.CHUNK_BYTES = 64
+    stream.CHUNK_BYTES = 64
     replication.TIMEOUT_S = 30.0
     root, rec = Path(data), Path(out)
     record(rec, "replication_write_fails", rank, lambda: _write_fails_in_replication(root / "f5", rec, rank))
@@ -336,7 +336,7 @@ def test_offers_are_checked_against_the_metadata(tmp_path: Path) -> None:
 
     from dcp_tiered.dcp.metadata_io import load_metadata
     from dcp_tiered.dcp.writer import CompressedWriter
-    from dcp_tiered.tiers.replication import offer_problem
+    from dcp_tiered.tiers.replicas.replicate import offer_problem
 
     url = str(tmp_path / step_dir(1))
     dcp.save({"w": torch.arange(12.0)}, storage_writer=CompressedWriter(url, save_id="s"), no_dist=True)
@@ -351,7 +351,7 @@ def test_offers_are_checked_against_the_metadata(tmp_path: Path) -> None:
 
 
 def test_a_broken_clique_group_fails_fast() -> None:
-    from dcp_tiered.tiers.replication import _BROKEN, check_group, mark_broken
+    from dcp_tiered.tiers.replicas.stream import _BROKEN, check_group, mark_broken
 
     group = object()
     check_group(group, [0, 2])  # not broken: nothing raised

@@ -204,12 +204,12 @@ def _loop_rank(rank: int, store: str, data: str, out: str, it: int, plan: dict) 
     import os
 
     from dcp_tiered import TieredCheckpointer
-    from dcp_tiered.tiers import replication
+    from dcp_tiered.tiers.replicas import stream
 
     outp = Path(out)
     (outp / f"pid.rank{rank}").write_text(str(os.getpid()))
     mesh = _init(rank, store)
-    replication.CHUNK_BYTES = 128  # several chunks per file: kills land inside files
+    stream.CHUNK_BYTES = 128  # several chunks per file: kills land inside files
     ck = TieredCheckpointer(kl_tiers(data, plan.get("shared_every", 1)), leftover_grace=0)
     facts = _restore_facts(ck, mesh, rank, range(it), plan.get("from_step"))
     (outp / f"restore.rank{rank}.json").write_text(json.dumps(facts))

@@ -51,7 +51,7 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from dcp_tiered.metrics import PrometheusExporter
-    from dcp_tiered.tiers import replication
+    from dcp_tiered.tiers.replicas import replicate as replication
 
     ckpt = TieredCheckpointer(tiers(root))
     exporter = PrometheusExporter().attach(ckpt, scan=False)

@@ -2,7 +2,7 @@
 
 A replicated tier has one directory per node (``{node}``) or per rank (``{rank}``).  Each step
 directory holds its own ranks' data files and, for every peer of their cliques, the peer's files
-under a committed ``.replica-{owner}.json`` marker (see :mod:`dcp_tiered.tiers.replication`).
+under a committed ``.replica-{owner}.json`` marker (see :mod:`dcp_tiered.tiers.replicas`).
 Every directory of the tier that exists is listed (the template's placeholder matched against its
 parent's entries), so a step is shown even when node 0's directory is gone.  A step is fully
 replicated when, for every rank, every other member of its clique holds its marker, from the save
@@ -12,15 +12,18 @@ highest rank that wrote a data file of the step (its ``.metadata`` records) plus
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
 from dcp_tiered.errors import ConfigError, DcpTieredError
+from dcp_tiered.names import METADATA_FILE, rank_of_file
+from dcp_tiered.ranks import local_world
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.catalog import METADATA_FILE, CheckpointInfo, inspect_checkpoint, list_tier
-from dcp_tiered.tiers.layout import parse_step, step_name
+from dcp_tiered.tiers.catalog import CheckpointInfo, inspect_checkpoint, list_tier
 from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.layout import parse_step, step_name
+from dcp_tiered.tiers.replicas.markers import read_markers, vouches
+from dcp_tiered.tiers.topology import cliques
 
 
 def dir_kind(tier: Tier) -> str:
@@ -74,8 +77,6 @@ def _step_facts(child: Storage) -> dict[str, Any]:
     """One directory's step: committed, its save id and the ranks of its records, the markers in it."""
     from dcp_tiered.dcp.format import record_view
     from dcp_tiered.dcp.metadata_io import load_metadata
-    from dcp_tiered.tiers.node_commit import rank_of_file
-    from dcp_tiered.tiers.replication import read_markers
 
     files = child.file_sizes()
     facts: dict[str, Any] = {"url": child.url, "committed": METADATA_FILE in files, "files": files,
@@ -95,19 +96,14 @@ def _step_facts(child: Storage) -> dict[str, Any]:
 
 def _marker_ok(owner: int, marker: dict[str, Any], facts: dict[str, Any]) -> bool:
     """A marker vouches for its owner's files: from the save committed here, every file present at full size."""
-    from dcp_tiered.tiers.node_commit import marker_files  # needs torch, as the rest of the replica state
-
-    if facts["save_id"] is not None and marker.get("save_id") != facts["save_id"]:
-        return False
-    named = marker_files(marker, owner)
-    return bool(named) and len(named) == len(marker.get("files") or []) and all(
-        facts["files"].get(name, -1) >= size for name, size in named.items())
+    return vouches(marker, owner, facts["save_id"], facts["files"]) if facts["save_id"] is not None else vouches(
+        marker, owner, marker.get("save_id"), facts["files"])
 
 
 def ranks_per_node(given: int | None, world: int, dirs: int) -> int:
     """Ranks per node: ``given`` (``--ranks-per-node``), else ``LOCAL_WORLD_SIZE``, else the world over the
     directories (the highest index + 1; a lost last node then needs one of the first two)."""
-    per_node = given or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    per_node = given or local_world()
     if per_node:
         return per_node
     if dirs and world % dirs == 0:
@@ -119,8 +115,6 @@ def ranks_per_node(given: int | None, world: int, dirs: int) -> int:
 def step_state(tier: Tier, step: int, dirs: dict[int, Storage], per_node: int | None = None) -> dict[str, Any]:
     """The replica state of ``step`` of ``tier`` over its directories ``dirs`` (see the module doc):
     per directory the owners whose replicas it holds, ``replicated``, and ``missing`` ``(owner, dir)`` pairs."""
-    from dcp_tiered.tiers.replication import cliques
-
     kind = dir_kind(tier)
     facts = {k: _step_facts(s.child(step_name(step))) for k, s in dirs.items()}
     out: dict[str, Any] = {"replicas": tier.replicas, "replication_jump": tier.replication_jump, "kind": kind,

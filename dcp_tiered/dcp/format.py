@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -352,6 +352,18 @@ def record_view(value: Any) -> ItemView:
     if is_native_record(value):
         return ItemRecord.from_checked(value)
     return StockRecord.from_storage_info(value)
+
+
+def expected_sizes(records: "Iterable[Any]", holds: "Callable[[str], bool] | None" = None) -> dict[str, int]:
+    """The one rule of a checkpoint's file sizes: each data file the ``records`` (``storage_data`` values,
+    native or stock) name must be as long as the furthest end of a record in it.  ``holds`` keeps only
+    the files it accepts (a node directory: its ranks' files)."""
+    out: dict[str, int] = {}
+    for value in records:
+        rec = record_view(value)
+        if holds is None or holds(rec.file):
+            out[rec.file] = max(out.get(rec.file, 0), rec.end)
+    return out
 
 
 def records_in_file(storage_data: Mapping[Any, Any], file: str) -> dict[Any, dict]:

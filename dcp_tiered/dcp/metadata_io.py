@@ -12,13 +12,16 @@ through the allow-list, and every table and record is then checked for types and
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import os
 import pickle
+import threading
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -43,7 +46,7 @@ from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpa
 from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.errors import CorruptCheckpointError, UnsafeCheckpointError
-from dcp_tiered.storage import Storage, safe_relative_name
+from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 _MAGIC = b"\x00dcp_tiered.md1"
 _TRAILER = len(_MAGIC) + 8
@@ -86,11 +89,50 @@ def _unpacked(md: Metadata, source: str) -> None:
             md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
 
 
+#: Decoded ``.metadata`` by the xxh3-128 digest of its bytes (and the object cap it was checked with):
+#: listing, node checks, peer fetch and the reader of one restore each ask for the same checkpoint, and
+#: it is decoded once.  Bounded by entries and by the encoded bytes held.
+_DECODED: "collections.OrderedDict[tuple[bytes, int | None], Metadata]" = collections.OrderedDict()
+_DECODED_LOCK = threading.Lock()
+DECODE_CACHE_ENTRIES = 8
+DECODE_CACHE_BYTES = 256 << 20
+_decoded_bytes: dict[tuple[bytes, int | None], int] = {}
+
+
+def _fresh(md: Metadata) -> Metadata:
+    """A ``Metadata`` of its own for the caller (who may replace tables or the storage meta), sharing the
+    immutable parts (records, tensor properties) with the cached one."""
+    out = copy.copy(md)
+    out.state_dict_metadata = dict(md.state_dict_metadata)
+    out.storage_data = dict(md.storage_data) if isinstance(md.storage_data, dict) else md.storage_data
+    out.planner_data = dict(md.planner_data) if isinstance(md.planner_data, dict) else md.planner_data
+    out.storage_meta = copy.copy(md.storage_meta)
+    return out
+
+
 def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" = None) -> Metadata:
     """Verify the trailer (when present), unpickle through the allow-list, check every table and record.
 
-    ``max_object_bytes`` additionally caps the declared size of non-tensor items.
+    ``max_object_bytes`` additionally caps the declared size of non-tensor items.  The same bytes are
+    decoded once per process (:data:`_DECODED`); each call returns a ``Metadata`` of its own.
     """
+    key = (xxhash.xxh3_128_digest(data), max_object_bytes)
+    with _DECODED_LOCK:
+        hit = _DECODED.get(key)
+        if hit is not None:
+            _DECODED.move_to_end(key)
+    if hit is None:
+        hit = _decode(data, source, max_object_bytes)
+        if len(data) <= DECODE_CACHE_BYTES:
+            with _DECODED_LOCK:
+                _DECODED[key], _decoded_bytes[key] = hit, len(data)
+                while len(_DECODED) > DECODE_CACHE_ENTRIES or sum(_decoded_bytes.values()) > DECODE_CACHE_BYTES:
+                    old, _ = _DECODED.popitem(last=False)
+                    _decoded_bytes.pop(old, None)
+    return _fresh(hit)
+
+
+def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadata:
     body = data
     if len(data) >= _TRAILER and data[-_TRAILER:-8] == _MAGIC:
         body = data[:-_TRAILER]
@@ -305,3 +347,12 @@ def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
         for chunk in item.chunks:
             if (fqn, tuple(chunk.offsets)) not in stored:
                 raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
+
+
+def committed_save_id(storage: Storage) -> str | None:
+    """The save id of the checkpoint committed in ``storage`` ("" if it has none), None if uncommitted."""
+    try:
+        md = load_metadata(storage)
+    except MissingFileError:
+        return None
+    return getattr(md.storage_meta, "save_id", None) or ""

@@ -46,6 +46,7 @@ from dcp_tiered.dcp.pickle_allowlist import (ALLOWED_GLOBALS, BUILDABLE, MAX_CON
                                              tensor_properties_state_ok)
 from dcp_tiered.dcp.pickle_scan import check_pickle_structure
 from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError, UnsafeCheckpointError
+from dcp_tiered.names import METADATA_FILE
 
 _STR = frozenset({str})
 _SIZE = torch.Size
@@ -426,7 +427,7 @@ class _AllowListUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     dispatch[_op(pickle.LONG)] = load_long
 
 
-def safe_loads(data: bytes, source: str = ".metadata", exact: bool = True) -> Any:
+def safe_loads(data: bytes, source: str = METADATA_FILE, exact: bool = True) -> Any:
     """Unpickle ``data`` allowing only DCP metadata classes and shapes; raise a clear error otherwise.
 
     With ``exact``, bytes left over after the pickle's end mean the file was damaged.  The

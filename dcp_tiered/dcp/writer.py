@@ -29,7 +29,8 @@ from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_fram
 from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, write_items
 from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
-    DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name, record_view,
+    DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name,
+    expected_sizes, record_view,
 )
 from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
@@ -294,13 +295,11 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md = {}
         views = {}
-        expected: dict[str, int] = {}
         for wr_list in results:
             for wr in wr_list:
                 storage_md[wr.index] = wr.storage_data
-                rec = record_view(wr.storage_data)
-                views[wr.index] = rec
-                expected[rec.file] = max(expected.get(rec.file, 0), rec.end)
+                views[wr.index] = record_view(wr.storage_data)
+        expected = expected_sizes(views.values())
         for name, size in expected.items() if self.check_sizes else ():
             actual = self.storage.size(name)
             if actual != size:

@@ -19,7 +19,7 @@ import shutil
 import uuid
 from typing import Any
 
-_METADATA = ".metadata"
+from dcp_tiered.names import METADATA_FILE
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,7 +69,7 @@ def siblings(path: str) -> list[str]:
 
 def _committed_mtime(path: str) -> int | None:
     try:
-        return os.stat(os.path.join(path, _METADATA)).st_mtime_ns if os.path.isdir(path) else None
+        return os.stat(os.path.join(path, METADATA_FILE)).st_mtime_ns if os.path.isdir(path) else None
     except OSError:
         return None
 

@@ -8,15 +8,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dcp_tiered.errors import DcpTieredError
+from dcp_tiered.names import METADATA_FILE
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.layout import INTENT_FILE, parse_step, read_intent
 from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.topology import tier_storage
 
 log = logging.getLogger(__name__)
 
-#: ``dcp_tiered.dcp.format.METADATA_FILE`` (a test pins it): not imported from there, because
-#: ``dcp_tiered.dcp`` needs torch and listing with ``with_metadata=False`` must work without it.
-METADATA_FILE = ".metadata"
 
 
 @dataclass
@@ -52,11 +51,6 @@ class CheckpointInfo:
     def has_prefix(self, prefixes: Sequence[str]) -> bool:
         """Whether any key starts with one of ``prefixes`` (e.g. optimizer state)."""
         return self.keys is not None and any(k == p or k.startswith(p + ".") for k in self.keys for p in prefixes)
-
-
-def tier_storage(tier: Tier, rank: int = 0, node: int = 0) -> Storage:
-    """The storage of ``tier`` as seen by ``rank`` on ``node``."""
-    return Storage(tier.resolved_url(rank, node), tier.storage_options)
 
 
 def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with_metadata: bool = True,

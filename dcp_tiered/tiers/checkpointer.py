@@ -35,6 +35,7 @@ from dcp_tiered.tiers.policy import includes_optimizer
 from dcp_tiered.tiers.promotion import Promoter, PromotionReport
 from dcp_tiered.tiers.events import EventLog, SaveReport, SaveReports, describe_error, root_cause
 from dcp_tiered.tiers.fallback import KeepStaged, check_budget, fail_save, fall_back
+from dcp_tiered.tiers.replicas.replicate import Replicator
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.config import Tier, check_step, load_tiers_yaml, validate_tiers
@@ -92,9 +93,13 @@ class TieredCheckpointer:
                                  optimizer_keys=opts.optimizer_keys if opts.optimizer_every > 1 else (),
                                  leftover_grace=opts.leftover_grace, cpu_slots=opts.background_threads_or_default())
         self.schedule = SaveSchedule(self.tiers, via_fastest=opts.via_fastest)
+        # Replication of node-local tiers (every clique's group is made here, on every rank alike);
+        # restore fetches a lost node's files through the same groups.
+        self.replicator = Replicator(self.tiers, rank=self.rank, world=self.world, events=self.events,
+                                     promoter=self.promoter, distributed=self.distributed, group=self._decide_pg)
         self._restorer = Restorer(self.tiers, rank=self.rank, node=self.node, world=self.world,
                                   distributed=self.distributed, promoter=self.promoter, events=self.events,
-                                  list_group=self._decide_pg, load_group=self._save_pg,
+                                  replicator=self.replicator, list_group=self._decide_pg, load_group=self._save_pg,
                                   reader_options={"threads": opts.threads, "safe_globals": self.safe_globals})
         self._due_step: int | None = None  # the step of the decision cached by due()
         self._due_names: tuple[str, ...] = ()
@@ -306,7 +311,7 @@ class TieredCheckpointer:
         if primary.node_local:  # DCP commits the coordinator's directory only: commit the others (their leaders)
             commit_after_save(primary, report.step, metadata, rank=self.rank, world=self.world,
                               promoter=self.promoter, events=self.events)
-            self._restorer.replicator.submit(report.step, primary, metadata)  # in the background, to its clique
+            self.replicator.submit(report.step, primary, metadata)  # in the background, to its clique
         self.events.emit(report.as_dict())
 
     def _finish_inflight(self, wait: bool = False, deadline: float | None = None) -> None:
@@ -360,7 +365,7 @@ class TieredCheckpointer:
         self._finish_inflight(wait=True, deadline=deadline)
         self._check_background()
         self.promoter.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._restorer.replicator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.replicator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None, *, final_step: int | None = None,
               state_dict: "Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None" = None) -> None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_tiered.dcp.format import METADATA_FILE, ItemRecord, builtin_from_json, native_files, record_view, records_in_file
-from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata, read_metadata_bytes
+from dcp_tiered.dcp.metadata_io import committed_save_id, decode_metadata, encode_metadata, read_metadata_bytes
 from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
-from dcp_tiered.tiers.intents import committed_save_id, index_from_json, index_to_json
+from dcp_tiered.tiers.intents import index_from_json, index_to_json
 from dcp_tiered.tiers.layout import fragment_name, read_small_file
 from dcp_tiered.tiers.reencode import copy_file, reencode_file
 from dcp_tiered.tiers.config import Tier

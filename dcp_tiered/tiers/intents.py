@@ -90,15 +90,6 @@ class PromotionIntent:
             self.record(src, temp_grace)
 
 
-def committed_save_id(storage: Storage) -> str | None:
-    """The save id of the checkpoint committed in ``storage`` ("" if it has none), None if uncommitted."""
-    try:
-        md = load_metadata(storage)
-    except MissingFileError:
-        return None
-    return getattr(md.storage_meta, "save_id", None) or ""
-
-
 def intent_mismatch(src: Storage, intent: PromotionIntent) -> str | None:
     """Why the records of a (resumed, untrusted) intent are not exactly the committed source
     checkpoint's records of its data file, or None when they are (:data:`STALE`: the intent is of

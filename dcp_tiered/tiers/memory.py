@@ -36,7 +36,6 @@ ITEM_OVERHEAD = 512
 #: Largest frame header (one plane per byte of an 8-byte element: 1 + 8 * 5 bytes).
 FRAME_HEADER_MAX = 41
 _DEFAULT_FRAME = 4 << 20
-METADATA_FILE = ".metadata"  # the commit marker of a checkpoint (as dcp.format names it, without torch)
 
 
 class _Counter:
@@ -255,7 +254,7 @@ def budget_error(tier: Any, per_node: Mapping[int, int], checkpoint: str | None,
 
     Checked for the node with the most bytes, next to what the tier holds on this rank's node
     (:func:`held_bytes`; nodes are alike; with ``{rank}`` in the URL, in every directory of the node).
-    ``marks`` (:class:`~dcp_tiered.tiers.retention.StepMarks`) and ``busy``: this process's own and
+    ``marks`` (:class:`~dcp_tiered.tiers.pins.StepMarks`) and ``busy``: this process's own and
     pinned steps.  Lists the tier."""
     from dcp_tiered.storage import Storage
     from dcp_tiered.tiers.catalog import list_tier

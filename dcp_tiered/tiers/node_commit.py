@@ -18,66 +18,25 @@ plan first) and every rank falls back to the next candidate together.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_tiered.dcp.format import record_view
+from dcp_tiered.dcp.format import expected_sizes, record_view
 from dcp_tiered.dcp.metadata_io import encode_metadata, load_metadata
 from dcp_tiered.dcp.writer import commit_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import MissingFileError, Storage
-from dcp_tiered.tiers.fragments import _DATA_RANK
+from dcp_tiered.names import rank_of_file
 from dcp_tiered.tiers.layout import step_name
+from dcp_tiered.tiers.replicas.markers import vouched_files
+from dcp_tiered.tiers.topology import COORDINATOR, dir_ranks, node_of
 from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
-
-#: Name prefix of a committed replica marker ``.replica-{owner}.json`` (:mod:`~dcp_tiered.tiers.replication`).
-MARKER_PREFIX = ".replica-"
-
-#: Global rank of the coordinator (DCP's rank 0 of the save's group), which commits in ``finish``.
-COORDINATOR = 0
-
-
-def node_of(rank: int) -> int:
-    """Node index of ``rank`` from ``LOCAL_WORLD_SIZE`` (torchrun sets it); 0 when unknown."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    return rank // local if local > 0 else 0
-
-
-def rank_of_file(name: str) -> int | None:
-    """The rank that wrote the data file ``name`` (``__{rank}_...``), or None for other files."""
-    m = _DATA_RANK.match(name)
-    return int(m.group(1)) if m else None
-
-
-def dir_ranks(tier: Tier, rank: int, world: int) -> list[int]:
-    """The ranks (ascending) that write into the same directory of node-local ``tier`` as ``rank``."""
-    mine = tier.resolved_url(rank, node_of(rank))
-    return [r for r in range(world) if tier.resolved_url(r, node_of(r)) == mine]
-
-
-def holds_file(tier: Tier, rank: int, world: int) -> Callable[[str], bool]:
-    """Whether a data file belongs in the directory of node-local ``tier`` that ``rank`` sees."""
-    ranks = set(dir_ranks(tier, rank, world))
-    return lambda name: rank_of_file(name) in ranks
-
-
-def expected_files(metadata: Metadata, holds: Callable[[str], bool]) -> dict[str, int]:
-    """The size each data file accepted by ``holds`` must have, from the records of ``metadata``."""
-    out: dict[str, int] = {}
-    for value in metadata.storage_data.values():
-        rec = record_view(value)
-        if holds(rec.file):
-            out[rec.file] = max(out.get(rec.file, 0), rec.end)
-    return out
-
 
 @dataclass
 class NodeCommit:
@@ -122,7 +81,7 @@ def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: 
     child = Storage(tier.resolved_url(rank, node_of(rank)), tier.storage_options).child(name)
     result = NodeCommit(tier.name, step, child.url, ranks, ok=False)
     try:
-        problems = _problems(child, expected_files(metadata, lambda f: rank_of_file(f) in ranks))
+        problems = _problems(child, expected_sizes(metadata.storage_data.values(), lambda f: rank_of_file(f) in ranks))
         if problems:
             result.error = (f"not committing {child.url} for rank(s) {ranks}: {'; '.join(problems[:4])}"
                             f"{' ...' if len(problems) > 4 else ''}; restore uses another tier or step")
@@ -167,61 +126,6 @@ def files_to_read(state_dict: dict[str, Any], metadata: Metadata) -> set[str]:
     return {record_view(metadata.storage_data[item.storage_index]).file for item in planner.create_local_plan().items}
 
 
-def marker_name(owner: int) -> str:
-    return f"{MARKER_PREFIX}{owner}.json"
-
-
-def read_markers(child: Storage) -> dict[int, dict[str, Any]]:
-    """The committed replica markers in step directory ``child``: owner rank -> marker.
-
-    The owner is the one the file name ``.replica-{owner}.json`` says; a marker whose JSON names
-    another owner, or whose ``files`` is not a list, is malformed: logged and treated as absent."""
-    out: dict[int, dict[str, Any]] = {}
-    for name, _size in child.file_sizes().items():
-        if not (name.startswith(MARKER_PREFIX) and name.endswith(".json")):
-            continue
-        try:
-            owner = int(name[len(MARKER_PREFIX):-len(".json")])
-            marker = json.loads(child.read_bytes(name, 1 << 20))
-            if not isinstance(marker, dict) or int(marker["owner"]) != owner:
-                raise ValueError(f"it does not name owner {owner}")
-            if not isinstance(marker.get("files"), list):
-                raise ValueError(f"its files are {marker.get('files')!r}, not a list")
-            out[owner] = marker
-        except (DcpTieredError, ValueError, KeyError, TypeError) as exc:
-            log.warning("unreadable replica marker %s, treated as absent: %s", child.url_of(name), exc)
-    return out
-
-
-def vouched_files(child: Storage, metadata: Metadata) -> dict[str, int]:
-    """The data files of other directories' ranks that ``child`` holds as committed replicas of the save
-    ``metadata`` describes: named, with their size, by a ``.replica-{owner}.json`` marker of that save
-    id (:mod:`~dcp_tiered.tiers.replication`).  A file without such a marker (its replication was
-    killed before the marker, or it is left from an earlier save of the step) is not vouched for."""
-    save_id = getattr(metadata.storage_meta, "save_id", None)
-    out: dict[str, int] = {}
-    if not save_id:
-        return out
-    for owner, marker in read_markers(child).items():
-        if marker.get("save_id") == save_id:
-            out.update(marker_files(marker, owner))
-    return out
-
-
-def marker_files(marker: dict[str, Any], owner: int) -> dict[str, int]:
-    """The files (name -> size) a replica marker of ``owner`` names that are ``owner``'s; malformed entries left out."""
-    out: dict[str, int] = {}
-    files = marker.get("files")
-    for entry in files if isinstance(files, list) else []:
-        try:
-            name, size = str(entry["file"]), int(entry["size"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if rank_of_file(name) == owner:
-            out[name] = size
-    return out
-
-
 def lacking_files(child: Storage, files: dict[str, int], state_dict: dict[str, Any],
                   own: Callable[[str], bool] | None = None) -> list[str]:
     """The data files this rank would read from the committed node-local directory ``child``
@@ -232,9 +136,9 @@ def lacking_files(child: Storage, files: dict[str, int], state_dict: dict[str, A
     every file, or when the plan cannot be made here (the load then reports the problem)."""
     metadata = load_metadata(child)
     if own is not None:
-        vouched = vouched_files(child, metadata)
+        vouched = vouched_files(child, getattr(metadata.storage_meta, "save_id", None))
         files = {f: size for f, size in files.items() if own(f) or vouched.get(f) == size}
-    absent = {f for f, size in expected_files(metadata, lambda f: True).items() if files.get(f, -1) < size}
+    absent = {f for f, size in expected_sizes(metadata.storage_data.values()).items() if files.get(f, -1) < size}
     if not absent:
         return []
     try:

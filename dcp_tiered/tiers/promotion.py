@@ -28,7 +28,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_tiered.dcp.format import builtin_from_json, native_files
-from dcp_tiered.dcp.metadata_io import load_metadata
+from dcp_tiered.dcp.metadata_io import committed_save_id, load_metadata
 from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
@@ -39,11 +39,12 @@ from dcp_tiered.tiers.fragments import (
     fragment_wait_bound,
 )
 from dcp_tiered.tiers.intents import (
-    STALE, PromotionIntent, committed_save_id, index_from_json, index_to_json, intent_mismatch,
+    STALE, PromotionIntent, index_from_json, index_to_json, intent_mismatch,
 )
 from dcp_tiered.tiers.jobs import Job, JobRunner
 from dcp_tiered.tiers.layout import intent_name, parse_step, read_intent
-from dcp_tiered.tiers.retention import Retention, StepMarks
+from dcp_tiered.tiers.pins import StepMarks
+from dcp_tiered.tiers.retention import Retention
 from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)

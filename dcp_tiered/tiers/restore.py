@@ -19,16 +19,15 @@ import torch.distributed.checkpoint as dcp
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
 from dcp_tiered.errors import RestoreError
-from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.catalog import list_tier, tier_storage
-from dcp_tiered.tiers.layout import step_name
-from dcp_tiered.tiers.node_commit import holds_file, lacking_files, node_of
-from dcp_tiered.tiers import peer_fetch
-from dcp_tiered.tiers.replication import Replicator
+from dcp_tiered.tiers.catalog import list_tier
+from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.events import EventLog, describe_error
+from dcp_tiered.tiers.node_commit import lacking_files
 from dcp_tiered.tiers.policy import restore_order
 from dcp_tiered.tiers.promotion import Promoter
-from dcp_tiered.tiers.events import EventLog, describe_error
-from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.replicas import fetch as peer_fetch
+from dcp_tiered.tiers.replicas.replicate import Replicator
+from dcp_tiered.tiers.topology import holds_file, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +47,15 @@ class Restorer:
     """
 
     def __init__(self, tiers: Sequence[Tier], *, rank: int, node: int, world: int, distributed: bool,
-                 promoter: Promoter, events: EventLog, list_group: Any = None, load_group: Any = None,
-                 reader_options: "dict[str, Any] | None" = None) -> None:
+                 promoter: Promoter, events: EventLog, replicator: Replicator, list_group: Any = None,
+                 load_group: Any = None, reader_options: "dict[str, Any] | None" = None) -> None:
         self.tiers = list(tiers)
         self.rank, self.node, self.world, self.distributed = rank, node, world, distributed
         self.promoter = promoter
         self.events = events
         self.list_group, self.load_group = list_group, load_group
         self.reader_options = dict(reader_options or {})
-        # Replication of node-local tiers (every clique's group is made here, on every rank alike);
-        # restore fetches a lost node's files through the same groups.
-        self.replicator = Replicator(self.tiers, rank=rank, world=world, events=events, promoter=promoter,
-                                     distributed=distributed, group=list_group)
+        self.replicator = replicator  # restore fetches a lost node's files through its clique groups
         self._fetch: dict[Candidate, peer_fetch.Plan] = {}  # candidates usable through peers' replicas
         #: Candidates that failed to load, over every restore (each was skipped for the next).
         self.failures = 0
@@ -237,7 +233,7 @@ class Restorer:
         """Why this rank cannot load the node-local checkpoint ``info`` from its own node, or None: its load
         needs a file of another directory's rank that is not here as a committed replica of this save."""
         try:
-            lacking = lacking_files(tier_storage(tier, self.rank, self.node).child(info.name), info.files, state_dict,
+            lacking = lacking_files(step_dir(tier, self.rank, info.name, self.node), info.files, state_dict,
                                     own)
         except Exception as exc:  # noqa: BLE001 - e.g. a malformed marker: this candidate only is unusable
             return f"cannot check what its load needs: {describe_error(exc)}"
@@ -293,8 +289,7 @@ class Restorer:
             error = f"fetch failed: {describe_error(exc)}"
         self._raise_failed(cand, self._gather(error))
         try:  # the node's .metadata only now that every receiving rank of every node verified its files
-            error = peer_fetch.commit_node_metadata(tier, cand[0], plan, metadata, rank=self.rank, node=self.node,
-                                                    node_of=node_of)
+            error = peer_fetch.commit_node_metadata(tier, cand[0], plan, metadata, rank=self.rank, node=self.node)
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
         self._raise_failed(cand, self._gather(error))
@@ -328,7 +323,7 @@ class Restorer:
         opened: dict[str, Any] = {}
 
         def open_candidate() -> None:
-            url = opened["url"] = Storage(tier.resolved_url(self.rank, self.node), tier.storage_options).child(step_name(s)).url
+            url = opened["url"] = step_dir(tier, self.rank, s, self.node).url
             opened["fetched"] = self._prepare(cand, url)
             if not self._broadcasting(broadcast):  # with broadcast only each group's leader reads
                 opened["reader"] = CompressedReader(url, storage_options=tier.storage_options, **self.reader_options)

@@ -9,57 +9,25 @@ lists is what retention deletes on the same tier state.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dcp_tiered.dcp.format import METADATA_FILE
+from dcp_tiered.dcp.metadata_io import committed_save_id
 from dcp_tiered.errors import DcpTieredError
+from dcp_tiered.names import METADATA_FILE
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.catalog import CheckpointInfo, list_tier, tier_storage
-from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
-from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
+from dcp_tiered.tiers.catalog import CheckpointInfo, list_tier
 from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
+from dcp_tiered.tiers.pins import StepMarks
+from dcp_tiered.tiers.policy import CheckpointFacts, retention_victims
+from dcp_tiered.tiers.replicas.markers import is_replicated, job_topology, read_markers
+from dcp_tiered.tiers.topology import clique_peers, tier_storage
 
 log = logging.getLogger(__name__)
-
-
-class StepMarks:
-    """Steps this process knows about, per tier (thread safe).
-
-    ``own``: steps this process wrote or deleted; their leftovers need no grace period.
-    ``pinned``: steps a save of this process is writing now, or that a restore reads; never deleted.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._own: dict[str, set[int]] = {}
-        self._pinned: dict[str, dict[int, int]] = {}  # tier -> step -> pins
-
-    def mark_own(self, tier_name: str, step: int) -> None:
-        with self._lock:
-            self._own.setdefault(tier_name, set()).add(step)
-
-    def pin(self, tier_names: Iterable[str], step: int, pinned: bool) -> None:
-        """Pin (or release one pin of) ``step``: pins are counted, so a restore ending never releases
-        the pin of a save or a replication of the same step."""
-        with self._lock:
-            for name in tier_names:
-                counts = self._pinned.setdefault(name, {})
-                left = counts.get(step, 0) + (1 if pinned else -1)
-                if left > 0:
-                    counts[step] = left
-                else:
-                    counts.pop(step, None)
-
-    def own(self, tier_name: str) -> set[int]:
-        with self._lock:
-            return set(self._own.get(tier_name, ()))
-
-    def pinned(self, tier_name: str) -> set[int]:
-        with self._lock:
-            return set(self._pinned.get(tier_name, ()))
 
 
 def checkpoint_facts(info: CheckpointInfo, *, ages: dict[str, float], busy: Collection[int], own: Collection[int],
@@ -186,40 +154,35 @@ class Retention:
 
 
 def world_size() -> int | None:
-    """The default group's world size, or None outside ``torch.distributed`` (replication needs it)."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    """The default group's world size, or None outside ``torch.distributed`` (``dcp-tiered gc``)."""
+    dist = sys.modules.get("torch.distributed")  # never imports torch: outside a job there is no world
+    return dist.get_world_size() if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
 def newest_replicated(tier: Tier, storage: Storage, infos: Sequence[CheckpointInfo], rank: int,
                       world: int | None) -> int | None:
     """On a tier with ``replicas > 1``: the newest committed step of the directory ``storage`` that is fully
-    replicated there (a marker of every clique peer of the directory's ranks, of the save its ``.metadata``
-    names), which retention keeps until a newer one is; None otherwise (also without a known ``world``).
+    replicated there (:func:`~dcp_tiered.tiers.replicas.markers.is_replicated`), which retention keeps until
+    a newer one is; None otherwise.
 
-    So a step whose replication is still running (or was killed) never leaves a node without a
+    Inside a job the peers come from ``world`` and ``LOCAL_WORLD_SIZE``; outside one (``world`` None:
+    ``dcp-tiered gc``) from the world and ranks per node the step's markers record, so both keep the same
+    step.  So a step whose replication is still running (or was killed) never leaves a node without a
     replicated copy, even with ``keep=1``."""
-    if tier.replicas <= 1 or not world:
+    if tier.replicas <= 1:
         return None
-    from dcp_tiered.dcp.metadata_io import load_metadata
-    from dcp_tiered.tiers.node_commit import dir_ranks, read_markers
-    from dcp_tiered.tiers.replication import check_replication
-
-    try:
-        cliques = check_replication(tier, world)
-    except DcpTieredError:
-        return None
-    mine = set(dir_ranks(tier, rank, world))
-    peers = {p for c in cliques if mine & set(c) for p in c} - mine
     for info in sorted((i for i in infos if i.committed and not i.unusable), key=lambda i: -i.step):
         try:
             child = storage.child(info.name)
-            save_id = getattr(load_metadata(child).storage_meta, "save_id", None)
             markers = read_markers(child)
+            topology = (world, None) if world else job_topology(markers)
+            if topology is None:
+                continue
+            peers = clique_peers(tier, rank, *topology)
+            save_id = committed_save_id(child)
         except DcpTieredError:
             continue
-        if save_id and all(markers.get(p, {}).get("save_id") == save_id for p in peers):
+        if is_replicated(markers, peers, save_id, info.files or None):
             return info.step
     return None
 

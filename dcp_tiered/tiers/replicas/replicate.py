@@ -23,191 +23,39 @@ replication settings before any group is made (:func:`agree_settings`).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import xxhash
 
+from dcp_tiered.dcp.format import expected_sizes
+from dcp_tiered.dcp.metadata_io import committed_save_id
 from dcp_tiered.errors import ConfigError, DcpTieredError, ReplicationError
+from dcp_tiered.names import rank_of_file
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.layout import step_name
-from dcp_tiered.tiers.node_commit import (  # noqa: F401 - MARKER_PREFIX, marker_name, read_markers re-exported
-    MARKER_PREFIX, expected_files, marker_files, marker_name, node_of, rank_of_file, read_markers)
 from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.replicas.markers import is_replicated, marker_files, marker_name, new_marker, read_markers
+from dcp_tiered.tiers.replicas import stream
+from dcp_tiered.tiers.replicas.stream import FileEntry, broadcast_header, check_group, file_digest, stream_file
+from dcp_tiered.tiers.topology import check_replication, jump_of, local_world, step_dir
 
 log = logging.getLogger(__name__)
 
-#: Largest piece of a file sent in one broadcast.
-CHUNK_BYTES = 64 << 20
 #: Seconds the replication thread waits for work before it ends (a later submit starts another).
 IDLE_S = 5.0
 #: Seconds a clique collective may wait for a peer before the replication fails.
 TIMEOUT_S = 300.0
-FileEntry = tuple[str, int, str]  # (name, size, xxh3-64 hex digest)
-
-
-def local_world() -> int:
-    """Ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun sets it); 0 when unknown."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-
-
-def jump_of(tier: Tier) -> int:
-    """The tier's ``replication_jump``, or the ranks per node (1 when unknown) when not given."""
-    return tier.replication_jump or local_world() or 1
-
-
-def cliques(world: int, replicas: int, jump: int) -> list[list[int]]:
-    """The replication cliques of ``world`` ranks (NVRx's clique strategy), ordered by first rank."""
-    span = jump * replicas
-    if world % span:
-        raise ConfigError(f"replicas={replicas} with replication_jump={jump} needs a world size that is a multiple "
-                          f"of {span} (replicas x replication_jump), got {world}")
-    return sorted([[a * span + b + k * jump for k in range(replicas)] for a in range(world // span) for b in range(jump)])
-
-
-def check_replication(tier: Tier, world: int) -> list[list[int]]:
-    """The cliques of ``tier`` for ``world`` ranks; ConfigError when the world size does not fit, or
-    when a copy would share its owner's node (``replication_jump`` not a multiple of the ranks per node)."""
-    jump, per_node = jump_of(tier), local_world()
-    where = f"tier {tier.name!r}"
-    if per_node and jump % per_node:
-        raise ConfigError(f"{where}: replication_jump={jump} must be a multiple of the ranks per node "
-                          f"(LOCAL_WORLD_SIZE={per_node}), or a copy lands on its owner's node; use {per_node} "
-                          f"(the world size must then be a multiple of {per_node * tier.replicas}: "
-                          f"{tier.replicas} nodes or a multiple)")
-    try:
-        found = cliques(world, tier.replicas, jump)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    for clique in found:  # a copy written into its owner's directory would overwrite the original
-        dirs = {tier.resolved_url(r, node_of(r)) for r in clique}
-        if len(dirs) < len(clique):
-            raise ConfigError(f"{where}: ranks {clique} would keep their copies in the same directory; set "
-                              "LOCAL_WORLD_SIZE (torchrun does) and replication_jump to the ranks per node")
-    return found
-
-
-def file_digest(storage: Storage, name: str, size: int, chunk: int = CHUNK_BYTES) -> str:
-    """xxh3-64 (hex) of the first ``size`` bytes of ``name``."""
-    h = xxhash.xxh3_64()
-    for off in range(0, size, chunk):
-        h.update(storage.read_range(name, off, min(size, off + chunk)))
-    return h.hexdigest()
-
-
-#: id(group) -> (group, why): clique groups whose collective failed (timed out); never used again.  The
-#: group itself is held so that its id is never reused by another object.
-_BROKEN: dict[int, tuple[Any, str]] = {}
-
-
-def mark_broken(group: Any, why: str) -> None:
-    """Remember that a collective on ``group`` failed: gloo leaves it unusable, later uses fail fast."""
-    _BROKEN[id(group)] = (group, why)
-
-
-def check_group(group: Any, clique: Sequence[int]) -> None:
-    """Raise :class:`ReplicationError` when ``group`` (of ``clique``) failed earlier, instead of hanging on it."""
-    why = _BROKEN.get(id(group), (None, None))[1]
-    if why is not None:
-        raise ReplicationError(f"the process group of clique {list(clique)} failed earlier ({why}) and is not used "
-                               "again in this job; restart the job to replicate or fetch through this clique")
-
-
-def broadcast_header(header: list[Any], src: int, group: Any, what: str) -> None:
-    """``broadcast_object_list`` of ``header`` from ``src`` on a clique's ``group``; a failure marks the
-    group broken (:func:`check_group`) and is raised."""
-    try:
-        dist.broadcast_object_list(header, src=src, group=group)
-    except Exception as exc:
-        mark_broken(group, f"{what}: {exc}")
-        raise
-
-
-def stream_file(group: Any, src: int, me: int, entry: FileEntry, read: Storage | None, write: Storage | None,
-                chunk: int = CHUNK_BYTES) -> str | None:
-    """Broadcast one file from global rank ``src`` (reading it from ``read``) to the other ranks of
-    ``group``; a rank with ``write`` stores it there and checks the digest.  Every rank of the group
-    calls it with the same ``entry`` and takes part in every chunk, so the group stays in step: a
-    receiver whose write fails discards the rest; each chunk carries a status byte of the sender, so
-    when the sender cannot read (or its file is short) every rank stops at that chunk and nothing
-    more is sent.  A receiver deletes its file on any failure.  Returns None, or why this rank
-    failed; a failed collective (a peer gone, a timeout) raises and marks ``group`` broken."""
-    name, size, digest = entry
-    h = xxhash.xxh3_64()
-    error: str | None = None
-    buf = torch.empty(max(1, min(chunk, size)) + 1, dtype=torch.uint8)  # the last byte: the sender's status
-    stack = contextlib.ExitStack()
-    out = None
-    if write is not None:
-        try:
-            out = stack.enter_context(write.open_write(name))
-        except Exception as exc:  # noqa: BLE001 - any failure: this rank discards what it receives
-            error = f"cannot write {write.url_of(name)}: {exc}"
-    done = False
-    try:
-        try:
-            for off in range(0, size, chunk):
-                n = min(chunk, size - off)
-                t = buf[:n + 1]
-                if me == src:
-                    error = error or _read_chunk(read, name, off, t[:n])
-                    t[n] = 0 if error else 1
-                try:
-                    dist.broadcast(t, src=src, group=group)
-                except Exception as exc:
-                    mark_broken(group, f"broadcast of {name} from rank {src}: {exc}")
-                    raise
-                if int(t[n]) == 0:  # the sender failed: every rank stops here
-                    error = error or f"rank {src} could not read its {name}; nothing more of it was sent"
-                    break
-                if out is not None and error is None:
-                    try:
-                        h.update(t[:n].numpy())
-                        out.write(memoryview(t[:n].numpy()))
-                    except Exception as exc:  # noqa: BLE001 - keep taking part in every chunk, discarding
-                        error = f"cannot write {write.url_of(name)}: {exc}"  # type: ignore[union-attr]
-        finally:
-            try:
-                stack.close()  # flush and close: may fail too (ENOSPC)
-            except Exception as exc:  # noqa: BLE001
-                error = error or f"cannot write {write.url_of(name)}: {exc}"  # type: ignore[union-attr]
-        if write is not None and error is None and h.hexdigest() != digest:
-            error = f"{write.url_of(name)}: received bytes have xxh3 {h.hexdigest()}, the sender's file {digest}"
-        done = True
-    finally:
-        if write is not None and (error is not None or not done):
-            with contextlib.suppress(Exception):
-                write.remove(name)  # never leave a partial or mismatched file
-    return error
-
-
-def _read_chunk(read: Storage | None, name: str, off: int, t: torch.Tensor) -> str | None:
-    """Read ``len(t)`` bytes of ``name`` at ``off`` into ``t``; why not, or None."""
-    if read is None:
-        return f"rank has no storage to read {name} from"
-    try:
-        got = read.read_range_into(name, off, t.numpy())
-    except Exception as exc:  # noqa: BLE001 - the receivers are told through the status byte
-        return f"cannot read {read.url_of(name)}: {exc}"
-    if got < len(t):
-        return f"{read.url_of(name)} is shorter than the {off + len(t)} bytes offered"
-    return None
 
 
 def owner_files(storage: Storage, metadata: Any, owner: int) -> list[FileEntry]:
     """The data files of rank ``owner`` that ``metadata`` names, with sizes and digests of ``storage``'s copy;
     :class:`ReplicationError` when a file there does not have the size the records give it."""
-    files = expected_files(metadata, lambda f: rank_of_file(f) == owner)
+    files = expected_sizes(metadata.storage_data.values(), lambda f: rank_of_file(f) == owner)
     for name, size in sorted(files.items()):
         actual = storage.size(name)
         if actual != size:
@@ -218,7 +66,7 @@ def owner_files(storage: Storage, metadata: Any, owner: int) -> list[FileEntry]:
 def offer_problem(entries: Sequence[FileEntry], metadata: Any, owner: int) -> str | None:
     """Why the files ``entries`` offered as rank ``owner``'s do not match what the committed ``metadata``
     records for ``owner`` (names, sizes; nothing more may be sent than it says), or None."""
-    expected = expected_files(metadata, lambda f: rank_of_file(f) == owner)
+    expected = expected_sizes(metadata.storage_data.values(), lambda f: rank_of_file(f) == owner)
     for name, size, _digest in entries:
         if expected.get(name) != size:
             return (f"offered {name} of rank {owner} with {size} bytes, the checkpoint's metadata records "
@@ -268,7 +116,7 @@ class Replicator:
                  distributed: bool = True, timeout: float | None = None, chunk_bytes: int | None = None,
                  group: Any = None) -> None:
         self.rank, self.world, self.events, self.promoter = rank, world, events, promoter
-        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+        self.chunk_bytes = chunk_bytes or stream.CHUNK_BYTES
         self.tiers = {t.name: t for t in tiers}
         self.plans: dict[str, tuple[list[int], Any]] = {}  # tier name -> (my clique, its group)
         self.all_groups: dict[str, list[tuple[list[int], Any]]] = {}
@@ -352,7 +200,7 @@ class Replicator:
         self._sent = 0
         clique, group = self.plans[tier.name]
         check_group(group, clique)
-        node_dir = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(step_name(step))
+        node_dir = step_dir(tier, self.rank, step)
         save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
         t0, errors = time.perf_counter(), []
         try:
@@ -380,10 +228,9 @@ class Replicator:
             if refused or problems:
                 errors += [refused] if refused else problems
             else:
-                marker = {"owner": owner, "save_id": save_id, "step": step,
-                          "files": [{"file": n, "size": s, "xxh3": d} for n, s, d in entries]}
+                marker = new_marker(owner, save_id, step, entries, world=self.world, per_node=local_world())
                 try:
-                    node_dir.commit_bytes(marker_name(owner), json.dumps(marker).encode())
+                    node_dir.commit_bytes(marker_name(owner), marker)
                 except DcpTieredError as exc:
                     errors.append(f"cannot commit the replica marker of rank {owner}: {exc}")
         if errors:
@@ -410,14 +257,19 @@ class Replicator:
 
     def state(self, step: int) -> dict[str, Any]:
         """Per replicated tier, as this rank sees ``step``: in flight here, this rank's clique, the owners
-        whose committed replica markers this node holds, and ``replicated``: every other member's is here."""
+        whose committed replica markers this node holds, and ``replicated``
+        (:func:`~dcp_tiered.tiers.replicas.markers.is_replicated` for this rank's clique peers)."""
         out: dict[str, Any] = {}
         for name, (clique, _g) in self.plans.items():
-            tier = self.tiers[name]
-            child = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(step_name(step))
-            owners = sorted(read_markers(child))
-            out[name] = {"in_flight": step in self.busy_steps(name), "clique": clique, "markers": owners,
-                         "replicated": all(r in owners for r in clique if r != self.rank)}
+            child = step_dir(self.tiers[name], self.rank, step)
+            markers = read_markers(child)
+            try:
+                save_id = committed_save_id(child)
+            except DcpTieredError:
+                save_id = None
+            peers = [r for r in clique if r != self.rank]
+            out[name] = {"in_flight": step in self.busy_steps(name), "clique": clique, "markers": sorted(markers),
+                         "replicated": is_replicated(markers, peers, save_id, child.file_sizes())}
         return out
 
     def wait(self, timeout: float | None = None) -> None:

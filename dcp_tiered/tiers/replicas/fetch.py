@@ -1,5 +1,5 @@
 """Restore through peers: a rank whose node-local files of a step are gone (a replaced node) gets
-them back from a clique peer holding a committed replica (:mod:`dcp_tiered.tiers.replication`).
+them back from a clique peer holding a committed replica (:mod:`dcp_tiered.tiers.replicas.replicate`).
 
 Every rank reports the replica markers its node holds (:func:`holdings`); with every rank's
 report the ranks make the same plan (:func:`plan_fetch`): for each rank lacking the step, the
@@ -15,24 +15,25 @@ is sent or written.  The load that follows verifies every frame's checksum as it
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from dcp_tiered.dcp.metadata_io import decode_metadata, load_metadata
 from dcp_tiered.errors import DcpTieredError
+from dcp_tiered.names import METADATA_FILE
+from dcp_tiered.ranks import local_world
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.catalog import tier_storage
-from dcp_tiered.tiers.layout import parse_step, step_name
-from dcp_tiered.tiers import replication
-from dcp_tiered.tiers.replication import (broadcast_header, check_group, marker_name, offer_problem, owner_files,
-                                          read_markers, stream_file)
 from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.layout import parse_step
+from dcp_tiered.tiers.replicas.markers import marker_name, new_marker, read_markers
+from dcp_tiered.tiers.replicas.replicate import offer_problem, owner_files
+from dcp_tiered.tiers.replicas import stream
+from dcp_tiered.tiers.replicas.stream import broadcast_header, check_group, stream_file
+from dcp_tiered.tiers.topology import node_of, step_dir, tier_storage
 
 log = logging.getLogger(__name__)
 
-METADATA = ".metadata"
 Held = tuple[int, int, int, "str | None"]  # (tier index, step, owner rank, save id)
 Plan = dict[int, int]  # receiver rank -> holder rank
 
@@ -93,7 +94,7 @@ def _offer(mine: Storage, holder: int, receiver: int) -> Any:
         if why is not None:
             return f"rank {holder} cannot offer its replica of rank {receiver}: {why}"
         own = owner_files(mine, metadata, holder)
-        return entries, mine.read_bytes(METADATA), own, marker["save_id"], replication.CHUNK_BYTES  # the holder's chunks
+        return entries, mine.read_bytes(METADATA_FILE), own, marker["save_id"], stream.CHUNK_BYTES  # the holder's chunks
     except Exception as exc:  # noqa: BLE001 - the clique still gets a header
         return f"rank {holder} cannot read its replica of rank {receiver}: {exc}"
 
@@ -107,7 +108,7 @@ def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
     never make it skip a collective of its clique), the bytes this rank received, and the
     ``.metadata`` a receiver got (its node commits it once every receiving rank of the node succeeded:
     :func:`commit_node_metadata`).  A failed collective raises and marks the clique's group broken."""
-    mine = tier_storage(tier, rank, node).child(step_name(step))
+    mine = step_dir(tier, rank, step, node)
     error: str | None = None
     received, metadata = 0, None
     for receiver, holder in sorted(plan.items()):
@@ -133,9 +134,9 @@ def fetch(tier: Tier, step: int, plan: Plan, *, rank: int, node: int,
             continue
         received += sum(e[1] for e in entries + own)
         try:
-            marker = {"owner": holder, "save_id": save_id, "step": step,
-                      "files": [{"file": n, "size": s, "xxh3": d} for n, s, d in own]}
-            mine.commit_bytes(marker_name(holder), json.dumps(marker).encode())
+            world = max(r for c, _g in clique_groups for r in c) + 1  # the cliques cover every rank
+            mine.commit_bytes(marker_name(holder), new_marker(holder, save_id, step, own, world=world,
+                                                              per_node=local_world()))
             metadata = md
         except Exception as exc:  # noqa: BLE001 - the other pairs' collectives still follow
             error = error or f"cannot commit {mine.url}: {exc}"
@@ -153,17 +154,17 @@ def _refusal(md: bytes, entries: list, own: list, receiver: int, holder: int) ->
         return f"rank {holder} offered an unreadable .metadata or offer: {exc}"
 
 
-def commit_node_metadata(tier: Tier, step: int, plan: Plan, metadata: "bytes | None", *, rank: int, node: int,
-                         node_of: Any) -> str | None:
+def commit_node_metadata(tier: Tier, step: int, plan: Plan, metadata: "bytes | None", *, rank: int,
+                         node: int) -> str | None:
     """After every rank's fetch succeeded: the lowest receiving rank of this rank's directory commits the
     ``.metadata`` it received there (if not there yet); why that failed, or None."""
     here = tier.resolved_url(rank, node)
     receivers = sorted(r for r in plan if tier.resolved_url(r, node_of(r)) == here)
     if not receivers or receivers[0] != rank or metadata is None:
         return None
-    mine = tier_storage(tier, rank, node).child(step_name(step))
+    mine = step_dir(tier, rank, step, node)
     try:
-        mine.commit_bytes(METADATA, metadata, exclusive=True)
+        mine.commit_bytes(METADATA_FILE, metadata, exclusive=True)
     except DcpTieredError as exc:
-        return f"cannot commit {mine.url_of(METADATA)}: {exc}"
+        return f"cannot commit {mine.url_of(METADATA_FILE)}: {exc}"
     return None
