@@ -42,7 +42,7 @@ _LAZY = {
     "SaveStats": "dcp_tiered.dcp.save_stats",
     "Tier": "dcp_tiered.tiers.config",
     "TieredCheckpointer": "dcp_tiered.tiers.checkpointer",
-    "TieredWriter": "dcp_tiered.tiers.writer",
+    "TieredWriter": "dcp_tiered.tiers.save.writer",
     "SaveReport": "dcp_tiered.tiers.events",
     "CheckpointInfo": "dcp_tiered.tiers.catalog",
     "load_and_broadcast": "dcp_tiered.dcp.broadcast",

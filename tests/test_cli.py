@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.tiers import Tier, TieredCheckpointer, TieredWriter
-from dcp_tiered.tiers.promotion import Promoter
+from dcp_tiered.tiers.promote.promoter import Promoter
 
 _SCRIPT = Path(sys.executable).with_name("dcp-tiered")
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "dcp_tiered.cli"]

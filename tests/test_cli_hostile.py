@@ -281,7 +281,7 @@ def noisy(path, *a, **k):
     try:
         raise OSError("disk on fire")
     except OSError:
-        logging.getLogger("dcp_tiered.tiers.promotion").exception("background job failed")
+        logging.getLogger("dcp_tiered.tiers.promote.promoter").exception("background job failed")
     t = threading.Thread(target=lambda: 1 / 0, name="promoter-0")
     t.start()
     t.join()

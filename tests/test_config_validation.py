@@ -21,7 +21,7 @@ from dcp_tiered.tiers.config import (
     tier_location,
     validate_tiers,
 )
-from dcp_tiered.tiers.writer import TieredWriter
+from dcp_tiered.tiers.save.writer import TieredWriter
 
 
 def config_error(fn, *args, **kwargs) -> str:

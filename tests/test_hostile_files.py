@@ -203,7 +203,7 @@ import torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from dcp_tiered import CompressedWriter
 from dcp_tiered.tiers.config import Tier
-from dcp_tiered.tiers.writer import TieredWriter
+from dcp_tiered.tiers.save.writer import TieredWriter
 me, root, sync, rounds, opts, kind = sys.argv[1:]
 me, rounds, opts = int(me), int(rounds), json.loads(opts) or None
 out = []

@@ -16,9 +16,9 @@ from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.layout import fragment_name, intent_name, parse_step, step_name
-from dcp_tiered.tiers.fragments import commit_from_fragments, copy_with_fragment
-from dcp_tiered.tiers.intents import index_to_json
-from dcp_tiered.tiers.promotion import Promoter
+from dcp_tiered.tiers.promote.fragments import commit_from_fragments, copy_with_fragment
+from dcp_tiered.tiers.promote.intents import index_to_json
+from dcp_tiered.tiers.promote.promoter import Promoter
 
 
 def _tier(root: Path, name: str, codec: str = "lz4", **kw) -> Tier:

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from dcp_tiered import (CompressedReader, CompressedWriter, ConfigError, CorruptCheckpointError, MemoryBudgetError,
                         SaveError, StorageError, Tier, TieredCheckpointer)
 from dcp_tiered.dcp.format import record_view
-from dcp_tiered.tiers import memory
+from dcp_tiered.tiers.save import budget as memory
 from dcp_tiered.tiers.events import root_cause
 from dcp_tiered.tiers.config import is_memory_path, mount_fstype, parse_bytes
-from dcp_tiered.tiers.memory import budget_problem, held_bytes, node_save_bytes
+from dcp_tiered.tiers.save.budget import budget_problem, held_bytes, node_save_bytes
 
 from gloo_ranks import run_ranks
 from isolated import run_isolated
@@ -495,7 +495,7 @@ def test_lagging_promotions_never_grow_the_memory_tier_past_its_budget(shm_dir, 
     """Promotions to a stalled slower tier pin their source steps in RAM; every other step goes at
     once (retention waits for no promotion), and the budget counts the pinned steps, so a save that
     would not fit is refused (falling back to the slow tier when it is due) instead of filling RAM."""
-    import dcp_tiered.tiers.promotion as promotion
+    import dcp_tiered.tiers.promote.promoter as promotion
 
     gate, real = threading.Event(), promotion.copy_with_fragment
 
@@ -576,9 +576,9 @@ def test_wait_timeout_is_honoured_while_a_refused_async_save_falls_back(shm_dir,
     """The writer refusing in the background (the tier changed after the main thread's check): the
     fallback save to the slow tier is in flight, and wait(timeout=) raises instead of blocking on it."""
     import dcp_tiered.dcp.writer as dcp_writer
-    from dcp_tiered.tiers import fallback
+    from dcp_tiered.tiers import checkpointer
 
-    monkeypatch.setattr(fallback, "save_budget_error", lambda *a, **k: None, raising=False)  # only the writer checks
+    monkeypatch.setattr(checkpointer, "save_budget_error", lambda *a, **k: None, raising=False)  # only the writer checks
     gate, real = threading.Event(), dcp_writer.CompressedWriter.write_data
 
     def slow(self, plan, planner):

@@ -159,7 +159,7 @@ def test_after_a_restart_resumed_promotions_report_true_sizes_and_the_alert_gaug
     names = ("local", "shared", "durable")
     code = f"""
         import os, signal, threading, torch
-        import dcp_tiered.tiers.promotion as promotion
+        import dcp_tiered.tiers.promote.promoter as promotion
         from dcp_tiered.tiers import Tier, TieredCheckpointer
         promotion.copy_with_fragment = lambda *a, **k: threading.Event().wait()  # promotions never finish
         tiers = [Tier(n, os.path.join({str(tmp_path)!r}, n), codec="zstd", keep=3) for n in {names!r}]

@@ -34,7 +34,7 @@ from dcp_tiered import Tier, TieredCheckpointer
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.storage import Storage
 from dcp_tiered.names import rank_of_file
-from dcp_tiered.tiers.node_commit import commit_node
+from dcp_tiered.tiers.save.node_commit import commit_node
 
 WS, LOCAL = 4, 2
 NODES = WS // LOCAL
@@ -152,7 +152,7 @@ def _direct(root: Path, out: Path, mesh, rank: int) -> None:
     ``TieredWriter.commit_node`` commits the other node with it."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from dcp_tiered.tiers.writer import TieredWriter
+    from dcp_tiered.tiers.save.writer import TieredWriter
 
     for i, use_async in enumerate((False, True)):
         writer = TieredWriter(tiers(root), due=["local"])

@@ -22,7 +22,7 @@ from dcp_tiered import CompressedReader, CompressedWriter, Tier, TieredCheckpoin
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.dcp.writer import RankFilePrefix
 from dcp_tiered.tiers.config import CheckpointerOptions
-from dcp_tiered.tiers.schedule import SaveSchedule
+from dcp_tiered.tiers.policy import SaveSchedule
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.config import parse_duration
 from test_config_validation import config_error

@@ -22,7 +22,7 @@ from dcp_tiered.tiers.policy import (
     retention_victims,
     step_period,
 )
-from dcp_tiered.tiers.schedule import SaveSchedule
+from dcp_tiered.tiers.policy import SaveSchedule
 from dcp_tiered.tiers.config import Tier
 
 PROPS = settings(max_examples=300, deadline=None)

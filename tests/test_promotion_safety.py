@@ -33,7 +33,7 @@ from isolated import run_isolated
 from dcp_tiered import CompressedReader, CorruptCheckpointError, PromotionError, Tier, TieredCheckpointer
 from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.layout import INTENT_FIELDS, INTENT_MAX_BYTES, parse_intent
-from dcp_tiered.tiers.promotion import FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_FLOOR, Promoter, fragment_wait_bound
+from dcp_tiered.tiers.promote.promoter import FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_FLOOR, Promoter, fragment_wait_bound
 
 from faults import FaultyFS, committed_steps, register, reset_faults  # noqa: F401 (fixture)
 
@@ -98,7 +98,7 @@ def _lost_node_save(rank: int, world_size: int, root: str) -> None:
 _LOST_NODE_CHILD = """
 import os, time, torch
 from dcp_tiered import PromotionError, TieredCheckpointer
-from dcp_tiered.tiers.promotion import fragment_wait_bound
+from dcp_tiered.tiers.promote.promoter import fragment_wait_bound
 from test_promotion_safety import lost_node_tiers
 tiers = lost_node_tiers({root!r})
 bound = fragment_wait_bound(*tiers)
@@ -447,7 +447,7 @@ def test_a_promotion_error_is_no_oserror_and_is_not_retried() -> None:
 
 def _own_intent(tiers: list[Tier], step: int, swap: bool = False):
     """This rank's recorded intent of ``step`` in the source tier, as a fresh (not resumed) intent."""
-    from dcp_tiered.tiers.promotion import PromotionIntent
+    from dcp_tiered.tiers.promote.promoter import PromotionIntent
 
     path = Path(tiers[0].url) / f"step_{step:09d}" / ".promote-0.json"
     doc = json.loads(path.read_text())

@@ -695,8 +695,8 @@ def test_a_promotion_another_process_already_finished_succeeds_without_touching_
     """Two processes running as rank 0 on one tier path: one resumes the other's promotion intent
     and commits it first.  The original owner then runs the same intent: it must see the save is
     promoted (same save id) and finish without error, leaving the target committed."""
-    from dcp_tiered.tiers.intents import PromotionIntent
-    from dcp_tiered.tiers.promotion import Promoter
+    from dcp_tiered.tiers.promote.intents import PromotionIntent
+    from dcp_tiered.tiers.promote.promoter import Promoter
 
     local, shared = tmp_path / "local", tmp_path / "shared"
     tiers = [Tier("local", str(local), every_steps=1, keep=5, codec="lz4"),
@@ -736,7 +736,7 @@ def test_retention_keeps_a_checkpoint_holding_the_optimizer(tmp_path: Path) -> N
 def test_retention_never_deletes_a_step_this_process_is_still_writing(tmp_path: Path) -> None:
     """After a restore from an older step (or beside another job) a save in progress can be older than
     the newest committed checkpoint: retention must not take it for this process's own leftover."""
-    from dcp_tiered.tiers.promotion import Promoter
+    from dcp_tiered.tiers.promote.promoter import Promoter
 
     tier = Tier("local", str(tmp_path / "local"), every_steps=1, keep=100, codec="lz4")
     ck = TieredCheckpointer([tier])

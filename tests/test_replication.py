@@ -40,7 +40,7 @@ from dcp_tiered import ConfigError, ReplicationError, StorageError, Tier, Tiered
 from dcp_tiered.dcp.writer import CompressedWriter
 from dcp_tiered.storage import Storage
 from dcp_tiered.names import rank_of_file
-from dcp_tiered.tiers.node_commit import lacking_files
+from dcp_tiered.tiers.save.node_commit import lacking_files
 from dcp_tiered.tiers.replicas.markers import marker_name
 from dcp_tiered.tiers.topology import check_replication, cliques
 

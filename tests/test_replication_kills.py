@@ -145,7 +145,8 @@ def _arm(plan: dict, out: Path) -> None:
     node commit (``node_commit``, before the node's replication), start of a replication (``replicate``), or after ``delay`` s (``timer``)."""
     import threading
 
-    from dcp_tiered.tiers import node_commit, replication, writer
+    from dcp_tiered.tiers.replicas import replicate as replication
+    from dcp_tiered.tiers.save import node_commit, writer
 
     count = [0]
 
@@ -180,7 +181,7 @@ def _hold_resave(rank: int, data: str, out: Path) -> None:
     is still committed as it starts writing, writes, then kills every rank."""
     import time
 
-    from dcp_tiered.tiers import writer
+    from dcp_tiered.tiers.save import writer
 
     write_data = writer.TieredWriter.write_data
     node1 = Path(data) / "local" / "1" / "step_000000002" / ".metadata"

@@ -23,9 +23,9 @@ from dcp_tiered import CompressedWriter, Tier
 from dcp_tiered.cli.__main__ import main as cli_main
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.storage import Storage
-from dcp_tiered.tiers.intents import index_to_json
+from dcp_tiered.tiers.promote.intents import index_to_json
 from dcp_tiered.tiers.layout import fragment_name, intent_name, parse_step, step_name
-from dcp_tiered.tiers.promotion import Promoter
+from dcp_tiered.tiers.promote.promoter import Promoter
 from dcp_tiered.tiers.retention import Retention
 
 HOUR = 3600.0

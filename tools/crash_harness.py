@@ -908,7 +908,7 @@ def _hostile_fixtures(work: Path) -> dict[str, Any]:
                                                  sync_files=False), no_dist=True)
     from dcp_tiered.dcp.format import record_view
     from dcp_tiered.dcp.metadata_io import decode_metadata
-    from dcp_tiered.tiers.intents import index_to_json
+    from dcp_tiered.tiers.promote.intents import index_to_json
 
     step2 = tiers_root / "local" / "step_000000002"
     md = decode_metadata((step2 / ".metadata").read_bytes(), "x")
@@ -1056,7 +1056,7 @@ def hostile_child(work: str, seed: int, cases: list[int], journal: str) -> None:
     fx = _hostile_fixtures(w)
     # A resumed intent whose metadata commit waits for other ranks' fragments would wait an
     # hour (metadata_timeout); 3 s here, so such a case is counted, not a stalled child.
-    from dcp_tiered.tiers.promotion import Promoter
+    from dcp_tiered.tiers.promote.promoter import Promoter
 
     Promoter.__init__.__kwdefaults__["metadata_timeout"] = 3.0
     with open(journal, "a") as j:

@@ -207,7 +207,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from dcp_tiered.tiers.promotion import Promoter
+    from dcp_tiered.tiers.promote.promoter import Promoter
     from dcp_tiered.tiers.events import EventLog
 
     tiers, options = tiers_from_args(args)

@@ -12,13 +12,13 @@ _LAZY = {
     "CheckpointInfo": "dcp_tiered.tiers.catalog",
     "list_tiers": "dcp_tiered.tiers.catalog",
     "TieredCheckpointer": "dcp_tiered.tiers.checkpointer",
-    "Promoter": "dcp_tiered.tiers.promotion",
-    "PromotionReport": "dcp_tiered.tiers.promotion",
+    "Promoter": "dcp_tiered.tiers.promote.promoter",
+    "PromotionReport": "dcp_tiered.tiers.promote.promoter",
     "SaveReport": "dcp_tiered.tiers.events",
     "Tier": "dcp_tiered.tiers.config",
     "load_tiers_yaml": "dcp_tiered.tiers.config",
     "parse_duration": "dcp_tiered.tiers.config",
-    "TieredWriter": "dcp_tiered.tiers.writer",
+    "TieredWriter": "dcp_tiered.tiers.save.writer",
 }
 
 __all__ = sorted(_LAZY)

@@ -4,6 +4,13 @@
 state is serialized once to the fastest of them (synchronously, or staged and written in
 the background with ``async_save=True``) and promoted to the others in the background.
 ``restore(state_dict)`` loads the newest good checkpoint, preferring the fastest tier.
+
+One concept, one module, over 600 lines: the checkpointer owns the decision of each save
+(schedule, optimizer cadence, what the save holds), its memory-budget refusal and the fallback to
+the other due tiers (a refused async save keeps its staged copy: :class:`KeepStaged`), the
+in-flight async save and its completion (node commits, replication), and the objects every
+mechanism shares: the promoter, the replicator, the restorer and the pins.  The mechanisms
+themselves live in ``save/``, ``promote/``, ``replicas/``, ``restore.py`` and ``retention.py``.
 """
 
 from __future__ import annotations
@@ -14,33 +21,32 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from dcp_tiered.checks import check_timeout
 from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.planners import DowncastSavePlanner
 from dcp_tiered.dcp.statedict import expand_stateful
-from dcp_tiered.errors import ConfigError, SaveError
+from dcp_tiered.errors import ConfigError, MemoryBudgetError, SaveError
 from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
 from dcp_tiered.tiers.layout import step_name
-from dcp_tiered.tiers.node_commit import commit_after_save
+from dcp_tiered.tiers.save.node_commit import commit_after_save
 from dcp_tiered.tiers.config import CheckpointerOptions
-from dcp_tiered.tiers.policy import includes_optimizer
-from dcp_tiered.tiers.promotion import Promoter, PromotionReport
+from dcp_tiered.tiers.policy import SaveSchedule, includes_optimizer
+from dcp_tiered.tiers.promote.promoter import Promoter, PromotionReport
 from dcp_tiered.tiers.events import EventLog, SaveReport, SaveReports, describe_error, root_cause
-from dcp_tiered.tiers.fallback import KeepStaged, check_budget, fail_save, fall_back
 from dcp_tiered.tiers.replicas.replicate import Replicator
 from dcp_tiered.tiers.restore import Restorer
-from dcp_tiered.tiers.schedule import SaveSchedule
 from dcp_tiered.tiers.config import Tier, check_step, load_tiers_yaml, validate_tiers
-from dcp_tiered.tiers.state import committed_stats, state_bytes, without_paths
-from dcp_tiered.tiers.writer import TieredWriter, node_of
+from dcp_tiered.tiers.save.budget import budget_applies, save_budget_error
+from dcp_tiered.tiers.save.writer import TieredWriter
+from dcp_tiered.tiers.topology import node_of
 
 log = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -234,6 +240,36 @@ class TieredCheckpointer:
         use_async, self._sync_next = self.options.async_save and not self._sync_next, False
         return self._write(sd, SaveReport(step, list(due), with_optim, use_async, state_bytes(sd), waited_s=waited))
 
+    def _check_budget(self, sd: Mapping[str, Any], report: SaveReport) -> None:
+        """A memory tier refusing the save of ``report`` by this checkpointer, decided on every
+        rank before anything is staged or written (sync and async alike): the save moves to the other due
+        tiers (``report.tiers``), or fails now (:func:`fail_save`)."""
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        from dcp_tiered.tiers.layout import step_name
+
+        while True:
+            primary = next(t for t in self.tiers if t.name == report.tiers[0])
+            if budget_applies(primary):  # what the tier holds that retention deletes goes first (in async mode
+                self.promoter.retain_now(primary)  # the last save's retention may still be queued)
+            exc = save_budget_error(primary, sd, step_name(report.step), planner=self._planner(primary.name) or
+                                    DefaultSavePlanner(), promoter=self.promoter, frame_size=self.options.frame_size,
+                                    rank=self.rank, world=self.world, group=self._decide_pg, src=self._src)
+            if exc is None:
+                return
+            if not fall_back(report, exc, self.events):
+                self._fail_save(report, exc, time.perf_counter())
+
+    def _fail_save(self, report: SaveReport, exc: BaseException, t0: float) -> NoReturn:
+        """Record the failed save of ``report`` (started at ``t0``) and raise :class:`SaveError`."""
+        report.ok, report.error = False, describe_error(exc, 2000)
+        report.total_s = time.perf_counter() - t0
+        report.blocked_s = report.waited_s + report.total_s
+        self.reports.append(report)
+        self.events.emit(report.as_dict())
+        raise SaveError(f"checkpoint save of step {report.step} to tier {report.tiers[0]!r} failed: "
+                        f"{describe_error(exc)}") from root_cause(exc)
+
     def _planner(self, tier_name: str) -> DowncastSavePlanner | None:
         dtype = next(t for t in self.tiers if t.name == tier_name).dtype
         return DowncastSavePlanner(_DTYPES[dtype]) if dtype else None
@@ -241,7 +277,7 @@ class TieredCheckpointer:
     def _write(self, sd: Mapping[str, Any], report: SaveReport, staged: bool = False) -> SaveReport:
         """Save ``sd`` to ``report.tiers``; ``staged``: ``sd`` is the staged copy of an async save falling back."""
         if not staged:
-            check_budget(self, sd, report)
+            self._check_budget(sd, report)
         step, due, opts, bg = report.step, report.tiers, self.options, report.async_save
         planner = self._planner(due[0])
         for name in due:
@@ -275,7 +311,7 @@ class TieredCheckpointer:
                 raise
             if fall_back(report, exc, self.events):
                 return self._write(sd, report, staged=True)  # the writer refused: decided, no second check
-            fail_save(self, report, exc, t0)
+            self._fail_save(report, exc, t0)
         self.promoter.set_writing(due, step, False)
         report.total_s = time.perf_counter() - t0
         report.blocked_s = report.waited_s + report.total_s
@@ -453,3 +489,102 @@ class TieredCheckpointer:
         """Raise a recorded background save failure now (also done by ``maybe_save``/``wait``)."""
         self._check_background()
 
+
+def fallback_tiers(exc: BaseException, due: Sequence[str]) -> tuple[str, ...] | None:
+    """The due tiers to save to instead when ``exc`` is the primary tier (``due[0]``) refusing the save
+    for its memory budget (:class:`MemoryBudgetError`); None when there is no fallback (another
+    failure, or no other tier was due)."""
+    seen: BaseException | None = root_cause(exc)
+    while seen is not None and not isinstance(seen, MemoryBudgetError):
+        seen = seen.__cause__
+    if seen is None or getattr(seen, "tier", None) != due[0] or len(due) < 2:
+        return None
+    return tuple(due[1:])
+
+
+def fall_back(report: SaveReport, exc: BaseException, events: EventLog) -> bool:
+    """Whether the save of ``report`` moves to its other due tiers (now ``report.tiers``) because ``exc``
+    is its primary memory tier refusing it (:func:`fallback_tiers`); logged and emitted as a
+    ``memory_fallback`` event naming the tier, the tiers saved to instead and the refusal."""
+    rest = fallback_tiers(exc, report.tiers)
+    if rest is None:
+        return False
+    log.warning("step %d: memory tier %r refused the save; saving to %s instead", report.step, report.tiers[0],
+                list(rest))
+    events.emit({"event": "memory_fallback", "step": report.step, "refused_by": report.tiers[0], "tiers": list(rest),
+                 "error": describe_error(exc, 2000)})
+    report.tiers = list(rest)
+    return True
+
+
+class KeepStaged(DefaultStager):
+    """``DefaultStager`` that keeps the last staged state (its buffers are reused by the next stage)."""
+
+    staged: Any = None
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        self.staged = super().stage(state_dict, **kwargs)
+        return self.staged
+
+    def again(self, staged: Any) -> "AlreadyStaged":
+        """A stager for writing ``staged`` (a state this stager staged) once more, kept as :attr:`staged`."""
+        self.staged = staged
+        return AlreadyStaged()
+
+
+class AlreadyStaged(AsyncStager):
+    """Stages nothing: for a state that is a staged copy already (the fallback of an async save)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def without_paths(state_dict: Mapping[str, Any], paths: Sequence[str]) -> tuple[dict[str, Any], bool]:
+    """``state_dict`` without the entries at the dotted ``paths`` (``"optim"``, ``"app.optim"``),
+    copying only the mappings on the way; and whether any path was there."""
+    out = dict(state_dict)
+    found = False
+    for path in paths:
+        *parents, last = path.split(".")
+        node: Any = out
+        for i, part in enumerate(parents):
+            child = node.get(part) if isinstance(node, Mapping) else None
+            if not isinstance(child, Mapping):
+                node = None
+                break
+            node[part] = dict(child)  # a copy: the caller's state dict is never changed
+            node = node[part]
+        if isinstance(node, dict) and last in node:
+            del node[last]
+            found = True
+    return out, found
+
+
+def state_bytes(state_dict: Mapping[str, Any]) -> int:
+    """Bytes of the tensors in ``state_dict`` (nested mappings included), as held in memory."""
+    total = 0
+    for v in state_dict.values():
+        if isinstance(v, Mapping):
+            total += state_bytes(v)
+        elif isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def committed_stats(writer_stats: Any, metadata: Any) -> Any:
+    """Sizes of a committed save: the coordinator's writer computed them at commit; every other
+    rank reads them from the committed ``Metadata`` that ``dcp.save`` returns everywhere (so a
+    save's raw/stored bytes are the same on every rank, for its report and the metrics)."""
+    if writer_stats is not None or not getattr(metadata, "storage_data", None):
+        return writer_stats
+    from dcp_tiered.dcp.save_stats import stats_from_records
+
+    return stats_from_records((getattr(k, "fqn", k), r) for k, r in metadata.storage_data.items())

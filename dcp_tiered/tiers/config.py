@@ -177,12 +177,12 @@ class Tier:
         storage_options: passed to fsspec.
         dtype: ``"bf16"`` or ``"fp16"`` to store floating tensors in 16 bits (safe downcast).
         memory_budget: most bytes the tier may hold on one node, as bytes or ``"8GiB"``/``"512MiB"``;
-            a save that would not fit fails before writing anything (see :mod:`dcp_tiered.tiers.memory`).
+            a save that would not fit fails before writing anything (see :mod:`dcp_tiered.tiers.save.budget`).
         kind: ``"memory"`` or ``"storage"``; inferred when omitted: ``"memory"`` for a local path on
             ``/dev/shm`` or another tmpfs.
         replicas: copies of each rank's files on a node-local tier, its own included (default 1: no
             replication); the others go to peer ranks ``replication_jump`` apart, see
-            :mod:`dcp_tiered.tiers.replication`.
+            :mod:`dcp_tiered.tiers.replicas.replicate`.
         replication_jump: rank distance between the copies (default: ranks per node, so that no copy
             shares the owner's node).
 

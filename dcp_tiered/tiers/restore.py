@@ -22,9 +22,9 @@ from dcp_tiered.errors import RestoreError
 from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.events import EventLog, describe_error
-from dcp_tiered.tiers.node_commit import lacking_files
+from dcp_tiered.tiers.save.node_commit import lacking_files
 from dcp_tiered.tiers.policy import restore_order
-from dcp_tiered.tiers.promotion import Promoter
+from dcp_tiered.tiers.promote.promoter import Promoter
 from dcp_tiered.tiers.replicas import fetch as peer_fetch
 from dcp_tiered.tiers.replicas.replicate import Replicator
 from dcp_tiered.tiers.topology import holds_file, step_dir
@@ -273,7 +273,7 @@ class Restorer:
         and every rank moves on to the next candidate together.
 
         A candidate usable through peers (:meth:`_through_peers`) first gets the files of the ranks
-        lacking them from their clique peers (:func:`~dcp_tiered.tiers.peer_fetch.fetch`); when that
+        lacking them from their clique peers (:func:`~dcp_tiered.tiers.replicas.fetch.fetch`); when that
         fails on any rank (any exception, a collective's timeout too), every rank raises here after the
         same gathers and moves on together; each node's ``.metadata`` is committed only once every
         rank's fetch succeeded."""

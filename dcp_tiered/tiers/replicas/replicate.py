@@ -1,6 +1,6 @@
 """Peer replication of node-local tiers: each rank's files of a committed step go to the other
 ranks of its clique, which keep them in their own node's directory, so a lost node's files can
-be fetched back from a peer on restore (:mod:`dcp_tiered.tiers.peer_fetch`).
+be fetched back from a peer on restore (:mod:`dcp_tiered.tiers.replicas.fetch`).
 
 Cliques are computed as NVIDIA resiliency-ext's ``CliqueReplicationStrategy`` does: groups of
 ``F = replicas`` ranks ``n, n+J, ..., n+(F-1)J`` with ``n = a*J*F + b``, ``b < J`` and

@@ -8,8 +8,8 @@ promotions resume after a restart.  Intents are untrusted input: validated
 (:func:`~dcp_tiered.tiers.layout.parse_intent`), and an invalid one is skipped and left for gc.
 
 :class:`Promoter` drives the pieces: :class:`~dcp_tiered.tiers.jobs.JobRunner` runs the work, one
-lane per target tier (a stalled tier never delays the others); :mod:`~dcp_tiered.tiers.intents`
-is the source side, :mod:`~dcp_tiered.tiers.fragments` the target side (copies, fragments, the
+lane per target tier (a stalled tier never delays the others); :mod:`~dcp_tiered.tiers.promote.intents`
+is the source side, :mod:`~dcp_tiered.tiers.promote.fragments` the target side (copies, fragments, the
 commit and its bounded wait, :func:`fragment_wait_bound`), and
 :class:`~dcp_tiered.tiers.retention.Retention` decides and deletes, after each save and after each
 promotion (of its source and its target), sparing the steps promotions still read.
@@ -29,16 +29,16 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_tiered.dcp.format import builtin_from_json, native_files
 from dcp_tiered.dcp.metadata_io import committed_save_id, load_metadata
+from dcp_tiered.dcp.save_stats import stats_from_records
 from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
 from dcp_tiered.tiers.catalog import tier_storage
-from dcp_tiered.tiers.commit_sizes import commit_measured, measured
-from dcp_tiered.tiers.fragments import (
-    FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_DEFAULT, FRAGMENT_WAIT_FLOOR, FragmentWait, copy_with_fragment,
-    fragment_wait_bound,
+from dcp_tiered.tiers.promote.fragments import (
+    FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_DEFAULT, FRAGMENT_WAIT_FLOOR, FragmentWait, commit_from_fragments,
+    copy_with_fragment, fragment_wait_bound,
 )
-from dcp_tiered.tiers.intents import (
+from dcp_tiered.tiers.promote.intents import (
     STALE, PromotionIntent, index_from_json, index_to_json, intent_mismatch,
 )
 from dcp_tiered.tiers.jobs import Job, JobRunner
@@ -446,3 +446,27 @@ class Promoter:
             self._drop(intent, target)
         self._record(PromotionReport(step, intent.source, target, "data", ok=False, error=why),
                      raise_later=not intent.resumed)
+
+
+
+
+def _sizes(report: Any, storage_data: Any) -> None:
+    stats = stats_from_records((i.fqn, r) for i, r in storage_data.items())
+    report.raw_bytes, report.stored_bytes = stats.raw_bytes, stats.stored_bytes
+
+
+def measured(report: Any, dst: Storage, result: Any = None) -> Any:
+    """Set a commit ``report``'s sizes from ``dst``'s records (a commit another process made);
+    return ``result`` (else the report)."""
+    try:  # the commit is done whatever the metrics can read: logged, never raised
+        _sizes(report, load_metadata(dst).storage_data)
+    except (DcpTieredError, TypeError, ValueError) as exc:
+        log.warning("step %s committed on %s, its sizes unreadable: %s", report.step, report.target, exc)
+    return report if result is None else result
+
+
+def commit_measured(report: Any, src: Storage, dst: Storage, save_id: str | None) -> int:
+    """:func:`commit_from_fragments`, with ``report``'s sizes from the records it committed (read
+    back only when another process committed the same save); returns the bytes of ``.metadata``."""
+    n = commit_from_fragments(src, dst, save_id, on_commit=lambda md: _sizes(report, md.storage_data))
+    return n if report.stored_bytes else measured(report, dst, n)

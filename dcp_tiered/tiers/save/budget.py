@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import logging
 import os
 import pickle
 import re
@@ -26,8 +27,18 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
+from dcp_tiered.dcp.planners import DEFAULT_EXCLUDE
 from dcp_tiered.errors import MemoryBudgetError
+from dcp_tiered.storage import Storage
+from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.config import existing_parent
+from dcp_tiered.tiers.policy import retention_victims
+from dcp_tiered.tiers.retention import checkpoint_facts, newest_replicated
+from dcp_tiered.tiers.topology import node_of
+
+log = logging.getLogger(__name__)
 
 #: Estimated stored size of one non-tensor item (its size is unknown before it is serialized).
 OBJECT_ESTIMATE = 4096
@@ -76,8 +87,6 @@ def downcast_itemsize(fqn: str, dtype: Any, tier_dtype: str | None) -> int:
     size = dtype.itemsize
     if tier_dtype != "bf16" or not dtype.is_floating_point or size <= 2:
         return size
-    from dcp_tiered.dcp.planners import DEFAULT_EXCLUDE
-
     return size if any(fnmatch.fnmatchcase(fqn, p) for p in DEFAULT_EXCLUDE) else 2
 
 
@@ -145,9 +154,6 @@ def held_bytes(infos: Sequence[Any], keep: int, replacing: str | None = None, *,
     replicated tier, see :func:`~dcp_tiered.tiers.retention.newest_replicated`).  Committed steps
     retention deletes are not counted.  Pure.
     """
-    from dcp_tiered.tiers.policy import retention_victims
-    from dcp_tiered.tiers.retention import checkpoint_facts
-
     usable = [i for i in infos if not i.unusable and i.name != replacing]
     known = known_tiers if known_tiers is not None else {t for i in usable for t in i.pending_promotions}
     facts = [checkpoint_facts(i, ages=ages or {}, busy=busy, own=own, known_tiers=known,
@@ -256,11 +262,6 @@ def budget_error(tier: Any, per_node: Mapping[int, int], checkpoint: str | None,
     (:func:`held_bytes`; nodes are alike; with ``{rank}`` in the URL, in every directory of the node).
     ``marks`` (:class:`~dcp_tiered.tiers.pins.StepMarks`) and ``busy``: this process's own and
     pinned steps.  Lists the tier."""
-    from dcp_tiered.storage import Storage
-    from dcp_tiered.tiers.catalog import list_tier
-    from dcp_tiered.tiers.retention import newest_replicated
-    from dcp_tiered.tiers.writer import node_of
-
     budget = getattr(tier, "memory_budget", None)
     node = node_of(rank)
     # This node's directories of the tier: one, or one per rank with '{rank}' in the URL.
@@ -302,8 +303,6 @@ def check_save_fits(tier: Any, plans: Sequence[Any], checkpoint: str | None, *, 
     A save whose budget ``TieredCheckpointer`` checked already, before staging and with every value's
     real size, is not checked again here.  A tier that is neither a memory tier nor given a budget is
     not checked."""
-    from dcp_tiered.tiers.writer import node_of
-
     if not budget_applies(tier):
         return
     with _PASSED_LOCK:
@@ -314,3 +313,42 @@ def check_save_fits(tier: Any, plans: Sequence[Any], checkpoint: str | None, *, 
     exc = budget_error(tier, per_node, checkpoint, rank=rank, world=len(plans))
     if exc is not None:
         raise exc
+
+
+def save_budget_error(tier: Any, sd: Mapping[str, Any], checkpoint: str, *, planner: Any, promoter: Any,
+                      frame_size: int | None, rank: int, world: int, group: Any = None,
+                      src: int = 0) -> MemoryBudgetError | None:
+    """Whether the save of ``sd`` as ``checkpoint`` to ``tier`` is refused for its memory budget: the
+    error, or None when it fits (or the tier is not checked).  Collective over ``group`` (every rank
+    calls it, on the main thread, before anything is staged or written; all get the same answer).
+
+    Each rank plans its part with ``planner`` (a fresh planner of the save's kind: a downcasting one
+    reports which tensors it stores narrower) and sizes its items (non-tensor values by their bytes or
+    pickled size); the coordinator (group rank 0) drops replicated items as DCP does, sums per
+    node, and checks next to what the tier holds (:func:`~dcp_tiered.tiers.save.budget.held_bytes`, with
+    this process's pins and the steps its queued promotions read)."""
+    if not budget_applies(tier):
+        return None
+    planner.set_up_planner(dict(sd), None, rank == 0)
+    plan = planner.create_local_plan()
+    mine = (plan, local_item_bytes(plan, planner, frame_size, tier.dtype))
+    gathered = [mine]
+    if group is not None:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine, group=group)
+    answer: list[Any] = [None]
+    if rank == 0:  # the coordinator (group rank 0, global rank ``src``)
+        plans = [p for p, _ in gathered]
+        try:  # the planner's public global plan drops replicated items as the save will
+            plans = planner.create_global_plan(plans)[0]
+        except Exception as exc:  # noqa: BLE001 - the save reports it; count every item meanwhile
+            log.debug("budget check of %s: no global plan (%s); counting replicated items on every rank", checkpoint, exc)
+        by_index = [dict(s) for _, s in gathered]
+        per_node = node_save_bytes(plans, node_of, frame_size, sizes=by_index, tier_dtype=tier.dtype)
+        answer[0] = budget_error(tier, per_node, checkpoint, rank=rank, world=world, marks=promoter.marks,
+                                 busy=promoter.busy_steps(tier.name), optimizer_keys=promoter.optimizer_keys,
+                                 known_tiers=set(promoter.by_name), grace=promoter.leftover_grace)
+        mark_passed(tier, checkpoint, answer[0] is None)  # the writer does not check this save again
+    if group is not None:
+        dist.broadcast_object_list(answer, src=src, group=group)
+    return answer[0]

@@ -30,10 +30,10 @@ from dcp_tiered.dcp.writer import (
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
-from dcp_tiered.tiers.memory import check_save_fits
-from dcp_tiered.tiers.node_commit import NodeCommit, commit_node, node_of
-from dcp_tiered.tiers.promotion import Promoter
-from dcp_tiered.tiers.schedule import SaveSchedule
+from dcp_tiered.tiers.save.budget import check_save_fits
+from dcp_tiered.tiers.save.node_commit import NodeCommit, commit_node, node_of
+from dcp_tiered.tiers.promote.promoter import Promoter
+from dcp_tiered.tiers.policy import SaveSchedule
 from dcp_tiered.tiers.config import Tier, validate_tiers
 
 
@@ -60,7 +60,7 @@ class TieredWriter(StorageWriter):
         tiers: tiers, fastest first.
         due: names of the tiers to save to, decided by the caller (``TieredCheckpointer``
             passes them); when omitted the coordinator decides with
-            :class:`~dcp_tiered.tiers.schedule.SaveSchedule` and ``clock`` (a tier never
+            :class:`~dcp_tiered.tiers.policy.SaveSchedule` and ``clock`` (a tier never
             saved by this writer is due; if none is due the fastest is used).
         promoter: the background promoter to use (default: one owned by this writer;
             call :meth:`wait` / :meth:`close` to finish its work).
@@ -231,7 +231,7 @@ class TieredWriter(StorageWriter):
             # Un-commit a directory that an earlier save of this step committed before rewriting its
             # files (done already in prepare_local_plan where every rank knew the tier; the
             # coordinator's is un-committed in prepare_global_plan); the save's node commit
-            # (:mod:`~dcp_tiered.tiers.node_commit`) commits it again once its files are in.
+            # (:mod:`~dcp_tiered.tiers.save.node_commit`) commits it again once its files are in.
             target.remove(METADATA_FILE)
         url = target.url
         inner = CompressedWriter(url, codec=primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
@@ -270,7 +270,7 @@ class TieredWriter(StorageWriter):
 
     def commit_node(self, metadata: Metadata, world: int) -> NodeCommit | None:
         """After ``dcp.save`` returned ``metadata`` on this rank: commit this rank's directory of a
-        node-local tier saved to, where this rank leads it (see :mod:`~dcp_tiered.tiers.node_commit`).
+        node-local tier saved to, where this rank leads it (see :mod:`~dcp_tiered.tiers.save.node_commit`).
         ``TieredCheckpointer`` does this itself; call it on every rank when using this writer alone."""
         primary = self.by_name.get(self._plan_tiers[0]) if self._plan_tiers else None
         if primary is None or self.name is None:

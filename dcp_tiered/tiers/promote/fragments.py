@@ -10,6 +10,8 @@ items; ``.metadata`` is written last, so the target is committed only when compl
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import re
@@ -18,14 +20,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_tiered.dcp.format import METADATA_FILE, ItemRecord, builtin_from_json, native_files, record_view, records_in_file
+import numpy as np
+
+from dcp_tiered.codecs import FrameCodec, get_codec, verify_frame
+from dcp_tiered.codecs.bytegroup import FILTER_NONE
+from dcp_tiered.dcp.format import (METADATA_FILE, ItemRecord, builtin_from_json, expected_sizes, native_files,
+                                   record_view, records_in_file)
 from dcp_tiered.dcp.metadata_io import committed_save_id, decode_metadata, encode_metadata, read_metadata_bytes
-from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
+from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
-from dcp_tiered.tiers.intents import index_from_json, index_to_json
-from dcp_tiered.tiers.layout import fragment_name, read_small_file
-from dcp_tiered.tiers.reencode import copy_file, reencode_file
+from dcp_tiered.storage.base import write_pieces
 from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.layout import fragment_name, read_small_file
+from dcp_tiered.tiers.promote.intents import index_from_json, index_to_json
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +55,7 @@ def _untrusted_view(record: object) -> ItemRecord | None:
 def changed_items(file: str, new: dict, old: dict) -> list:
     """Items of the data file ``file`` whose promoted record (``new``) does not describe the source item
     (``old``): a byte-for-byte copy keeps every record as it is; a re-encoded file keeps every field
-    but the encoding, and the items in the source's order (:func:`~dcp_tiered.tiers.reencode.reencode_file`)."""
+    but the encoding, and the items in the source's order (:func:`~dcp_tiered.tiers.promote.fragments.reencode_file`)."""
     olds = {i: record_view(r) for i, r in records_in_file(old, file).items()}
     news = {i: _untrusted_view(new.get(i)) for i in olds}
     unreadable = [i for i, v in news.items() if v is None]
@@ -151,8 +158,7 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
     if changed:
         raise PromotionError(f"{dst.url}: promoted records of {changed[:3]} do not describe the source checkpoint's "
                              "items (a damaged or crafted promotion fragment); not committing")
-    for f in files:
-        size = max(record_view(r).end for r in records_in_file(new_data, f).values())
+    for f, size in expected_sizes(new_data.values()).items():
         if present.get(f, -1) != size:
             # transient when another process is still copying the same file: retried (a StorageError)
             raise PromotionIOError(f"{dst.url_of(f)} has {present.get(f)} bytes, expected {size}")
@@ -219,3 +225,58 @@ class FragmentWait:
     def describe(self, now: float, bound: float) -> str:
         return (f"waiting {now - self.start:.0f}s (bound {bound:.0f}s without progress) for {len(self.missing)} "
                 f"file(s) of rank(s) {', '.join(self.ranks())}: {self.missing[:4]}")
+
+
+COPY_CHUNK = 8 << 20
+
+
+def copy_file(src: Storage, dst: Storage, name: str) -> int:
+    """Stream ``name`` from ``src`` to ``dst`` in bounded chunks; return the bytes copied."""
+    size = src.size(name)
+    buf = bytearray(min(COPY_CHUNK, max(size, 1)))
+    done = 0
+    with dst.open_write(name) as f:
+        while done < size:
+            n = src.read_range_into(name, done, memoryview(buf)[: min(len(buf), size - done)])
+            if n == 0:
+                raise CorruptCheckpointError(f"{src.url_of(name)} shrank while being copied ({done} of {size} bytes)")
+            f.write(memoryview(buf)[:n])
+            done += n
+    return done
+
+
+def reencode_file(src: Storage, dst: Storage, name: str, records: list[tuple[object, dict]], codec: str,
+                  cpu: "threading.Semaphore | None" = None) -> tuple[int, list[tuple[object, dict]]]:
+    """Decode every item of ``name`` (verifying checksums) and write it re-encoded with ``codec``.
+
+    ``cpu`` (the background CPU budget) is held around each frame's decode and encode only, so
+    that re-encodes for several tiers never run more coders at once than it allows, while reads
+    and writes of a stalled tier hold no slot.
+
+    ``records`` are validated native records (plain builtins) of ``name``.  Returns the bytes
+    written and the new records (same keys, new offsets/lengths/frames), as plain builtins.
+    """
+    out_records = []
+    offset = 0
+    target = get_codec(codec)
+    with dst.open_write(name) as f:
+        for key, rec in sorted(((k, record_view(r)) for k, r in records), key=lambda kr: kr[1].offset):
+            old = FrameCodec(rec.codec, rec.filter_name, rec.itemsize)
+            new_filter = rec.filter_name if target.compresses else FILTER_NONE
+            new = FrameCodec(target, new_filter, rec.itemsize)
+            frames, sums = [], []
+            for i, at, stored_len, s, e in rec.frame_slices():
+                stored = src.read_range(rec.file, at, at + stored_len)
+                if len(stored) != stored_len or not verify_frame(stored, rec.frame_sums[i]):
+                    raise CorruptCheckpointError(f"frame {i} of {key!r} in {src.url_of(name)} fails its checksum; not promoting it")
+                raw = np.empty(e - s, dtype=np.uint8)
+                with cpu or contextlib.nullcontext():
+                    old.decode(stored, raw)
+                    enc = new.encode(raw)
+                write_pieces(f, enc.pieces)
+                frames.append(enc.stored_len)
+                sums.append(enc.digest)
+            moved = rec.reencoded(target.spec, new_filter, offset, frames, sums)
+            out_records.append((key, moved.to_builtin()))
+            offset += moved.length
+    return offset, out_records
