@@ -130,13 +130,13 @@ def _run_one(sd: dict, codec: str, dtype_name: str, url: str, opts: dict[str, An
 
 
 def _parse_lists(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    from dcp_tiered.codecs import parse_codec
+    from dcp_tiered.codecs import get_codec
     from dcp_tiered.errors import CodecError
 
     codecs = []
     for c in [c.strip() for c in args.codec.split(",") if c.strip()]:
         try:
-            codecs.append(str(parse_codec(c)))
+            codecs.append(str(get_codec(c)))
         except CodecError as exc:
             raise CliError(f"--codec: {exc}") from exc
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]

@@ -166,12 +166,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from dcp_tiered import inspect as ckpt
-    from dcp_tiered.codecs import parse_codec
+    from dcp_tiered.codecs import get_codec
     from dcp_tiered.errors import CheckpointExistsError, CodecError
 
     if args.codec != ckpt.STOCK:
         try:
-            args.codec = str(parse_codec(args.codec))
+            args.codec = str(get_codec(args.codec))
         except CodecError as exc:
             raise CliError(f"--codec: {exc}; or '{ckpt.STOCK}' for stock DCP") from exc
     try:

@@ -9,14 +9,12 @@ from dcp_tiered.codecs.checksum import CHECKSUM_ALGORITHM, checksum
 from dcp_tiered.codecs.compressors import make_compressor
 from dcp_tiered.codecs.frames import DEFAULT_FRAME_SIZE, EncodedFrame, FrameCodec, frame_bounds, verify_frame
 from dcp_tiered.codecs.registry import Codec, get_codec, register_codec, registered_codecs, unregister_codec, valid_specs
-from dcp_tiered.codecs.spec import CodecSpec, parse_codec
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "DEFAULT_FRAME_SIZE",
     "FILTERS",
     "Codec",
-    "CodecSpec",
     "EncodedFrame",
     "FrameCodec",
     "checksum",
@@ -24,7 +22,6 @@ __all__ = [
     "frame_bounds",
     "get_codec",
     "make_compressor",
-    "parse_codec",
     "register_codec",
     "registered_codecs",
     "unregister_codec",

@@ -13,7 +13,7 @@ from typing import Any
 import lz4.block
 import zstandard
 
-from dcp_tiered.codecs.registry import Codec, check_block_len, get_codec
+from dcp_tiered.codecs.registry import Codec, check_block_len, get_codec, register_builtins
 from dcp_tiered.errors import CorruptCheckpointError
 
 #: Level used when a spec names zstd without a level.  On weights and optimizer state no higher
@@ -144,8 +144,9 @@ class ZstdCodec(Codec):
         self.__init__(state["level"], state["for_planes"])  # type: ignore[misc]
 
 
-#: Registered first, in this order, when the registry is first used.
+#: Registered when this module is imported (``dcp_tiered.codecs`` imports it before anything else uses the registry).
 BUILTIN_CODECS: tuple[type[Codec], ...] = (NoneCodec, Lz4Codec, ZstdCodec)
+register_builtins(BUILTIN_CODECS)
 
 
 def make_compressor(spec: str | Codec, for_planes: bool = False) -> Codec:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from dcp_tiered.errors import CodecError, CorruptCheckpointError
@@ -114,15 +114,16 @@ class Codec:
 
 
 def _registry() -> dict[str, type[Codec]]:
-    if not _BUILTIN_IDS:
-        with _LOCK:
-            if not _BUILTIN_IDS:
-                from dcp_tiered.codecs.compressors import BUILTIN_CODECS
-
-                for cls in BUILTIN_CODECS:
-                    _add(cls)
-                _BUILTIN_IDS.update(cls.codec_id for cls in BUILTIN_CODECS)
     return _REGISTRY
+
+
+def register_builtins(classes: Sequence[type[Codec]]) -> None:
+    """Register the built-in codecs (:mod:`~dcp_tiered.codecs.compressors` does, when imported: the
+    package imports it before any use of the registry); they can never be unregistered or replaced."""
+    with _LOCK:
+        for cls in classes:
+            _add(cls)
+        _BUILTIN_IDS.update(cls.codec_id for cls in classes)
 
 
 def _add(cls: type[Codec]) -> None:

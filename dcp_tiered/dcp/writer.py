@@ -24,7 +24,7 @@ from torch.futures import Future
 
 from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.thread_priority import lower_thread_priority, run_lowered
-from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, get_codec, parse_codec
+from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, get_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
 from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, write_items
 from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
@@ -199,7 +199,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         if save_id is not None and (not isinstance(save_id, str) or not save_id):
             raise ConfigError(f"save_id must be a non-empty string or None, got {save_id!r}")
         self._fixed_save_id = save_id
-        self.codec = str(parse_codec(codec))
+        self.codec = str(get_codec(codec))
         check_frame_size(frame_size)
         check_count(nice, "nice", 0, 19, optional=True)
         if cpu_slots is not None and not (hasattr(cpu_slots, "acquire") and hasattr(cpu_slots, "release")):

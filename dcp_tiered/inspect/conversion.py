@@ -193,11 +193,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], codec: str
     Errors raised inside ``dcp.load``/``dcp.save`` arrive wrapped in DCP's ``CheckpointException``
     (the original in ``exc.failures[rank]``).
     """
-    from dcp_tiered.codecs import parse_codec
+    from dcp_tiered.codecs import get_codec
 
     src, dst = os.fspath(src), os.fspath(dst)
     if codec != STOCK:
-        codec = str(parse_codec(codec))
+        codec = str(get_codec(codec))
     t0 = time.perf_counter()
     sd = load_any(src, src_options, safe_globals=safe_globals, progress=progress)
     saved = save_any(sd, dst, codec, dtype, dst_options, overwrite=overwrite, safe_globals=safe_globals, progress=progress)

@@ -26,7 +26,7 @@ from typing import Any
 import fsspec
 
 from dcp_tiered.checks import check_count, check_frame_size
-from dcp_tiered.codecs import parse_codec
+from dcp_tiered.codecs import get_codec
 from dcp_tiered.errors import CodecError, ConfigError, StorageError
 from dcp_tiered.ranks import default_threads
 from dcp_tiered.storage import MissingFileError, Storage
@@ -223,7 +223,7 @@ class Tier:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}: field {name!r} must be a positive integer, got {value!r}")
         try:
-            object.__setattr__(self, "codec", str(parse_codec(self.codec)))
+            object.__setattr__(self, "codec", str(get_codec(self.codec)))
         except CodecError as exc:
             raise ConfigError(f"{where}: field 'codec': {exc}") from exc
         if not isinstance(self.storage_options, Mapping):
