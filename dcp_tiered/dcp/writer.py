@@ -103,6 +103,15 @@ def unique_tag(storage: Storage) -> str:
     return f"{uuid.uuid4().hex[:12]}_" if storage.is_object_store else ""
 
 
+def uncommit(storage: Storage) -> bool:
+    """Un-commit the checkpoint in ``storage``: remove its ``.metadata``, before any of its files changes
+    or goes, so that a ``.metadata`` never describes files being rewritten or deleted.  Whether one was there."""
+    if not storage.exists(METADATA_FILE):
+        return False
+    storage.remove(METADATA_FILE)
+    return True
+
+
 def commit_metadata(storage: Storage, data: bytes, overwrite: bool, own_files: "collections.abc.Iterable[str]") -> None:
     """Commit ``.metadata``; without ``overwrite`` only if none exists (atomically), else
     remove this save's own uniquely named data files and raise :class:`CheckpointExistsError`."""
@@ -272,7 +281,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         if self._replacing:
             # Un-commit before any rank writes data, so the old .metadata can never describe
             # files that are being replaced.
-            self.storage.remove(METADATA_FILE)
+            uncommit(self.storage)
         tag = unique_tag(self.storage)
         prefixes = [p.storage_data.prefix if isinstance(p.storage_data, RankFilePrefix) else rank_prefix(i) for i, p in enumerate(plans)]
         return [dataclasses.replace(p, storage_data=RankFilePrefix(prefix + tag)) for p, prefix in zip(plans, prefixes)]

@@ -311,7 +311,7 @@ class CompressedCheckpointIO(CheckpointIO):
         return _map(join_checkpoint(flat, path), map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
-        from dcp_tiered.dcp.format import METADATA_FILE
+        from dcp_tiered.dcp.writer import uncommit
         from dcp_tiered.storage import Storage
 
         path = os.fspath(path)
@@ -321,8 +321,7 @@ class CompressedCheckpointIO(CheckpointIO):
                 _files.remove(path)
             return
         storage = Storage(path, self.storage_options)
-        if storage.exists(METADATA_FILE):
-            storage.remove(METADATA_FILE)  # un-commit first: a crash mid-delete leaves no half checkpoint
+        uncommit(storage)  # first: a crash mid-delete leaves no half checkpoint
         storage.remove_tree()
 
     def teardown(self) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dcp_tiered.dcp.metadata_io import committed_save_id
+from dcp_tiered.dcp.writer import uncommit
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.names import METADATA_FILE
 from dcp_tiered.storage import Storage
@@ -189,6 +190,5 @@ def newest_replicated(tier: Tier, storage: Storage, infos: Sequence[CheckpointIn
 
 def delete_checkpoint(child: Storage) -> None:
     """Delete one checkpoint directory: un-commit first, so a half-deleted checkpoint is never listed."""
-    if child.exists(METADATA_FILE):
-        child.remove(METADATA_FILE)
+    uncommit(child)
     child.remove_tree()

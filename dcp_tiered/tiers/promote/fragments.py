@@ -26,6 +26,7 @@ from dcp_tiered.codecs import FrameCodec, get_codec, verify_frame
 from dcp_tiered.codecs.bytegroup import FILTER_NONE
 from dcp_tiered.dcp.format import (METADATA_FILE, ItemRecord, builtin_from_json, expected_sizes, native_files,
                                    record_view, records_in_file)
+from dcp_tiered.dcp.writer import uncommit
 from dcp_tiered.dcp.metadata_io import committed_save_id, decode_metadata, encode_metadata, read_metadata_bytes
 from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
@@ -81,7 +82,7 @@ def copy_with_fragment(src: Storage, dst: Storage, data_file: str, records: list
             return 0  # another process (e.g. one that resumed this intent) promoted this save already
         # an older checkpoint of the same step is being replaced: un-commit it before its
         # data files change, so no .metadata ever describes files that are being rewritten
-        dst.remove(METADATA_FILE)
+        uncommit(dst)
     if all(record_view(r).codec == target.codec for _, r in records):
         n = copy_file(src, dst, data_file)
         new_records = records

@@ -30,7 +30,7 @@ from dcp_tiered.tiers.replicas.markers import marker_name, new_marker, read_mark
 from dcp_tiered.tiers.replicas.replicate import offer_problem, owner_files
 from dcp_tiered.tiers.replicas import stream
 from dcp_tiered.tiers.replicas.stream import broadcast_header, check_group, stream_file
-from dcp_tiered.tiers.topology import node_of, step_dir, tier_storage
+from dcp_tiered.tiers.topology import dir_ranks, step_dir, tier_storage
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,8 @@ def commit_node_metadata(tier: Tier, step: int, plan: Plan, metadata: "bytes | N
                          node: int) -> str | None:
     """After every rank's fetch succeeded: the lowest receiving rank of this rank's directory commits the
     ``.metadata`` it received there (if not there yet); why that failed, or None."""
-    here = tier.resolved_url(rank, node)
-    receivers = sorted(r for r in plan if tier.resolved_url(r, node_of(r)) == here)
+    here = set(dir_ranks(tier, rank, max(plan) + 1 if plan else 0))
+    receivers = sorted(r for r in plan if r in here)
     if not receivers or receivers[0] != rank or metadata is None:
         return None
     mine = step_dir(tier, rank, step, node)

@@ -33,7 +33,7 @@ from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.names import rank_of_file
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.replicas.markers import vouched_files
-from dcp_tiered.tiers.topology import COORDINATOR, dir_ranks, node_of
+from dcp_tiered.tiers.topology import COORDINATOR, dir_ranks, step_dir
 from dcp_tiered.tiers.config import Tier
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: 
     ranks = dir_ranks(tier, rank, world)
     if not tier.node_local or ranks[0] != rank or COORDINATOR in ranks:
         return None
-    child = Storage(tier.resolved_url(rank, node_of(rank)), tier.storage_options).child(name)
+    child = step_dir(tier, rank, name)
     result = NodeCommit(tier.name, step, child.url, ranks, ok=False)
     try:
         problems = _problems(child, expected_sizes(metadata.storage_data.values(), lambda f: rank_of_file(f) in ranks))

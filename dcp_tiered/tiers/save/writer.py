@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_tiered.dcp.format import METADATA_FILE, record_view
+from dcp_tiered.dcp.format import record_view
 from dcp_tiered.dcp.save_stats import SaveStats
 from dcp_tiered.dcp.writer import (
     CompressedWriter,
@@ -25,13 +25,16 @@ from dcp_tiered.dcp.writer import (
     check_count,
     check_frame_size,
     claim_checkpoint,
+    uncommit,
     unique_tag,
 )
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
+from dcp_tiered.names import rank_prefix
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.save.budget import check_save_fits
-from dcp_tiered.tiers.save.node_commit import NodeCommit, commit_node, node_of
+from dcp_tiered.tiers.save.node_commit import NodeCommit, commit_node
+from dcp_tiered.tiers.topology import node_of, shares_coordinator_dir, step_dir
 from dcp_tiered.tiers.promote.promoter import Promoter
 from dcp_tiered.tiers.policy import SaveSchedule
 from dcp_tiered.tiers.config import Tier, validate_tiers
@@ -157,13 +160,13 @@ class TieredWriter(StorageWriter):
     def _target(self, tier: Tier) -> Storage:
         """The checkpoint directory inside ``tier`` as this rank sees it (never through a link)."""
         assert self.name is not None
-        target = Storage(tier.resolved_url(self.rank, node_of(self.rank)), tier.storage_options).child(self.name)
+        target = step_dir(tier, self.rank, self.name)
         _refuse_link(target)
         return target
 
     def _coordinator_dir(self, tier: Tier) -> bool:
         """Whether this rank writes into the coordinator's directory of node-local ``tier``."""
-        return tier.resolved_url(self.rank, node_of(self.rank)) == tier.resolved_url(0, node_of(0))
+        return shares_coordinator_dir(tier, self.rank)
 
     # -- DCP protocol -------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class TieredWriter(StorageWriter):
         ``.metadata`` of an earlier save of the step still stands in any node's directory."""
         primary = self.by_name[self.due[0]] if self.due else None
         if primary is not None and primary.node_local and self.overwrite and not self._coordinator_dir(primary):
-            self._target(primary).remove(METADATA_FILE)
+            uncommit(self._target(primary))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -207,10 +210,10 @@ class TieredWriter(StorageWriter):
         if replacing:
             # Un-commit before any rank rewrites a data file, so the old .metadata never
             # describes files that are being replaced.
-            target.remove(METADATA_FILE)
+            uncommit(target)
         save_id = uuid.uuid4().hex
         tag = unique_tag(target)
-        return [dataclasses.replace(p, storage_data=TieredPlan(f"__{i}_{tag}", tiers, save_id)) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=TieredPlan(rank_prefix(i) + tag, tiers, save_id)) for i, p in enumerate(plans)]
 
     def _release(self, committed: bool = False) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -232,7 +235,7 @@ class TieredWriter(StorageWriter):
             # files (done already in prepare_local_plan where every rank knew the tier; the
             # coordinator's is un-committed in prepare_global_plan); the save's node commit
             # (:mod:`~dcp_tiered.tiers.save.node_commit`) commits it again once its files are in.
-            target.remove(METADATA_FILE)
+            uncommit(target)
         url = target.url
         inner = CompressedWriter(url, codec=primary.codec, overwrite=self.overwrite, safe_globals=self.safe_globals,
                                  save_id=tp.save_id or None, **kwargs)
