@@ -9,9 +9,9 @@ twice).  What is counted is how often one rank decodes the same bytes of one can
 against every ``.metadata`` file under the tiers), not by the ``source`` argument, which for bytes
 a peer sent names the peer rather than a path.
 
-Counting: after importing the checkpointer, every loaded ``dcp_tiered`` module whose global
-``decode_metadata`` is the one of :mod:`dcp_tiered.dcp.metadata_io` gets a counting wrapper (that
-module too, so a module imported later, or a ``load_metadata`` calling it, is counted as well).
+Counting: the decode itself (``metadata_io._decode``: trailer, allow-list unpickler, every table
+and record checked), which every ``decode_metadata`` and ``load_metadata`` call of any module runs
+unless the same bytes were decoded before in the process, gets a counting wrapper.
 
 The job is the lost node of ``test_replication.py`` (4 gloo ranks as 2 nodes of 2; node 1's
 directory deleted after the save; the shared tier left whole): every rank restores step 3 from
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
+import sys  # noqa: F401
 import threading
 from collections import Counter
 from pathlib import Path
@@ -57,14 +57,14 @@ def _digest(data: bytes) -> str:
 
 
 class DecodeCounter:
-    """Wraps ``decode_metadata`` wherever it is referenced; records ``(source, digest, thread)`` while on."""
+    """Wraps the one decode of ``.metadata`` bytes; records ``(source, digest, thread)`` while on."""
 
     def __init__(self) -> None:
         import dcp_tiered.dcp.metadata_io as metadata_io
 
         self.calls: list[dict] = []
         self.on = False
-        original = metadata_io.decode_metadata
+        original = metadata_io._decode
 
         def counted(data, source, *args, **kwargs):
             if self.on:
@@ -72,11 +72,8 @@ class DecodeCounter:
                                    "thread": threading.current_thread().name})
             return original(data, source, *args, **kwargs)
 
-        self.patched = []
-        for name, module in list(sys.modules.items()):
-            if (name == "dcp_tiered" or name.startswith("dcp_tiered.")) and getattr(module, "decode_metadata", None) is original:
-                module.decode_metadata = counted
-                self.patched.append(name)
+        metadata_io._decode = counted
+        self.patched = ["dcp_tiered.dcp.metadata_io._decode"]
 
     def during(self, fn):
         self.calls.clear()

@@ -26,11 +26,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from dcp_tiered.checks import check_timeout
 from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.planners import DowncastSavePlanner
+from dcp_tiered.dcp.save_stats import stats_from_records
 from dcp_tiered.dcp.statedict import expand_stateful
 from dcp_tiered.errors import ConfigError, MemoryBudgetError, SaveError
 from dcp_tiered.storage.retry import RetryPolicy
@@ -243,11 +245,7 @@ class TieredCheckpointer:
     def _check_budget(self, sd: Mapping[str, Any], report: SaveReport) -> None:
         """A memory tier refusing the save of ``report`` by this checkpointer, decided on every
         rank before anything is staged or written (sync and async alike): the save moves to the other due
-        tiers (``report.tiers``), or fails now (:func:`fail_save`)."""
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-        from dcp_tiered.tiers.layout import step_name
-
+        tiers (``report.tiers``), or fails now (:meth:`_fail_save`)."""
         while True:
             primary = next(t for t in self.tiers if t.name == report.tiers[0])
             if budget_applies(primary):  # what the tier holds that retention deletes goes first (in async mode
@@ -585,6 +583,4 @@ def committed_stats(writer_stats: Any, metadata: Any) -> Any:
     save's raw/stored bytes are the same on every rank, for its report and the metrics)."""
     if writer_stats is not None or not getattr(metadata, "storage_data", None):
         return writer_stats
-    from dcp_tiered.dcp.save_stats import stats_from_records
-
     return stats_from_records((getattr(k, "fqn", k), r) for k, r in metadata.storage_data.items())

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dcp_tiered.dcp.broadcast import load_and_broadcast
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
 from dcp_tiered.errors import RestoreError
@@ -253,8 +254,6 @@ class Restorer:
             return CompressedReader(url, storage_options=tier.storage_options, **self.reader_options)
 
         if self._broadcasting(broadcast):
-            from dcp_tiered.dcp.broadcast import load_and_broadcast
-
             groups = self.load_group if broadcast is True else broadcast
             load_and_broadcast(plain, make_reader, process_group=groups, bucket_bytes=bucket_bytes)
         else:
