@@ -6,8 +6,12 @@ import this module in an environment without torch.
 
 from __future__ import annotations
 
-from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE
 from dcp_tiered.errors import ConfigError
+
+#: Smallest and largest frame sizes a checkpoint may declare (the writer refuses smaller ones).
+#: Defined here, in layer 0, for ``check_frame_size``; ``codecs/frames.py`` re-exports them.
+MIN_FRAME_SIZE = 4096
+MAX_FRAME_SIZE = 1 << 30
 
 #: What the CLI and the no-torch paths tell a user whose environment lacks torch.
 INSTALL_TORCH = "install torch first (pip install torch)"

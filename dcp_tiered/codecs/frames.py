@@ -23,13 +23,11 @@ import numpy as np
 from dcp_tiered.codecs.bytegroup import FILTER_NONE, FILTERS, merge_planes, plane_count, sample_entropy, split_planes
 from dcp_tiered.codecs.checksum import checksum
 from dcp_tiered.codecs.compressors import make_compressor
+from dcp_tiered.checks import MAX_FRAME_SIZE, MIN_FRAME_SIZE  # noqa: F401  (importable from here too)
 from dcp_tiered.codecs.registry import Codec, check_block_len, get_codec
 from dcp_tiered.errors import CodecError, ConfigError, CorruptCheckpointError, DcpTieredError, UnsupportedFormatError
 
 DEFAULT_FRAME_SIZE = 4 << 20
-#: Smallest and largest frame sizes a checkpoint may declare (the writer refuses smaller ones).
-MIN_FRAME_SIZE = 4096
-MAX_FRAME_SIZE = 1 << 30
 #: Most frames one record may have: 4 TiB at the default frame size, 4 GiB at the smallest.
 MAX_FRAMES_PER_RECORD = 1 << 20
 MODE_RAW = 0
