@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_tiered.dcp.bucket_broadcast import broadcast_tensors
 from dcp_tiered.dcp.objects import normalize_safe_globals
+from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import Path_, expand_stateful, leaves_by_path, set_leaf
 from dcp_tiered.errors import ConfigError, LeaderLoadError
 from dcp_tiered.ranks import cores, default_threads
@@ -158,8 +159,6 @@ def _reader(source: ReaderSource, storage_options: dict | None, threads: int | N
     if isinstance(source, StorageReader):
         return source
     if isinstance(source, (str, os.PathLike)):
-        from dcp_tiered.dcp.reader import CompressedReader
-
         return CompressedReader(source, storage_options=storage_options, threads=threads, safe_globals=safe_globals)
     if callable(source):
         reader = source()

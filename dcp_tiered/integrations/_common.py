@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dcp_tiered.errors import ConfigError
+from dcp_tiered.tiers.checkpointer import TieredCheckpointer
+from dcp_tiered.tiers.config import Tier
 
 CheckpointerSource = Any  # TieredCheckpointer | Sequence[Tier] | YAML path | zero-argument factory
 
@@ -28,9 +30,6 @@ def build_checkpointer(source: CheckpointerSource, options: dict[str, Any]) -> A
     Called late (once the framework set up its process group): TieredCheckpointer reads the
     distributed state when constructed.
     """
-    from dcp_tiered.tiers.checkpointer import TieredCheckpointer
-    from dcp_tiered.tiers.config import Tier
-
     if isinstance(source, TieredCheckpointer):
         if options:
             raise ConfigError(f"checkpointer options {sorted(options)} given with a ready TieredCheckpointer")

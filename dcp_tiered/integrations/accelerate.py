@@ -55,11 +55,13 @@ from typing import Any
 import accelerate  # noqa: F401 - fail at import when the extra is missing
 import torch
 
+from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.errors import ConfigError
 from dcp_tiered.integrations._common import (
     OptimizerSnapshot,
     apply_model_state,
     apply_optimizer_state,
+    build_checkpointer,
     call_restore,
     from_one_object,
     model_state,
@@ -69,6 +71,10 @@ from dcp_tiered.integrations._common import (
     set_rng_state,
     to_json,
 )
+from dcp_tiered.tiers.catalog import tier_storage
+from dcp_tiered.tiers.checkpointer import TieredCheckpointer
+from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.layout import step_name
 
 __all__ = ["save_state", "load_state", "state_dict", "project_checkpointer", "TieredAccelerator"]
 
@@ -134,9 +140,6 @@ def project_checkpointer(accelerator: Any, **options: Any) -> Any:
     ``options`` go to ``TieredCheckpointer`` when it is built.  Close it (or the accelerator's
     :class:`TieredAccelerator`) at the end of training.
     """
-    from dcp_tiered.tiers.checkpointer import TieredCheckpointer
-    from dcp_tiered.tiers.config import Tier
-
     ck = _PROJECT.get(accelerator)
     if ck is not None and not getattr(ck, "_closed", False):
         return ck
@@ -159,9 +162,6 @@ def _checkpointer(accelerator: Any, checkpointer: Any) -> Any:
 
 
 def _step_url(ck: Any, tier: Any, step: int) -> str:
-    from dcp_tiered.tiers.catalog import tier_storage
-    from dcp_tiered.tiers.layout import step_name
-
     return tier_storage(tier, getattr(ck, "rank", 0), getattr(ck, "node", 0)).child(step_name(step)).url
 
 
@@ -240,8 +240,6 @@ class _RestoreWatch:
 def _restore_rng(accelerator: Any, tier: Any, url: str | None, step: int) -> None:
     """This process's random states and the GradScaler's state from checkpoint ``url`` (read by this
     process alone); a warning when it has none (saved by fewer processes, or before they were saved)."""
-    from dcp_tiered.dcp.reader import CompressedReader
-
     if url is None:
         log.warning("step %d restored, but not from a tier this integration can see: random states (and the "
                     "GradScaler's) not restored", step)
@@ -273,8 +271,6 @@ def _restore_rng(accelerator: Any, tier: Any, url: str | None, step: int) -> Non
 def _read_objects(tier: Any, url: str, keys: list[str]) -> dict[str, Any]:
     """The objects saved under ``keys`` in checkpoint ``url``, read by this process alone."""
     import torch.distributed.checkpoint as dcp
-
-    from dcp_tiered.dcp.reader import CompressedReader
 
     sd: dict[str, Any] = {k: one_object(None) for k in keys}
     dcp.load(sd, storage_reader=CompressedReader(url, storage_options=tier.storage_options), no_dist=True)
@@ -362,8 +358,6 @@ class TieredAccelerator:
     """
 
     def __init__(self, accelerator: Any, checkpointer: Any = None, **options: Any) -> None:
-        from dcp_tiered.integrations._common import build_checkpointer
-
         self.accelerator = accelerator
         self.checkpointer = (project_checkpointer(accelerator, **options) if checkpointer is None
                              else build_checkpointer(checkpointer, options))

@@ -53,12 +53,17 @@ except ImportError:  # pragma: no cover - the standalone package
     from lightning_fabric.utilities.data import AttributeDict  # type: ignore[no-redef]
     from pytorch_lightning.plugins.io.async_plugin import AsyncCheckpointIO  # type: ignore[no-redef]
 
+from dcp_tiered.codecs import get_codec
 from dcp_tiered.dcp.format import MAX_OBJECT_BYTES
+from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import set_leaf
+from dcp_tiered.dcp.writer import CompressedWriter, uncommit
 from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.integrations import _lightning_files as _files
 from dcp_tiered.integrations._common import CheckpointerSource, build_checkpointer, from_one_object, one_object
+from dcp_tiered.storage import Storage
 from dcp_tiered.storage.base import storage_errors
+from dcp_tiered.tiers.events import root_cause
 
 __all__ = ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
 
@@ -185,8 +190,6 @@ def _unwrapped() -> Iterator[None]:
     """DCP's ``CheckpointException`` (a ``BaseException``) as the error that caused it, e.g. ``UnsafeObjectError``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dcp_tiered.tiers.events import root_cause
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist=True is meant
         try:
@@ -250,8 +253,6 @@ class CompressedCheckpointIO(CheckpointIO):
                  threads: int | None = None, safe_globals: Any = None,
                  checkpointer: CheckpointerSource | None = None, max_object_bytes: int = MAX_OBJECT_BYTES) -> None:
         super().__init__()
-        from dcp_tiered.codecs import get_codec
-
         self.codec = str(get_codec(codec))
         self.storage_options = dict(storage_options or {})
         self.threads = threads
@@ -301,7 +302,6 @@ class CompressedCheckpointIO(CheckpointIO):
             if fs.isfile(path):  # a stock .ckpt file (or a reference) on an object store
                 with fs.open(path, "rb") as f:
                     return self._load_file(f, path, map_location, weights_only)
-        from dcp_tiered.dcp.reader import CompressedReader
 
         reader = CompressedReader(path, storage_options=self.storage_options, threads=self.threads,
                                   safe_globals=self.safe_globals, max_object_bytes=self.max_object_bytes)
@@ -311,9 +311,6 @@ class CompressedCheckpointIO(CheckpointIO):
         return _map(join_checkpoint(flat, path), map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
-        from dcp_tiered.dcp.writer import uncommit
-        from dcp_tiered.storage import Storage
-
         path = os.fspath(path)
         self._pending = [(p, r) for p, r in self._pending if p != os.path.abspath(path)]
         if _local(path):
@@ -330,8 +327,6 @@ class CompressedCheckpointIO(CheckpointIO):
     # -- helpers --------------------------------------------------------------------------------
 
     def _write(self, flat: dict[str, Any], path: str, overwrite: bool) -> None:
-        from dcp_tiered.dcp.writer import CompressedWriter
-
         writer = CompressedWriter(path, codec=self.codec, storage_options=self.storage_options, threads=self.threads,
                                   overwrite=overwrite, safe_globals=self.safe_globals)
         with _unwrapped():
@@ -405,8 +400,6 @@ class CompressedCheckpointIO(CheckpointIO):
             self._flush_refs()
 
     def _load_routed(self, ref: dict[str, Any], path: str) -> dict[str, Any]:
-        from dcp_tiered.dcp.reader import CompressedReader
-
         step = ref.get("step")
         if self._source is None:
             raise ConfigError(
