@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
 import os
 import pickle
 import threading
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_tiered.codecs import checksum
 from dcp_tiered.dcp.format import (
+    KIND_BYTES,
     MAX_METADATA_BYTES,
     METADATA_FILE,
     check_against_chunks,
@@ -45,6 +45,7 @@ from dcp_tiered.dcp.format import (
 from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
+from dcp_tiered.dcp.tiling import tiling_problem
 from dcp_tiered.errors import CorruptCheckpointError, UnsafeCheckpointError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
@@ -89,14 +90,13 @@ def _unpacked(md: Metadata, source: str) -> None:
             md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
 
 
-#: Decoded ``.metadata`` by the xxh3-128 digest of its bytes (and the object cap it was checked with):
-#: listing, node checks, peer fetch and the reader of one restore each ask for the same checkpoint, and
-#: it is decoded once.  Bounded by entries and by the encoded bytes held.
-_DECODED: "collections.OrderedDict[tuple[bytes, int | None], Metadata]" = collections.OrderedDict()
+#: Decoded ``.metadata`` by the xxh3-128 digest of its bytes, with the largest non-tensor item it
+#: declares: listing, node checks, peer fetch and the reader of one restore each ask for the same
+#: checkpoint, and it is decoded once.  Bounded by entries and by the encoded bytes held.
+_DECODED: "collections.OrderedDict[bytes, tuple[Metadata, int, int]]" = collections.OrderedDict()
 _DECODED_LOCK = threading.Lock()
 DECODE_CACHE_ENTRIES = 8
 DECODE_CACHE_BYTES = 256 << 20
-_decoded_bytes: dict[tuple[bytes, int | None], int] = {}
 
 
 def _fresh(md: Metadata) -> Metadata:
@@ -110,26 +110,40 @@ def _fresh(md: Metadata) -> Metadata:
     return out
 
 
+def _largest_object(md: Metadata) -> int:
+    """The largest size a non-tensor item of checked ``md`` declares (what ``max_object_bytes`` caps)."""
+    sdm, largest = md.state_dict_metadata, 0
+    for index, record in md.storage_data.items():
+        if is_native_record(record):
+            if record["kind"] == KIND_BYTES:
+                largest = max(largest, record["raw"])
+        elif type(sdm.get(index.fqn)) is BytesStorageMetadata:
+            largest = max(largest, record.length)
+    return largest
+
+
 def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" = None) -> Metadata:
     """Verify the trailer (when present), unpickle through the allow-list, check every table and record.
 
     ``max_object_bytes`` additionally caps the declared size of non-tensor items.  The same bytes are
     decoded once per process (:data:`_DECODED`); each call returns a ``Metadata`` of its own.
     """
-    key = (xxhash.xxh3_128_digest(data), max_object_bytes)
+    key = xxhash.xxh3_128_digest(data)
     with _DECODED_LOCK:
         hit = _DECODED.get(key)
         if hit is not None:
             _DECODED.move_to_end(key)
     if hit is None:
-        hit = _decode(data, source, max_object_bytes)
+        md = _decode(data, source, None)
+        hit = (md, _largest_object(md), len(data))
         if len(data) <= DECODE_CACHE_BYTES:
             with _DECODED_LOCK:
-                _DECODED[key], _decoded_bytes[key] = hit, len(data)
-                while len(_DECODED) > DECODE_CACHE_ENTRIES or sum(_decoded_bytes.values()) > DECODE_CACHE_BYTES:
-                    old, _ = _DECODED.popitem(last=False)
-                    _decoded_bytes.pop(old, None)
-    return _fresh(hit)
+                _DECODED[key] = hit
+                while len(_DECODED) > DECODE_CACHE_ENTRIES or sum(h[2] for h in _DECODED.values()) > DECODE_CACHE_BYTES:
+                    _DECODED.popitem(last=False)
+    if max_object_bytes is not None and hit[1] > max_object_bytes:
+        _decode(data, source, max_object_bytes)  # raises, naming the item
+    return _fresh(hit[0])
 
 
 def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadata:
@@ -221,23 +235,11 @@ def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
     _check_coverage(fqn, size, chunks, source)
 
 
-#: Up to this many chunks per tensor are also checked pairwise for overlaps (DCP writes a
-#: partition; more chunks than this are checked by their total volume only).
-_PAIRWISE_CHUNKS = 512
-
-
 def _check_coverage(fqn: str, size: Any, chunks: list, source: str) -> None:
-    """The chunks of a tensor must tile it exactly, or part of it would never be loaded."""
-    volume = sum(math.prod(c.sizes) for c in chunks)
-    if volume != math.prod(size):
-        raise _bad(source, f"the chunks of tensor {fqn!r} cover {volume} of its {math.prod(size)} elements")
-    if len(chunks) > _PAIRWISE_CHUNKS:
-        return
-    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes)]
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1:]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
-                raise _bad(source, f"tensor {fqn!r} has overlapping chunks at {oa} and {ob}")
+    """The chunks of a tensor must tile it exactly, or part of it would never be loaded (:mod:`dcp.tiling`)."""
+    problem = tiling_problem(size, [(c.offsets, c.sizes) for c in chunks])
+    if problem is not None:
+        raise _bad(source, f"tensor {fqn!r}: {problem}")
 
 
 def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_object_bytes: "int | None") -> None:
