@@ -76,6 +76,9 @@ class DecodeCounter:
         self.patched = ["dcp_tiered.dcp.metadata_io._decode"]
 
     def during(self, fn):
+        import dcp_tiered.dcp.metadata_io as metadata_io
+
+        metadata_io._DECODED.clear()  # each restore counted from a cold process: what it decodes, it decodes once
         self.calls.clear()
         self.on = True
         try:
