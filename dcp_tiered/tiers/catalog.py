@@ -87,19 +87,15 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
         return info
     if not (info.committed and with_metadata):
         return info
-    from dcp_tiered.dcp.format import record_view
+    from dcp_tiered.dcp.format import expected_sizes, record_view
     from dcp_tiered.dcp.metadata_io import load_metadata
 
     try:
         md = load_metadata(child)
         info.keys = frozenset(md.state_dict_metadata)
         info.save_id = getattr(md.storage_meta, "save_id", None) or ""
-        needed: dict[str, int] = {}
-        codecs = set()
-        for value in md.storage_data.values():
-            item = record_view(value)
-            needed[item.file] = max(needed.get(item.file, 0), item.end)
-            codecs.add(item.codec if item.native else "stock")
+        needed = expected_sizes(md.storage_data.values())
+        codecs = {item.codec if item.native else "stock" for item in map(record_view, md.storage_data.values())}
         info.codec = ",".join(sorted(codecs)) or None
         missing = [f for f, size in needed.items() if files.get(f, -1) < size and (holds is None or holds(f))]
         info.complete = not missing
