@@ -247,10 +247,18 @@ class Storage:
 
         With ``exclusive`` the commit only happens if ``name`` does not exist, atomically under a
         race where the backend allows it (``link(2)`` locally, ``If-None-Match: *`` on S3);
-        returns False (and changes nothing) when ``name`` already exists.
+        returns False (and changes nothing) when ``name`` already holds other bytes.  A refusal is
+        read back: when ``name`` holds exactly ``data``, it is this commit's own earlier attempt (a
+        request applied whose response was lost, so the client's retry was refused) and the commit
+        succeeded.  Callers make ``data`` unique to the commit (a save id in it) for that to hold.
         """
         with storage_errors(self.url_of(name), "commit"):
-            return self._commit(name, data, exclusive)
+            if self._commit(name, data, exclusive):
+                return True
+            try:
+                return self._size(name) == len(data) and self._read_all(name) == data
+            except FileNotFoundError:
+                return False
 
     def try_lock(self, name: str) -> FileLock | None:
         """Take an exclusive lock on the file ``name`` without waiting; None when another writer holds it.
