@@ -141,3 +141,40 @@ def expand_stateful(state_dict: Mapping[str, Any], *, nested: bool = True) -> tu
             step()
 
     return expanded, finish
+
+
+def _stateful_objects(value: Any, depth: int = 0) -> list[Any]:
+    if depth > 64:
+        return []
+    if is_stateful(value):
+        return [value]
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    return [s for v in items for s in _stateful_objects(v, depth + 1)]
+
+
+def fresh_optimizers(state_dict: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers held by the ``Stateful`` objects of ``state_dict`` (as attributes, or in lists, tuples
+    or dicts there) that have not stepped yet: an empty ``state``.
+
+    ``get_state_dict`` (which the DCP tutorial's ``AppState.state_dict()`` calls) initialises such an
+    optimizer with a zero-lr step, so a save, or a restore that found nothing, would leave Adam at
+    ``step=1`` and change the run; :func:`reset_fresh` gives them their empty state back."""
+    found: dict[int, torch.optim.Optimizer] = {}
+    for obj in _stateful_objects(state_dict):
+        if isinstance(obj, torch.optim.Optimizer):
+            candidates: list[Any] = [obj]
+        else:
+            attrs = getattr(obj, "__dict__", {})
+            candidates = [v for a in attrs.values() for v in (a.values() if isinstance(a, dict) else
+                                                               a if isinstance(a, (list, tuple)) else (a,))]
+        for c in candidates:
+            if isinstance(c, torch.optim.Optimizer) and not c.state:
+                found[id(c)] = c
+    return list(found.values())
+
+
+def reset_fresh(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Undo the zero-lr initialisation of :func:`fresh_optimizers` once the state was copied or not used:
+    the lr-0 step changed no parameter and left no gradient, so an empty ``state`` is the state before."""
+    for optim in optimizers:
+        optim.state.clear()

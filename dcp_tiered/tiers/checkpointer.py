@@ -33,7 +33,7 @@ from dcp_tiered.checks import check_timeout
 from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.planners import DowncastSavePlanner
 from dcp_tiered.dcp.save_stats import stats_from_records
-from dcp_tiered.dcp.statedict import expand_stateful
+from dcp_tiered.dcp.statedict import expand_stateful, fresh_optimizers, reset_fresh
 from dcp_tiered.errors import ConfigError, MemoryBudgetError, SaveError
 from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
@@ -238,9 +238,13 @@ class TieredCheckpointer:
         return self._save(step, state_dict, due, full)
 
     def _save(self, step: int, state_dict: Mapping[str, Any], due: Sequence[str], full: bool, waited: float = 0.0) -> SaveReport:
-        sd, with_optim = self._payload(step, state_dict, full)
-        use_async, self._sync_next = self.options.async_save and not self._sync_next, False
-        return self._write(sd, SaveReport(step, list(due), with_optim, use_async, state_bytes(sd), waited_s=waited))
+        fresh = fresh_optimizers(state_dict)  # DCP's get_state_dict would step them at lr 0: undone below
+        try:
+            sd, with_optim = self._payload(step, state_dict, full)
+            use_async, self._sync_next = self.options.async_save and not self._sync_next, False
+            return self._write(sd, SaveReport(step, list(due), with_optim, use_async, state_bytes(sd), waited_s=waited))
+        finally:  # the save holds its copy now (async: staged), so the live state goes back as it was
+            reset_fresh(fresh)
 
     def _check_budget(self, sd: Mapping[str, Any], report: SaveReport) -> None:
         """A memory tier refusing the save of ``report`` by this checkpointer, decided on every

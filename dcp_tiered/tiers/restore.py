@@ -69,6 +69,8 @@ class Restorer:
         None when no tier holds a committed checkpoint; raises :class:`RestoreError` when
         committed checkpoints exist but none could be restored, naming each and why.
         """
+        if self._nothing_to_restore():
+            return None  # decided before any Stateful's state_dict() runs: it may change the live state
         plain = expand_stateful(state_dict)[0]
         # A node-local candidate is refused up front where this rank's load would need another node's files.
         precheck = plain if not self._broadcasting(broadcast) else None
@@ -158,6 +160,21 @@ class Restorer:
                     why = self._lacking(tier, info, precheck, holds)
                 out.append((info.step, i, why, info.save_id))
         return out
+
+    def _nothing_to_restore(self) -> bool:
+        """Whether no rank sees any checkpoint directory that claims a commit (one all-gather; the listing
+        reads no ``.metadata``).  A tier that cannot be listed counts as holding something: the full
+        restore then names the problem."""
+        found = False
+        for i, tier in enumerate(self.tiers):
+            if found or (not tier.node_local and self.rank != 0):
+                continue
+            try:
+                found = any(info.committed or info.unusable for info in
+                            list_tier(tier, i, self.rank, self.node, with_metadata=False))
+            except Exception:  # noqa: BLE001 - decided by the full restore, which reports it
+                found = True
+        return not any(self._gather(found))
 
     def _gather(self, value: Any) -> list[Any]:
         """``value`` of every rank (one all-gather on the listing group), or ``[value]`` alone."""
