@@ -25,6 +25,7 @@ from dcp_tiered.errors import (
     MissingFileError,
     MemoryBudgetError,
     ReplicationError,
+    MetadataTooLargeError,
 )
 from dcp_tiered.lazy import lazy_attributes
 
@@ -85,6 +86,7 @@ __all__ = [
     "get_codec",
     "MemoryBudgetError",
     "ReplicationError",
+    "MetadataTooLargeError",
 ]
 
 

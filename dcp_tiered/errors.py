@@ -104,6 +104,12 @@ class MemoryBudgetError(StorageError):
         return (type(self), (str(self), self.tier, self.needed, self.budget))
 
 
+class MetadataTooLargeError(DcpTieredError, ValueError):
+    """A save whose ``.metadata`` would hold more records or bytes than readers accept
+    (``MAX_METADATA_RECORDS``, ``MAX_METADATA_BYTES``): refused before the commit, so no save ever
+    commits a checkpoint that no reader could open."""
+
+
 class ReplicationError(DcpTieredError, RuntimeError):
     """Background replication of a node-local tier to peer ranks failed (a peer died, a timeout, a
     digest mismatch); raised at ``wait()``/``close()``, never into training.  The step stays usable

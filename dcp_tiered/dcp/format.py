@@ -57,6 +57,10 @@ def is_native_record(record: Any) -> bool:
 MAX_OBJECT_BYTES = 256 << 20
 #: Largest ``.metadata`` read; its size is checked before reading it.
 MAX_METADATA_BYTES = 256 << 20
+#: Most storage records (items) and tensor chunks a ``.metadata`` may hold: what a reader decodes is
+#: bounded in time by this as its memory is by the bytes.  A save over either limit fails before its
+#: commit (:func:`~dcp_tiered.dcp.metadata_io.encode_metadata`).
+MAX_METADATA_RECORDS = 1 << 22
 _MAX_DIMS = 64
 _U64 = 1 << 64
 _OPTIONAL = {"checksum": str, "dtype": str, "orig_dtype": str, "shape": tuple}

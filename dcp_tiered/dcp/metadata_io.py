@@ -36,6 +36,7 @@ from dcp_tiered.codecs import checksum
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
     MAX_METADATA_BYTES,
+    MAX_METADATA_RECORDS,
     METADATA_FILE,
     check_against_chunks,
     check_record,
@@ -43,10 +44,10 @@ from dcp_tiered.dcp.format import (
     is_native_record,
 )
 from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
+from dcp_tiered.dcp.record_table import TABLE_FIELD, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import tiling_problem
-from dcp_tiered.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 _MAGIC = b"\x00dcp_tiered.md1"
@@ -54,10 +55,46 @@ _TRAILER = len(_MAGIC) + 8
 _MAX_TRANSFORMS = 8
 
 
-def encode_metadata(metadata: Metadata) -> bytes:
-    """Pickle ``metadata`` (native records as format 2's record table) and append the integrity trailer."""
+def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
+    """Pickle ``metadata`` (native records as format 2's record table) and append the integrity trailer.
+
+    Raises :class:`MetadataTooLargeError` (before anything is committed) when readers would refuse the
+    result: more records or chunks than ``MAX_METADATA_RECORDS``, or more bytes than ``MAX_METADATA_BYTES``."""
+    records, chunks = _counts(metadata)
+    if max(records, chunks) > MAX_METADATA_RECORDS:
+        raise MetadataTooLargeError(
+            f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
+            f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
+            "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard over fewer ranks")
     body = pickle.dumps(_packed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
+    if len(body) + _TRAILER > MAX_METADATA_BYTES:
+        raise MetadataTooLargeError(
+            f"{where}: this save's metadata is {len(body) + _TRAILER} bytes, over the {MAX_METADATA_BYTES}-byte "
+            f"limit readers accept ({records} records); nothing was committed. Save fewer, larger tensors "
+            "(e.g. flattened or fused parameters), or shard over fewer ranks")
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
+
+
+def _check_counts(md: Metadata, source: str, table: bool) -> None:
+    """Refuse a ``.metadata`` declaring more records or chunks than a save may write, before any per-record
+    work: decoding time is bounded by ``MAX_METADATA_RECORDS`` as memory is by ``MAX_METADATA_BYTES``."""
+    records, chunks = _counts(md)
+    if table:
+        head = next(iter(md.storage_data.values()))
+        rows = head.get(TABLE_FIELD, {}).get("n") if isinstance(head.get(TABLE_FIELD), dict) else None
+        records += rows - 1 if type(rows) is int and rows > 0 else 0
+    if max(records, chunks) > MAX_METADATA_RECORDS:
+        raise _bad(source, f"it declares {records} records and {chunks} chunks, over the {MAX_METADATA_RECORDS} "
+                           "a save writes")
+
+
+def _counts(md: Metadata) -> tuple[int, int]:
+    """Storage records and tensor chunks of ``md`` (as decoded, or a table's declared row count)."""
+    storage = getattr(md, "storage_data", None)
+    sdm = getattr(md, "state_dict_metadata", None)
+    records = len(storage) if isinstance(storage, dict) else 0
+    chunks = sum(len(getattr(t, "chunks", ()) or ()) for t in sdm.values()) if isinstance(sdm, dict) else 0
+    return records, chunks
 
 
 def _packed(metadata: Metadata) -> Metadata:
@@ -158,6 +195,7 @@ def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadat
     table = is_table(getattr(md, "storage_data", None))
     if table:
         _unpacked(md, source)
+    _check_counts(md, source, table)
     _check_tables(md, source)
     if table:
         md.storage_data = unpack_storage(md.state_dict_metadata, md.storage_data, source)
