@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from dcp_tiered.errors import ConfigError, DcpTieredError
 from dcp_tiered.metrics_totals import SIZES_REMEMBERED, TierTotal, TierTotals  # noqa: F401 - public here too
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,6 @@ class PrometheusExporter:
         try:
             import prometheus_client as pc
         except ImportError as exc:
-            from dcp_tiered.errors import ConfigError
-
             raise ConfigError("Prometheus metrics need prometheus_client: pip install 'dcp-tiered[metrics]'") from exc
         self._pc = pc
         self.tiers = list(tiers)
@@ -165,7 +164,6 @@ class PrometheusExporter:
         return self
 
     def _scan(self, checkpointer: Any) -> None:
-        from dcp_tiered.errors import DcpTieredError
         from dcp_tiered.tiers.catalog import METADATA_FILE, list_tier, tier_storage
 
         rank, node = getattr(checkpointer, "rank", 0), getattr(checkpointer, "node", 0)
@@ -268,7 +266,6 @@ def _sizes_of(storage: Any) -> tuple[int, int]:
     """``(stored, raw)`` bytes of the checkpoint in ``storage`` from its records (``(0, 0)`` if unreadable)."""
     from dcp_tiered.dcp.metadata_io import load_metadata
     from dcp_tiered.dcp.save_stats import stats_from_records
-    from dcp_tiered.errors import DcpTieredError
 
     try:
         stats = stats_from_records((i.fqn, r) for i, r in load_metadata(storage).storage_data.items())

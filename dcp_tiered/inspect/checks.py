@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.records import untrusted
 from dcp_tiered.inspect.sources import reader_for
@@ -108,7 +109,6 @@ def _check_frames(storage: Storage, key: str, item: ItemRecord,
     Returns (problems, frames checked, bytes read).
     """
     from dcp_tiered.codecs import verify_frame
-    from dcp_tiered.errors import DcpTieredError
 
     problems: list[str] = []
     starts = item.frame_starts()

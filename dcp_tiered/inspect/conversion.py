@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dcp_tiered.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UnsafeCheckpointError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.sources import is_torch_save_path, reader_for, stored_size
 
@@ -52,7 +53,6 @@ def _load_torch_file(path: str, storage_options: dict[str, Any] | None, safe_glo
 
     from dcp_tiered.dcp.objects import allowing, normalize_safe_globals
     from dcp_tiered.dcp.pickle_scan import check_torch_payload
-    from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, UnsafeCheckpointError
 
     try:
         fs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
@@ -110,8 +110,6 @@ def _stock_writer(dst: str, storage_options: dict[str, Any] | None, overwrite: b
     import fsspec
     import torch.distributed.checkpoint as dcp
 
-    from dcp_tiered.errors import CheckpointExistsError
-
     fs, root = fsspec.core.url_to_fs(dst, **(storage_options or {}))
     exists = fs.exists(root.rstrip("/") + "/.metadata")
     if "://" in dst and not dst.startswith("file://"):
@@ -130,8 +128,6 @@ def _save_torch_file(sd: dict[str, Any], dst: str, dtype: Any, storage_options: 
                      overwrite: bool) -> dict[str, Any]:
     import fsspec
     import torch
-
-    from dcp_tiered.errors import CheckpointExistsError
 
     fs, p = fsspec.core.url_to_fs(dst, **(storage_options or {}))
     if fs.exists(p) and not overwrite:

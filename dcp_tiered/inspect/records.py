@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError
 
 # What reading a field of the wrong type or range raises; from metadata that means a malformed checkpoint.
 _MALFORMED = (TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError)
@@ -18,8 +19,6 @@ _MALFORMED = (TypeError, AttributeError, KeyError, IndexError, ValueError, Overf
 @contextlib.contextmanager
 def untrusted(reader: Any) -> Iterator[None]:
     """Turn a builtin error raised while interpreting ``reader``'s metadata into ``CorruptCheckpointError``."""
-    from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError
-
     try:
         yield
     except DcpTieredError:
