@@ -10,6 +10,9 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
+from dcp_tiered import __version__
+from dcp_tiered.checks import INSTALL_TORCH, is_missing_torch, torch_available
+from dcp_tiered.cli import bench, checkpoint_cmds, tier_cmds, train
 from dcp_tiered.cli.output import (
     EXIT_CODES_HELP,
     EXIT_INTERRUPTED,
@@ -34,13 +37,11 @@ class CliParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dcp_tiered.cli import bench, checkpoint_cmds, tier_cmds, train
-
     parser = CliParser(
         prog="dcp-tiered", usage="%(prog)s [-h] [--version] [-v] [--debug] COMMAND ...", epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug logs and tracebacks)")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (or set DCP_TIERED_DEBUG=1)")
@@ -69,12 +70,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
         subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
         (subs[command] if command in subs else parser).error(f"unrecognized arguments: {' '.join(extra)}")
     return args
-
-
-def _version() -> str:
-    from dcp_tiered import __version__
-
-    return __version__
 
 
 class _OneLineFormatter(logging.Formatter):
@@ -163,7 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if argv is None:  # the script: keep the hooks for threads that fail while the process exits
                 saved = None
         if command not in ("cost", "ls"):  # the only commands that work without torch
-            from dcp_tiered.checks import INSTALL_TORCH, torch_available
 
             if not torch_available():
                 print(f"dcp-tiered {command}: {INSTALL_TORCH}; only `cost` and `ls` work without it", file=sys.stderr)
@@ -178,8 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except BaseException as exc:
-        from dcp_tiered.checks import INSTALL_TORCH, is_missing_torch
-
         if is_missing_torch(exc) or is_missing_torch(unwrap_error(exc)):  # e.g. cost/ls on a path that needs it
             print(f"dcp-tiered {command}: {INSTALL_TORCH}; this needs PyTorch ({exc})", file=sys.stderr)
             return EXIT_USAGE

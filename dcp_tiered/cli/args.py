@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from dcp_tiered.cli.output import CliError
+from dcp_tiered.errors import ConfigError
 
 # -- storage options ---------------------------------------------------------------------
 
@@ -107,7 +108,6 @@ def _interval(args: argparse.Namespace, name: str) -> float | None:
 
 def tiers_from_args(args: argparse.Namespace, required: bool = True) -> tuple[list[Any], dict[str, Any]]:
     """Build the tier list (fastest first) and checkpointer options from ``--tiers`` or the path flags."""
-    from dcp_tiered.errors import ConfigError
     from dcp_tiered.tiers.config import DEFAULT, Tier, load_tiers_yaml, validate_tiers
 
     paths = {n: getattr(args, f"{n}_path", None) for n in TIER_NAMES}

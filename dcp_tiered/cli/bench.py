@@ -12,8 +12,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from dcp_tiered.cli.args import DTYPES, add_codec_dtype_args, add_storage_args, storage_options_for
+from dcp_tiered.cli.args import DTYPES, add_codec_dtype_args, add_storage_args, parse_dtype, storage_options_for
 from dcp_tiered.cli.output import EXIT_OK, CliError, human_bytes, print_json, progress_for, table, ticking
+from dcp_tiered.cli.train_model import batch_for_step, build_model, flat_tensors
+from dcp_tiered.errors import CodecError
+from dcp_tiered.inspect import load_any
 
 BENCH_EXAMPLES = """\
 examples:
@@ -60,8 +63,6 @@ def _model_state(name: str) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from dcp_tiered.cli.train_model import batch_for_step, build_model
-
     cfg = MODELS[name]
     torch.manual_seed(0)
     model = build_model(cfg["vocab"], cfg["seq_len"], cfg["d_model"], cfg["layers"], cfg["heads"])
@@ -80,8 +81,6 @@ def _model_state(name: str) -> dict[str, Any]:
 def _raw_bytes(sd: Any) -> int:
     import torch
 
-    from dcp_tiered.cli.train_model import flat_tensors
-
     return sum(v.numel() * v.element_size() for v in flat_tensors(sd).values() if isinstance(v, torch.Tensor))
 
 
@@ -99,7 +98,6 @@ def _run_one(sd: dict, codec: str, dtype_name: str, url: str, opts: dict[str, An
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from dcp_tiered.cli.args import parse_dtype
     from dcp_tiered.dcp.planners import DowncastSavePlanner
     from dcp_tiered.dcp.reader import CompressedReader
     from dcp_tiered.dcp.writer import CompressedWriter
@@ -131,7 +129,6 @@ def _run_one(sd: dict, codec: str, dtype_name: str, url: str, opts: dict[str, An
 
 def _parse_lists(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     from dcp_tiered.codecs import get_codec
-    from dcp_tiered.errors import CodecError
 
     codecs = []
     for c in [c.strip() for c in args.codec.split(",") if c.strip()]:
@@ -242,8 +239,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     root, opts = _bench_root(args)
     with progress_for(args)(1, "bench: preparing the state") as bar, ticking(bar):
         if args.source:
-            from dcp_tiered.inspect import load_any
-
             sd = load_any(args.source, storage_options_for(args.source, args))
             source = args.source
         else:

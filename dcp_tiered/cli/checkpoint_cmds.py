@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from dcp_tiered import inspect as ckpt
 from dcp_tiered.cli.args import add_codec_dtype_args, add_storage_args, parse_dtype, storage_options_for
 from dcp_tiered.cli.output import (
     EXIT_OK,
@@ -25,6 +26,7 @@ from dcp_tiered.cli.output import (
     table,
     unwrap_error,
 )
+from dcp_tiered.errors import CheckpointExistsError, CodecError
 
 INSPECT_EXAMPLES = """\
 examples:
@@ -86,8 +88,6 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from dcp_tiered import inspect as ckpt
-
     desc = ckpt.describe(args.path, storage_options_for(args.path, args))
     if args.json:
         print_json(desc.as_dict())
@@ -115,8 +115,6 @@ def _verify_one(path: str, args: argparse.Namespace) -> tuple[dict[str, Any], st
 
     Never raises (but for Ctrl-C): an error becomes the path's verdict and exit code.
     """
-    from dcp_tiered import inspect as ckpt
-
     t0 = time.perf_counter()
     try:
         result = ckpt.verify(path, storage_options_for(path, args), progress=progress_for(args))
@@ -165,9 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from dcp_tiered import inspect as ckpt
     from dcp_tiered.codecs import get_codec
-    from dcp_tiered.errors import CheckpointExistsError, CodecError
 
     if args.codec != ckpt.STOCK:
         try:

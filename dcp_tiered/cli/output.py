@@ -12,6 +12,18 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from dcp_tiered.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpTieredError,
+    PromotionError,
+    SaveError,
+    StorageError,
+    UnsupportedFormatError,
+)
+
 # Exit codes scripts can rely on (also in docs/cli.md and `dcp-tiered --help`).
 EXIT_OK = 0
 EXIT_PROBLEMS = 1  # the command ran and found problems (verify), or a save/promotion/training failed
@@ -60,18 +72,6 @@ def unwrap_error(exc: BaseException) -> BaseException:
 
 def exit_code_for(exc: BaseException) -> int:
     """The documented exit code of an error (``EXIT_INTERNAL`` for anything unexpected)."""
-    from dcp_tiered.errors import (
-        CheckpointExistsError,
-        CheckpointNotFoundError,
-        ConfigError,
-        CorruptCheckpointError,
-        DcpTieredError,
-        PromotionError,
-        SaveError,
-        StorageError,
-        UnsupportedFormatError,
-    )
-
     if isinstance(exc, CliError):
         return exc.code
     if isinstance(exc, KeyboardInterrupt):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dcp_tiered.cli.args import add_tier_location_args, tiers_from_args
+from dcp_tiered.checks import INSTALL_TORCH, torch_available
+from dcp_tiered.cli.args import DEFAULT_KEEP, TIER_NAMES, add_tier_location_args, tiers_from_args
 from dcp_tiered.cli.output import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -16,6 +17,10 @@ from dcp_tiered.cli.output import (
     table,
     ticking,
 )
+from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices, usage_from_listing
+from dcp_tiered.errors import ConfigError, DcpTieredError
+from dcp_tiered.inspect import fp32_bytes, open_reader
+from dcp_tiered.tiers.events import EventLog
 
 LS_EXAMPLES = """\
 examples:
@@ -117,8 +122,6 @@ def _ls_tiers(args: argparse.Namespace) -> list:
     """``tiers_from_args`` with ``--replicas``/``--replication-jump`` applied to the ``--local-path`` tier."""
     from dataclasses import replace
 
-    from dcp_tiered.errors import ConfigError
-
     tiers, _ = tiers_from_args(args)
     given = {k: v for k in ("replicas", "replication_jump") if (v := getattr(args, k, None)) is not None}
     per_node = getattr(args, "ranks_per_node", None)  # (the demo's ls passes none of these)
@@ -156,7 +159,6 @@ def _ls_listing(tiers: list, full: bool, per_node: int | None) -> tuple[list, di
 def cmd_ls(args: argparse.Namespace) -> int:
     import sys
 
-    from dcp_tiered.checks import INSTALL_TORCH, torch_available
     from dcp_tiered.cli.replicas import summary
     from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
 
@@ -208,7 +210,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from dcp_tiered.tiers.promote.promoter import Promoter
-    from dcp_tiered.tiers.events import EventLog
 
     tiers, options = tiers_from_args(args)
     keys = _file_options(args, options).optimizer_keys
@@ -305,14 +306,11 @@ def _apply_with_progress(retention: Any, plan: Any, args: argparse.Namespace) ->
 
 def _fp32_sizes(tiers: list, infos: list) -> dict[tuple[str, int], int]:
     """The fp32 uncompressed size of each checkpoint retention keeps, read from its metadata (where readable)."""
-    from dcp_tiered import inspect
-    from dcp_tiered.errors import DcpTieredError
-
     out = {}
     for i in infos:
         t = next(t for t in tiers if t.name == i.tier)
         try:
-            out[(t.name, i.step)] = inspect.fp32_bytes(inspect.open_reader(i.url, t.storage_options, verify=False).read_metadata())
+            out[(t.name, i.step)] = fp32_bytes(open_reader(i.url, t.storage_options, verify=False).read_metadata())
         except DcpTieredError:
             pass  # priced at its stored size
     return out
@@ -344,14 +342,9 @@ def _retained(args: argparse.Namespace, tiers: list, options: dict, full: bool) 
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
-    from dcp_tiered.checks import torch_available
-    from dcp_tiered.cost import TierUsage, estimate, format_usd, parse_prices, usage_from_listing
-
     tiers, options = tiers_from_args(args, required=args.stored_gb is None)
     if not tiers:  # a what-if without tiers: the three default tiers and their default retention
         from types import SimpleNamespace
-
-        from dcp_tiered.cli.args import DEFAULT_KEEP, TIER_NAMES
 
         tiers = [SimpleNamespace(name=n, url="", keep=getattr(args, f"keep_{n}", None) or DEFAULT_KEEP[n])
                  for n in TIER_NAMES]

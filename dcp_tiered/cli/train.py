@@ -23,6 +23,12 @@ from typing import Any
 from dcp_tiered.cli.train_model import batch_for_step, build_model, check_resume, fp32_bytes
 from dcp_tiered.cli.args import add_tier_encoding_args, add_tier_location_args, tiers_from_args
 from dcp_tiered.cli.output import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes, print_json, table
+from dcp_tiered.cli.tier_cmds import cmd_ls
+from dcp_tiered.cost import format_usd, monthly_cost, parse_prices, price_for
+from dcp_tiered.errors import PromotionError
+from dcp_tiered.inspect import verify
+from dcp_tiered.metrics import PrometheusExporter
+from dcp_tiered.metrics_totals import TierTotals
 
 TRAIN_EXAMPLES = """\
 examples:
@@ -133,8 +139,6 @@ def _device(args: argparse.Namespace) -> Any:
 def _start_metrics(args: argparse.Namespace, tiers: list, prices: dict, ckpt: Any) -> Any:
     if args.metrics_port is None:
         return None
-    from dcp_tiered.metrics import PrometheusExporter
-
     exporter = PrometheusExporter(tiers, prices=prices).attach(ckpt)
     port = exporter.start_http_server(args.metrics_port, args.metrics_addr)
     host = "127.0.0.1" if args.metrics_addr in ("0.0.0.0", "") else args.metrics_addr
@@ -212,8 +216,6 @@ def _report(args: argparse.Namespace, summary: dict[str, Any], exporter: Any) ->
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dcp_tiered.cost import parse_prices
-
     # configuration errors first, before the model is built
     if args.steps < 1:
         raise CliError("--steps must be at least 1")
@@ -228,8 +230,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from dcp_tiered.errors import PromotionError
-    from dcp_tiered.metrics import TierTotals
     from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 
     torch.set_num_threads(args.torch_threads)
@@ -293,8 +293,6 @@ def _refuse_existing(ckpt: Any, resume: bool) -> None:
 
 def _summary(args: argparse.Namespace, tiers: list, totals: Any, ckpt: Any, start: int, loss: float, train_s: float,
              wall_s: float, fp32: int, prices: dict, resume_check: dict | None) -> dict[str, Any]:
-    from dcp_tiered.cost import monthly_cost, price_for
-
     rows = []
     for t in tiers:
         tt = totals.tiers[t.name]
@@ -319,8 +317,6 @@ def _summary(args: argparse.Namespace, tiers: list, totals: Any, ckpt: Any, star
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    from dcp_tiered.cost import format_usd
-
     loss = f", final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
     print(f"\ntrained steps {s['start_step'] + 1}..{s['steps']} in {s['train_s']:.1f} s{loss}")
     body = [(r["tier"], f"{r['saves']} ({r['written']}w+{r['promoted']}p)", human_bytes(r["raw_bytes"]),
@@ -363,7 +359,6 @@ def _prepare_demo_dir(path: str) -> None:
 
 def _verify_newest(ls_args: argparse.Namespace, out: Any) -> list[dict]:
     """Verify the newest committed checkpoint of every tier, printing one line per tier to ``out``."""
-    from dcp_tiered import inspect
     from dcp_tiered.tiers.catalog import list_tiers
 
     tiers, _ = tiers_from_args(ls_args)
@@ -373,7 +368,7 @@ def _verify_newest(ls_args: argparse.Namespace, out: Any) -> list[dict]:
         if newest is None:
             verified.append({"tier": t.name, "step": None, "ok": False, "problems": ["no committed checkpoint"]})
             continue
-        result = inspect.verify(newest.url)
+        result = verify(newest.url)
         problems = result.problems
         verified.append({"tier": t.name, "step": newest.step, "ok": not problems, "problems": problems, **result.counts()})
         print(f"{t.name:<8} step {newest.step}: {'OK' if not problems else 'PROBLEMS: ' + '; '.join(problems)} "
@@ -412,8 +407,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"(process killed by SIGKILL, exit status {p1.returncode})", file=out, flush=True)
 
     banner("2/4 what the crash left behind (`dcp-tiered ls`)")
-    from dcp_tiered.cli.tier_cmds import cmd_ls
-
     ls_args = argparse.Namespace(tiers=None, local_path=os.path.join(root, "local"), shared_path=os.path.join(root, "shared"),
                                  durable_path=os.path.join(root, "durable"), s3_endpoint_url=None, json=False)
     stdout = sys.stdout
