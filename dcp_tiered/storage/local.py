@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import posixpath
 import stat
@@ -25,6 +26,11 @@ from dcp_tiered.storage.base import Storage, protocols_of, register_backend, sto
 from dcp_tiered.storage.lock import FileLock
 from dcp_tiered.storage.paths import safe_relative_name
 from dcp_tiered.storage.writeback import RawFile, WritebackFile
+
+log = logging.getLogger(__name__)
+
+#: Directories deeper than this below a listed root are not walked (a checkpoint is at most 2 deep).
+MAX_LIST_DEPTH = 16
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
@@ -147,14 +153,20 @@ class LocalStorage(Storage):
 
     def _list(self) -> dict[str, tuple[int, float | None]]:
         """Regular files only, and links are not followed (a link to ``/`` inside a checkpoint
-        must not make a listing walk the whole machine)."""
+        must not make a listing walk the whole machine).  Directories nested deeper than
+        :data:`MAX_LIST_DEPTH` below the root hold nothing a checkpoint writes: they are skipped
+        (and logged), never walked, so one planted deep tree cannot make the listing fail."""
         out: dict[str, tuple[int, float | None]] = {}
         try:
             top = self._open_local("", directory=True)
         except (FileNotFoundError, NotADirectoryError, UnsafeCheckpointError):
             return {}
         try:
-            for dirpath, _dirs, files, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            for dirpath, dirs, files, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+                if dirs and dirpath.count("/") >= MAX_LIST_DEPTH:
+                    log.warning("listing %s: not walking %d directories nested deeper than %d below it (%s/...)",
+                                self.url, len(dirs), MAX_LIST_DEPTH, posixpath.normpath(dirpath)[:200])
+                    dirs[:] = []
                 for f in files:
                     try:
                         st = os.stat(f, dir_fd=dfd, follow_symlinks=False)
@@ -165,6 +177,23 @@ class LocalStorage(Storage):
         finally:
             os.close(top)
         return out
+
+    def remove_tree(self) -> None:
+        """Delete the root and everything under it, links never followed; a missing root is not an error.
+
+        Iterative and with one directory open at a time, so a tree nested thousands deep (which a
+        recursive delete fails on) goes like any other."""
+        with storage_errors(self.url, "delete"):
+            try:
+                fd = self._open_local("", directory=True)
+            except FileNotFoundError:
+                return
+            _remove_below(fd)  # closes fd
+            try:
+                os.rmdir(self.root)
+            except FileNotFoundError:
+                pass
+            self._refresh(self.root)
 
     @contextlib.contextmanager
     def _open_write(self, name: str, durable: bool) -> Iterator[BinaryIO]:
@@ -253,3 +282,37 @@ def _link_exclusive(src: str, dst: str) -> bool:
         return False
     os.replace(src, dst)
     return True
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _remove_below(fd: int) -> None:
+    """Delete everything inside the directory open as ``fd`` (closed on return), depth first, holding one
+    directory open at a time: it descends by name (``O_NOFOLLOW``) and comes back up through ``..``."""
+    pending: list[list[str]] = []  # per level: the subdirectories of that level still to delete
+    try:
+        while True:
+            subdirs = []
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.name)
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.name, dir_fd=fd)
+            pending.append(subdirs)
+            while pending and not pending[-1]:
+                pending.pop()
+                if not pending:
+                    return
+                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(pending[-1].pop(), dir_fd=fd)
+            child = os.open(pending[-1][-1], _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
