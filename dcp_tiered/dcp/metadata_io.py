@@ -93,7 +93,7 @@ def _counts(md: Metadata) -> tuple[int, int]:
     storage = getattr(md, "storage_data", None)
     sdm = getattr(md, "state_dict_metadata", None)
     records = len(storage) if isinstance(storage, dict) else 0
-    chunks = sum(len(getattr(t, "chunks", ()) or ()) for t in sdm.values()) if isinstance(sdm, dict) else 0
+    chunks = sum(len(c) for t in sdm.values() if type(c := getattr(t, "chunks", None)) is list) if isinstance(sdm, dict) else 0
     return records, chunks
 
 
@@ -296,14 +296,33 @@ def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_o
         )
 
 
-def _check_planner_data(pd: Any, source: str) -> None:
+#: Longest planner path (names and indices from the state-dict root to a leaf).
+MAX_PATH_PARTS = 64
+
+
+def _check_planner_data(pd: Any, source: str, sdm: dict) -> None:
+    """``planner_data`` maps each flattened key to its path in the state dict, which ``convert`` and the
+    CLI rebuild nested dicts from: every key an item, every path non-empty and of names and indices, no
+    two paths the same, none inside another (a leaf where a container is), so no item is dropped
+    silently.  Integers stay unbounded here (they are also dict keys); rebuilding never allocates by them."""
     if pd is None:
         return
     if type(pd) is not dict:
         raise _bad(source, f"planner_data is a {type(pd).__name__}, not a dict")
+    seen: dict[tuple, Any] = {}
     for key, path in pd.items():
-        if type(path) not in (tuple, list) or not set(map(type, path)) <= {str, int}:
-            raise _bad(source, f"planner_data of {key!r} is not a path of names and indices")
+        if type(key) is not str or key not in sdm:
+            raise _bad(source, f"planner_data names {str(key)[:80]!r}, which state_dict_metadata does not list")
+        if type(path) not in (tuple, list) or not 0 < len(path) <= MAX_PATH_PARTS or not set(map(type, path)) <= {str, int}:
+            raise _bad(source, f"planner_data of {key!r} is not a path of at most {MAX_PATH_PARTS} names and indices")
+        path = tuple(path)
+        if path in seen:
+            raise _bad(source, f"planner_data gives {key!r} and {seen[path]!r} the same path")
+        seen[path] = key
+    for path, key in seen.items():
+        for n in range(1, len(path)):
+            if path[:n] in seen:
+                raise _bad(source, f"planner_data puts {key!r} inside {seen[path[:n]]!r}, which is a leaf")
 
 
 def _check_storage_meta(meta: Any, source: str) -> None:
@@ -340,7 +359,7 @@ def _check_tables(md: Metadata, source: str) -> None:
             _check_tensor_md(fqn, item, source)
         elif type(item) is not BytesStorageMetadata:
             raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
-    _check_planner_data(getattr(md, "planner_data", None), source)
+    _check_planner_data(getattr(md, "planner_data", None), source, sdm)
     _check_storage_meta(getattr(md, "storage_meta", None), source)
     version = getattr(md, "version", None)
     if not (version is None or type(version) is str):
