@@ -253,10 +253,17 @@ class TieredCheckpointer:
         while True:
             primary = next(t for t in self.tiers if t.name == report.tiers[0])
             if budget_applies(primary):  # what the tier holds that retention deletes goes first (in async mode
-                self.promoter.retain_now(primary)  # the last save's retention may still be queued)
-            exc = save_budget_error(primary, sd, step_name(report.step), planner=self._planner(primary.name) or
-                                    DefaultSavePlanner(), promoter=self.promoter, frame_size=self.options.frame_size,
-                                    rank=self.rank, world=self.world, group=self._decide_pg, src=self._src)
+                try:  # the last save's retention may still be queued); never skips the collective below
+                    self.promoter.retain_now(primary)
+                except Exception as why:  # noqa: BLE001 - the budget then counts what retention left
+                    log.warning("retention of tier %s before the budget check failed: %s", primary.name, why)
+            try:
+                exc = save_budget_error(primary, sd, step_name(report.step), planner=self._planner(primary.name) or
+                                        DefaultSavePlanner(), promoter=self.promoter,
+                                        frame_size=self.options.frame_size, rank=self.rank, world=self.world,
+                                        group=self._decide_pg, src=self._src)
+            except SaveError as failed:  # the check itself failed (on any rank): every rank fails the save alike
+                self._fail_save(report, failed, time.perf_counter())
             if exc is None:
                 return
             if not fall_back(report, exc, self.events):

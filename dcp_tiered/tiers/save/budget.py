@@ -30,13 +30,13 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_tiered.dcp.planners import DEFAULT_EXCLUDE
-from dcp_tiered.errors import MemoryBudgetError
+from dcp_tiered.errors import MemoryBudgetError, SaveError
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.config import existing_parent
 from dcp_tiered.tiers.policy import retention_victims
 from dcp_tiered.tiers.retention import checkpoint_facts, newest_replicated
-from dcp_tiered.tiers.topology import node_of
+from dcp_tiered.tiers.topology import check_replication, node_of
 
 log = logging.getLogger(__name__)
 
@@ -329,26 +329,59 @@ def save_budget_error(tier: Any, sd: Mapping[str, Any], checkpoint: str, *, plan
     this process's pins and the steps its queued promotions read)."""
     if not budget_applies(tier):
         return None
-    planner.set_up_planner(dict(sd), None, rank == 0)
-    plan = planner.create_local_plan()
-    mine = (plan, local_item_bytes(plan, planner, frame_size, tier.dtype))
-    gathered = [mine]
-    if group is not None:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine, group=group)
+    try:
+        planner.set_up_planner(dict(sd), None, rank == 0)
+        plan = planner.create_local_plan()
+        mine: tuple[Any, Any, str | None] = (plan, local_item_bytes(plan, planner, frame_size, tier.dtype), None)
+    except Exception as exc:  # noqa: BLE001 - every rank must still take part in the gather below
+        mine = (None, None, f"rank {rank}: {type(exc).__name__}: {exc}")
+    gathered: list[Any] = [mine]
+    if group is not None:  # only the coordinator reads the plans: O(N) bytes, not every plan to every rank
+        gathered = [None] * world if rank == src else None  # type: ignore[assignment]
+        dist.gather_object(mine, gathered, dst=src, group=group)
     answer: list[Any] = [None]
-    if rank == 0:  # the coordinator (group rank 0, global rank ``src``)
-        plans = [p for p, _ in gathered]
+    if rank == src:
+        answer[0] = _coordinator_answer(tier, gathered, checkpoint, planner=planner, promoter=promoter,
+                                        frame_size=frame_size, rank=rank, world=world)
+        mark_passed(tier, checkpoint, answer[0] is None)  # the writer does not check this save again
+    if group is not None:
+        dist.broadcast_object_list(answer, src=src, group=group)
+    if isinstance(answer[0], str):  # a failure on any rank: the same error everywhere
+        raise SaveError(f"the memory budget check of {checkpoint} for tier {tier.name!r} failed: {answer[0]}; "
+                        "nothing was saved")
+    return answer[0]
+
+
+def _coordinator_answer(tier: Any, gathered: list, checkpoint: str, *, planner: Any, promoter: Any,
+                        frame_size: int | None, rank: int, world: int) -> "MemoryBudgetError | str | None":
+    """The coordinator's decision over every rank's plan and sizes: the refusal, None, or why it failed."""
+    failed = [why for _p, _s, why in gathered if why is not None]
+    if failed:
+        return "; ".join(failed[:3])
+    try:
+        plans = [p for p, _s, _w in gathered]
         try:  # the planner's public global plan drops replicated items as the save will
             plans = planner.create_global_plan(plans)[0]
         except Exception as exc:  # noqa: BLE001 - the save reports it; count every item meanwhile
             log.debug("budget check of %s: no global plan (%s); counting replicated items on every rank", checkpoint, exc)
-        by_index = [dict(s) for _, s in gathered]
-        per_node = node_save_bytes(plans, node_of, frame_size, sizes=by_index, tier_dtype=tier.dtype)
-        answer[0] = budget_error(tier, per_node, checkpoint, rank=rank, world=world, marks=promoter.marks,
-                                 busy=promoter.busy_steps(tier.name), optimizer_keys=promoter.optimizer_keys,
-                                 known_tiers=set(promoter.by_name), grace=promoter.leftover_grace)
-        mark_passed(tier, checkpoint, answer[0] is None)  # the writer does not check this save again
-    if group is not None:
-        dist.broadcast_object_list(answer, src=src, group=group)
-    return answer[0]
+        by_index = [dict(s) for _p, s, _w in gathered]
+        per_rank = node_save_bytes(plans, lambda r: r, frame_size, sizes=by_index, tier_dtype=tier.dtype)
+        per_node = replicated_node_bytes(tier, per_rank, world)
+        return budget_error(tier, per_node, checkpoint, rank=rank, world=world, marks=promoter.marks,
+                            busy=promoter.busy_steps(tier.name), optimizer_keys=promoter.optimizer_keys,
+                            known_tiers=set(promoter.by_name), grace=promoter.leftover_grace)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+def replicated_node_bytes(tier: Any, per_rank: Mapping[int, int], world: int) -> dict[int, int]:
+    """Bytes a save stores on each node: every rank's bytes on its own node and, on a tier with
+    ``replicas > 1``, once more on the node of each other member of its clique (peer replication
+    writes the copies onto the same tier)."""
+    cliques = check_replication(tier, world) if getattr(tier, "replicas", 1) > 1 else [[r] for r in range(world)]
+    out: dict[int, int] = defaultdict(int)
+    for clique in cliques:
+        for owner in clique:
+            for holder in clique:
+                out[node_of(holder)] += per_rank.get(owner, 0)
+    return dict(out)
