@@ -14,10 +14,11 @@ from DCP and is refused rather than walked (:data:`CELLS_PER_CHUNK`).  Torch-fre
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 #: Cells of the boundary grid allowed per chunk (and at least :data:`MIN_CELLS` in all) before a layout
 #: counts as too irregular to check: the work and the memory stay linear in the chunks.
@@ -43,13 +44,33 @@ def tiling_problem(size: Sequence[int], boxes: Sequence[Box]) -> str | None:
     if cells > limit:
         return (f"the chunk layout is too irregular to check: {len(full)} chunks cut it into {cells} cells, over "
                 f"{limit}; DCP writes grid layouts")
-    strides = [math.prod(shape[k + 1:]) for k in range(len(shape))]
-    covered = bytearray(cells)
-    for off, n in full:
-        spans = [range(bisect.bisect_left(c, o), bisect.bisect_left(c, o + m)) for c, o, m in zip(cuts, off, n)]
+    offsets = np.array([o for o, _ in full], dtype=np.int64)
+    ends = offsets + np.array([n for _, n in full], dtype=np.int64)
+    first = np.stack([np.searchsorted(np.array(c), offsets[:, k]) for k, c in enumerate(cuts)], axis=1)
+    last = np.stack([np.searchsorted(np.array(c), ends[:, k]) for k, c in enumerate(cuts)], axis=1)
+    strides = np.array([math.prod(shape[k + 1:]) for k in range(len(shape))], dtype=np.int64)
+    single = (last - first == 1).all(axis=1)  # the usual grid: each chunk is one cell
+    covered = np.zeros(cells, dtype=np.uint8)
+    flat = first[single] @ strides
+    counts = np.bincount(flat, minlength=cells)
+    if counts.max(initial=0) > 1:
+        twice = int(np.argmax(counts > 1))
+        return f"chunks overlap (two cover the elements at {_corner(twice, shape, cuts)})"
+    covered[flat] = 1
+    for i in np.flatnonzero(~single).tolist():
+        spans = [range(int(a), int(b)) for a, b in zip(first[i], last[i])]
         for cell in itertools.product(*spans):
-            flat = sum(i * s for i, s in zip(cell, strides))
-            if covered[flat]:
-                return f"chunks overlap (the one at {off} covers elements another chunk covers)"
-            covered[flat] = 1
+            at = sum(c * int(st) for c, st in zip(cell, strides))
+            if covered[at]:
+                return f"chunks overlap (the one at {tuple(offsets[i].tolist())} covers elements another chunk covers)"
+            covered[at] = 1
     return None
+
+
+def _corner(flat: int, shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The element offsets where grid cell ``flat`` starts."""
+    out = []
+    for k in reversed(range(len(shape))):
+        flat, i = divmod(flat, shape[k])
+        out.append(cuts[k][i])
+    return tuple(reversed(out))
