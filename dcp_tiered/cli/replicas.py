@@ -96,8 +96,8 @@ def _step_facts(child: Storage) -> dict[str, Any]:
 
 def _marker_ok(owner: int, marker: dict[str, Any], facts: dict[str, Any]) -> bool:
     """A marker vouches for its owner's files: from the save committed here, every file present at full size."""
-    return vouches(marker, owner, facts["save_id"], facts["files"]) if facts["save_id"] is not None else vouches(
-        marker, owner, marker.get("save_id"), facts["files"])
+    save_id = facts["save_id"] if facts["save_id"] is not None else marker.get("save_id")
+    return vouches(marker, owner, save_id, facts["files"], facts["ranks"] if facts["committed"] else None)
 
 
 def ranks_per_node(given: int | None, world: int, dirs: int) -> int:

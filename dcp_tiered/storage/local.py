@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from dcp_tiered.errors import UnsafeCheckpointError
+from dcp_tiered.errors import StorageError, UnsafeCheckpointError
 from dcp_tiered.storage.base import Storage, protocols_of, register_backend, storage_errors, temp_name
 from dcp_tiered.storage.lock import FileLock
 from dcp_tiered.storage.paths import safe_relative_name
@@ -284,15 +284,17 @@ def _link_exclusive(src: str, dst: str) -> bool:
     return True
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-
-
 def _remove_below(fd: int) -> None:
     """Delete everything inside the directory open as ``fd`` (closed on return), depth first, holding one
-    directory open at a time: it descends by name (``O_NOFOLLOW``) and comes back up through ``..``."""
+    directory open at a time: it descends by name (``O_NOFOLLOW``) and comes back up through ``..``,
+    checking that ``..`` is the directory it came from (a directory moved meanwhile stops the delete
+    with :class:`StorageError` instead of deleting in another place)."""
     pending: list[list[str]] = []  # per level: the subdirectories of that level still to delete
+    ids: list[tuple[int, int]] = []  # per level: (st_dev, st_ino) of that level's directory
     try:
         while True:
+            st = os.fstat(fd)
+            ids.append((st.st_dev, st.st_ino))
             subdirs = []
             with os.scandir(fd) as it:
                 for entry in it:
@@ -304,11 +306,15 @@ def _remove_below(fd: int) -> None:
             pending.append(subdirs)
             while pending and not pending[-1]:
                 pending.pop()
+                ids.pop()
                 if not pending:
                     return
                 parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = parent
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != ids[-1]:
+                    raise StorageError("a directory was moved while it was being deleted; stopped the delete")
                 with contextlib.suppress(FileNotFoundError):
                     os.rmdir(pending[-1].pop(), dir_fd=fd)
             child = os.open(pending[-1][-1], _DIR_FLAGS, dir_fd=fd)

@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dcp_tiered.dcp.metadata_io import committed_save_id
+from dcp_tiered.dcp.format import expected_sizes
+from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.dcp.writer import uncommit
 from dcp_tiered.errors import DcpTieredError
-from dcp_tiered.names import METADATA_FILE
+from dcp_tiered.names import METADATA_FILE, rank_of_file
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tier
 from dcp_tiered.tiers.config import Tier
@@ -172,6 +173,7 @@ def newest_replicated(tier: Tier, storage: Storage, infos: Sequence[CheckpointIn
     replicated copy, even with ``keep=1``."""
     if tier.replicas <= 1:
         return None
+    peers_of: dict[tuple, set[int]] = {}  # per topology: one computation for every step
     for info in sorted((i for i in infos if i.committed and not i.unusable), key=lambda i: -i.step):
         try:
             child = storage.child(info.name)
@@ -179,13 +181,21 @@ def newest_replicated(tier: Tier, storage: Storage, infos: Sequence[CheckpointIn
             topology = (world, None) if world else job_topology(markers)
             if topology is None:
                 continue
-            peers = clique_peers(tier, rank, *topology)
-            save_id = committed_save_id(child)
+            if topology not in peers_of:
+                peers_of[topology] = clique_peers(tier, rank, *topology)
+            save_id, writers = save_writers(child)
         except DcpTieredError:
             continue
-        if is_replicated(markers, peers, save_id, info.files or None):
+        if is_replicated(markers, peers_of[topology], save_id, info.files or None, writers):
             return info.step
     return None
+
+
+def save_writers(child: Storage) -> "tuple[str | None, set[int]]":
+    """The save id of the checkpoint committed in ``child`` and the ranks whose data files its records name."""
+    md = load_metadata(child)
+    names = expected_sizes(md.storage_data.values())
+    return getattr(md.storage_meta, "save_id", None), {r for f in names if (r := rank_of_file(f)) is not None}
 
 
 def delete_checkpoint(child: Storage) -> None:

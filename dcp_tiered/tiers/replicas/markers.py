@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 MARKER_PREFIX = ".replica-"
 #: Largest marker read.
 MARKER_MAX_BYTES = 1 << 20
+#: Largest world size a marker may record (more ranks than any job runs: a larger value is crafted).
+MAX_WORLD = 1 << 17
 
 
 def marker_name(owner: int) -> str:
@@ -90,22 +92,26 @@ def new_marker(owner: int, save_id: "str | None", step: int, entries: "list[tupl
 
 
 def vouches(marker: Mapping[str, Any], owner: int, save_id: "str | None",
-            files: "Mapping[str, int] | None" = None) -> bool:
-    """Whether ``marker`` vouches for ``owner``'s files of the save ``save_id``: the same save, at least one
-    file named and none malformed, and (with ``files``, the directory's listing) every file present at full size."""
+            files: "Mapping[str, int] | None" = None, writers: "Collection[int] | None" = None) -> bool:
+    """Whether ``marker`` vouches for ``owner``'s files of the save ``save_id``: the same save, no entry
+    malformed, and (with ``files``, the directory's listing) every file present at full size.  A marker
+    naming no file vouches only for an owner that wrote none (``writers``: the ranks whose files the
+    save's records name; unknown: refused), as a rank whose items DCP stored elsewhere."""
     if not save_id or marker.get("save_id") != save_id:
         return False
     named = marker_files(dict(marker), owner)
-    if not named or len(named) != len(marker.get("files") or []):
+    if len(named) != len(marker.get("files") or []):
         return False
+    if not named:
+        return writers is not None and owner not in writers
     return files is None or all(files.get(name, -1) >= size for name, size in named.items())
 
 
 def is_replicated(markers: Mapping[int, Mapping[str, Any]], peers: Collection[int], save_id: "str | None",
-                  files: "Mapping[str, int] | None" = None) -> bool:
+                  files: "Mapping[str, int] | None" = None, writers: "Collection[int] | None" = None) -> bool:
     """The one rule: a step directory holds a full replica set of the save ``save_id`` when every rank of
     ``peers`` (the clique peers of the directory's own ranks) has a marker there that :func:`vouches`."""
-    return bool(save_id) and all(p in markers and vouches(markers[p], p, save_id, files) for p in peers)
+    return bool(save_id) and all(p in markers and vouches(markers[p], p, save_id, files, writers) for p in peers)
 
 
 def job_topology(markers: Mapping[int, Mapping[str, Any]]) -> "tuple[int, int] | None":
@@ -114,6 +120,6 @@ def job_topology(markers: Mapping[int, Mapping[str, Any]]) -> "tuple[int, int] |
     seen = set()
     for m in markers.values():
         world, per_node = m.get("world"), m.get("per_node")
-        if type(world) is int and type(per_node) is int and 0 < world <= 1 << 24 and 0 <= per_node <= world:
+        if type(world) is int and type(per_node) is int and 0 < world <= MAX_WORLD and 0 <= per_node <= world:
             seen.add((world, per_node))
     return seen.pop() if len(seen) == 1 else None

@@ -34,7 +34,6 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_tiered.dcp.format import expected_sizes
-from dcp_tiered.dcp.metadata_io import committed_save_id
 from dcp_tiered.errors import ConfigError, DcpTieredError, ReplicationError
 from dcp_tiered.names import rank_of_file
 from dcp_tiered.storage import Storage
@@ -42,7 +41,8 @@ from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.replicas.markers import is_replicated, marker_files, marker_name, new_marker, read_markers
 from dcp_tiered.tiers.replicas import stream
 from dcp_tiered.tiers.replicas.stream import FileEntry, broadcast_header, check_group, file_digest, stream_file
-from dcp_tiered.tiers.topology import check_replication, jump_of, local_world, step_dir
+from dcp_tiered.tiers.retention import save_writers
+from dcp_tiered.tiers.topology import check_replication, clique_peers, jump_of, local_world, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -258,18 +258,19 @@ class Replicator:
     def state(self, step: int) -> dict[str, Any]:
         """Per replicated tier, as this rank sees ``step``: in flight here, this rank's clique, the owners
         whose committed replica markers this node holds, and ``replicated``
-        (:func:`~dcp_tiered.tiers.replicas.markers.is_replicated` for this rank's clique peers)."""
+        (:func:`~dcp_tiered.tiers.replicas.markers.is_replicated` for the clique peers of this directory's
+        ranks, as retention judges it)."""
         out: dict[str, Any] = {}
         for name, (clique, _g) in self.plans.items():
             child = step_dir(self.tiers[name], self.rank, step)
             markers = read_markers(child)
             try:
-                save_id = committed_save_id(child)
+                save_id, writers = save_writers(child)
             except DcpTieredError:
-                save_id = None
-            peers = [r for r in clique if r != self.rank]
+                save_id, writers = None, None
+            peers = clique_peers(self.tiers[name], self.rank, self.world)
             out[name] = {"in_flight": step in self.busy_steps(name), "clique": clique, "markers": sorted(markers),
-                         "replicated": is_replicated(markers, peers, save_id, child.file_sizes())}
+                         "replicated": is_replicated(markers, peers, save_id, child.file_sizes(), writers)}
         return out
 
     def wait(self, timeout: float | None = None) -> None:
