@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import os
 
+from dcp_tiered.errors import ConfigError
+
 #: Global rank of DCP's coordinator (rank 0 of the save's group), which commits in ``finish``.
 COORDINATOR = 0
 
 
 def local_world() -> int:
-    """Ranks per node from ``LOCAL_WORLD_SIZE``; 0 when the launcher did not say."""
+    """Ranks per node from ``LOCAL_WORLD_SIZE``; 0 when the launcher did not say.  A value that is not a
+    non-negative integer is a :class:`~dcp_tiered.errors.ConfigError` (it would put every rank on node 0)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "") or "0"
     try:
-        return max(0, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+        value = int(text)
     except ValueError:
-        return 0
+        value = -1
+    if value < 0:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={text!r} is not a number of ranks per node; set it as torchrun does")
+    return value
 
 
 def node_of(rank: int, per_node: int | None = None) -> int:

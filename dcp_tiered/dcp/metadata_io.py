@@ -47,7 +47,7 @@ from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpa
 from dcp_tiered.dcp.record_table import TABLE_FIELD, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import tiling_problem
-from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError
+from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 _MAGIC = b"\x00dcp_tiered.md1"
@@ -59,13 +59,20 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
     """Pickle ``metadata`` (native records as format 2's record table) and append the integrity trailer.
 
     Raises :class:`MetadataTooLargeError` (before anything is committed) when readers would refuse the
-    result: more records or chunks than ``MAX_METADATA_RECORDS``, or more bytes than ``MAX_METADATA_BYTES``."""
+    result: more records or chunks than ``MAX_METADATA_RECORDS``, or more bytes than ``MAX_METADATA_BYTES``;
+    :class:`UnsupportedFormatError` for a chunk layout readers cannot verify (:mod:`~dcp_tiered.dcp.tiling`)."""
     records, chunks = _counts(metadata)
     if max(records, chunks) > MAX_METADATA_RECORDS:
         raise MetadataTooLargeError(
             f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
             f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
             "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard over fewer ranks")
+    for fqn, item in (metadata.state_dict_metadata or {}).items():  # what readers check, checked first
+        if type(item) is TensorStorageMetadata:
+            problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
+            if problem is not None:
+                raise UnsupportedFormatError(f"{where}: tensor {fqn!r}: {problem}; readers would refuse this "
+                                             "checkpoint, nothing was committed")
     body = pickle.dumps(_packed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
     if len(body) + _TRAILER > MAX_METADATA_BYTES:
         raise MetadataTooLargeError(
@@ -129,11 +136,14 @@ def _unpacked(md: Metadata, source: str) -> None:
 
 #: Decoded ``.metadata`` by the xxh3-128 digest of its bytes, with the largest non-tensor item it
 #: declares: listing, node checks, peer fetch and the reader of one restore each ask for the same
-#: checkpoint, and it is decoded once.  Bounded by entries and by the encoded bytes held.
+#: checkpoint, and it is decoded once.  Bounded by entries and by an estimate of the decoded size
+#: (decoded objects take about 28 times the encoded bytes).
 _DECODED: "collections.OrderedDict[bytes, tuple[Metadata, int, int]]" = collections.OrderedDict()
 _DECODED_LOCK = threading.Lock()
-DECODE_CACHE_ENTRIES = 8
-DECODE_CACHE_BYTES = 256 << 20
+DECODE_CACHE_ENTRIES = 4
+#: Bound of the decoded objects held, estimated as :data:`DECODED_PER_BYTE` times the encoded bytes.
+DECODE_CACHE_BYTES = 1 << 30
+DECODED_PER_BYTE = 32
 
 
 def _fresh(md: Metadata) -> Metadata:
@@ -172,8 +182,8 @@ def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" 
             _DECODED.move_to_end(key)
     if hit is None:
         md = _decode(data, source, None)
-        hit = (md, _largest_object(md), len(data))
-        if len(data) <= DECODE_CACHE_BYTES:
+        hit = (md, _largest_object(md), len(data) * DECODED_PER_BYTE)
+        if hit[2] <= DECODE_CACHE_BYTES:
             with _DECODED_LOCK:
                 _DECODED[key] = hit
                 while len(_DECODED) > DECODE_CACHE_ENTRIES or sum(h[2] for h in _DECODED.values()) > DECODE_CACHE_BYTES:

@@ -23,7 +23,7 @@ import numpy as np
 #: Cells of the boundary grid allowed per chunk (and at least :data:`MIN_CELLS` in all) before a layout
 #: counts as too irregular to check: the work and the memory stay linear in the chunks.
 CELLS_PER_CHUNK = 64
-MIN_CELLS = 1 << 16
+MIN_CELLS = 1 << 22
 
 Box = tuple[Sequence[int], Sequence[int]]  # (offsets, sizes)
 
@@ -48,23 +48,45 @@ def tiling_problem(size: Sequence[int], boxes: Sequence[Box]) -> str | None:
     ends = offsets + np.array([n for _, n in full], dtype=np.int64)
     first = np.stack([np.searchsorted(np.array(c), offsets[:, k]) for k, c in enumerate(cuts)], axis=1)
     last = np.stack([np.searchsorted(np.array(c), ends[:, k]) for k, c in enumerate(cuts)], axis=1)
-    strides = np.array([math.prod(shape[k + 1:]) for k in range(len(shape))], dtype=np.int64)
-    single = (last - first == 1).all(axis=1)  # the usual grid: each chunk is one cell
-    covered = np.zeros(cells, dtype=np.uint8)
-    flat = first[single] @ strides
-    counts = np.bincount(flat, minlength=cells)
-    if counts.max(initial=0) > 1:
-        twice = int(np.argmax(counts > 1))
-        return f"chunks overlap (two cover the elements at {_corner(twice, shape, cuts)})"
-    covered[flat] = 1
-    for i in np.flatnonzero(~single).tolist():
-        spans = [range(int(a), int(b)) for a, b in zip(first[i], last[i])]
-        for cell in itertools.product(*spans):
-            at = sum(c * int(st) for c, st in zip(cell, strides))
-            if covered[at]:
-                return f"chunks overlap (the one at {tuple(offsets[i].tolist())} covers elements another chunk covers)"
-            covered[at] = 1
+    counts = _coverage(first, last, shape) if len(shape) <= MAX_CORNER_DIMS else _coverage_by_cell(first, last, shape)
+    if counts is None or counts.max(initial=0) > 1:
+        where = f" at {_corner(int(np.argmax(counts > 1)), shape, cuts)}" if counts is not None else ""
+        return f"chunks overlap (two cover the elements{where})"
     return None
+
+
+#: Up to this many dimensions, coverage is counted with a difference array (2^dims corners per chunk).
+MAX_CORNER_DIMS = 8
+
+
+def _coverage(first: np.ndarray, last: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """How many chunks cover each grid cell: +1/-1 at each chunk's corners, summed along every axis
+    (vectorized: 2^dims scatter-adds over the chunks, then one pass over the cells)."""
+    dims, outer = len(shape), [n + 1 for n in shape]
+    strides = np.array([math.prod(outer[k + 1:]) for k in range(dims)], dtype=np.int64)
+    diff = np.zeros(math.prod(outer), dtype=np.int64)
+    for corner in itertools.product((0, 1), repeat=dims):
+        flat = np.where(np.array(corner, dtype=bool), last, first) @ strides
+        counts = np.bincount(flat, minlength=diff.size)
+        diff += -counts if sum(corner) % 2 else counts
+    diff = diff.reshape(outer)
+    for k in range(dims):
+        np.cumsum(diff, axis=k, out=diff)
+    return diff[tuple(slice(0, n) for n in shape)].ravel()
+
+
+def _coverage_by_cell(first: np.ndarray, last: np.ndarray, shape: Sequence[int]) -> "np.ndarray | None":
+    """:func:`_coverage` for tensors of many dimensions: each chunk's cells marked in turn; None at the
+    first cell covered twice."""
+    strides = [math.prod(shape[k + 1:]) for k in range(len(shape))]
+    covered = np.zeros(math.prod(shape), dtype=np.uint8)
+    for a, b in zip(first.tolist(), last.tolist()):
+        for cell in itertools.product(*(range(i, j) for i, j in zip(a, b))):
+            at = sum(c * st for c, st in zip(cell, strides))
+            if covered[at]:
+                return None
+            covered[at] = 1
+    return covered
 
 
 def _corner(flat: int, shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> tuple[int, ...]:

@@ -99,7 +99,8 @@ class TieredCheckpointer:
         self.promoter = Promoter(self.tiers, rank=self.rank, node=self.node, is_coordinator=self.rank == 0,
                                  retry=retry, on_report=self._on_promotion, nice=opts.nice,
                                  optimizer_keys=opts.optimizer_keys if opts.optimizer_every > 1 else (),
-                                 leftover_grace=opts.leftover_grace, cpu_slots=opts.background_threads_or_default())
+                                 leftover_grace=opts.leftover_grace, cpu_slots=opts.background_threads_or_default(),
+                                 world=self.world if self.distributed else None)
         self.schedule = SaveSchedule(self.tiers, via_fastest=opts.via_fastest)
         # Replication of node-local tiers (every clique's group is made here, on every rank alike);
         # restore fetches a lost node's files through the same groups.
@@ -484,9 +485,15 @@ class TieredCheckpointer:
         if step is not None:
             check_step(step)
         self._finish_inflight(wait=True)
+        fresh = fresh_optimizers(state_dict)  # untouched again unless a checkpoint is loaded into them
         try:
-            found = self._restorer.restore(state_dict, step, broadcast, bucket_bytes)
+            try:
+                found = self._restorer.restore(state_dict, step, broadcast, bucket_bytes)
+            except BaseException:
+                reset_fresh(fresh)
+                raise
             if found is None:
+                reset_fresh(fresh)
                 return None
             restored, tiers = found
             self.schedule.restored(restored, self.clock(), tiers)  # the schedules count from the restored step

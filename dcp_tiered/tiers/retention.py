@@ -79,9 +79,10 @@ class Retention:
 
     def __init__(self, tiers: Sequence[Tier], *, rank: int = 0, node: int = 0, is_coordinator: bool = True,
                  optimizer_keys: Sequence[str] = (), leftover_grace: float = 3600.0,
-                 marks: StepMarks | None = None) -> None:
+                 marks: StepMarks | None = None, world: int | None = None) -> None:
         self.tiers = list(tiers)
         self.rank, self.node, self.is_coordinator = rank, node, is_coordinator
+        self.world = world  # the job's world (its process group); None: the default group's, else the markers
         self.optimizer_keys = tuple(optimizer_keys)
         self.leftover_grace = leftover_grace
         self.marks = marks if marks is not None else StepMarks()
@@ -103,7 +104,7 @@ class Retention:
         usable = [i for i in infos if not i.unusable]  # a link (or a .metadata that is no file): never deleted
         facts = [checkpoint_facts(i, ages=ages, busy=busy_now, own=own, known_tiers=known,
                                   optimizer_keys=self.optimizer_keys) for i in usable]
-        replicated = newest_replicated(tier, storage, infos, self.rank, world_size())
+        replicated = newest_replicated(tier, storage, infos, self.rank, self.world or world_size())
         protect = [*protect, *([replicated] if replicated is not None else [])]
         victims = set(retention_victims(facts, tier.keep, protect, self.leftover_grace))
         return RetentionPlan(tier, storage, [i for i in usable if i.step in victims], [i for i in infos if i.unusable])

@@ -111,7 +111,7 @@ class Promoter:
                  retry: RetryPolicy = RetryPolicy(), metadata_timeout: float | None = None,
                  on_report: Callable[[PromotionReport], None] | None = None, nice: int | None = 10,
                  cpu_slots: int | None = None, optimizer_keys: Sequence[str] = (), leftover_grace: float = 3600.0,
-                 retain_sources: bool = True) -> None:
+                 retain_sources: bool = True, world: int | None = None) -> None:
         self.tiers = list(tiers)
         self.retain_sources = retain_sources  # off for `dcp-tiered promote`: deleting is gc's job there
         self.by_name = {t.name: t for t in self.tiers}
@@ -123,7 +123,8 @@ class Promoter:
         self._lock = threading.Lock()
         self.marks = StepMarks()
         self.keeper = Retention(self.tiers, rank=rank, node=node, is_coordinator=is_coordinator,
-                                optimizer_keys=optimizer_keys, leftover_grace=leftover_grace, marks=self.marks)
+                                optimizer_keys=optimizer_keys, leftover_grace=leftover_grace, marks=self.marks,
+                                world=world)
         # promotions to several tiers run at once; their re-encodes share this many coders
         self.cpu = threading.BoundedSemaphore(cpu_slots) if cpu_slots else None
         self.jobs = JobRunner(noun="promotion", make_error=promotion_error, on_crash=self._crashed, nice=nice,

@@ -164,7 +164,8 @@ def commit_node_metadata(tier: Tier, step: int, plan: Plan, metadata: "bytes | N
         return None
     mine = step_dir(tier, rank, step, node)
     try:
-        mine.commit_bytes(METADATA_FILE, metadata, exclusive=True)
+        if not mine.commit_bytes(METADATA_FILE, metadata, exclusive=True):
+            return f"{mine.url_of(METADATA_FILE)} holds another save's .metadata; not replaced"
     except DcpTieredError as exc:
         return f"cannot commit {mine.url_of(METADATA_FILE)}: {exc}"
     return None
