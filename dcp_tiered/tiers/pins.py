@@ -1,8 +1,8 @@
 """Pins: the steps of each tier this process is using, which retention must never delete.
 
-One registry per checkpointer, handed to whoever uses a step: a save being written, a restore
-reading its candidates, a replication sending or receiving a step, a promotion reading its
-source.  Pins are counted, so one user releasing its pin never releases another's.
+One registry per checkpointer, held by its promoter and read by retention: a save being written,
+a restore reading its candidates and a replication sending or receiving a step pin it through
+``Promoter.set_writing``.  Pins are counted, so one user releasing its pin never releases another's.
 """
 
 from __future__ import annotations
