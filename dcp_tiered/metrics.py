@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dcp_tiered.errors import ConfigError, DcpTieredError
+from dcp_tiered.names import METADATA_FILE
 from dcp_tiered.metrics_totals import SIZES_REMEMBERED, TierTotal, TierTotals  # noqa: F401 - public here too
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,8 @@ class PrometheusExporter:
         return self
 
     def _scan(self, checkpointer: Any) -> None:
-        from dcp_tiered.tiers.catalog import METADATA_FILE, list_tier, tier_storage
+        from dcp_tiered.tiers.catalog import list_tier
+        from dcp_tiered.tiers.topology import tier_storage
 
         rank, node = getattr(checkpointer, "rank", 0), getattr(checkpointer, "node", 0)
         opts = getattr(checkpointer, "options", None)

@@ -105,7 +105,7 @@ def _check_reachable(tiers: list) -> None:
 
     (``list_tiers`` logs unreachable tiers and goes on, which would print an empty listing.)
     """
-    from dcp_tiered.tiers.catalog import tier_storage
+    from dcp_tiered.tiers.topology import tier_storage
 
     for t in tiers:
         tier_storage(t).check_reachable()

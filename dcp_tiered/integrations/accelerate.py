@@ -71,7 +71,7 @@ from dcp_tiered.integrations._common import (
     set_rng_state,
     to_json,
 )
-from dcp_tiered.tiers.catalog import tier_storage
+from dcp_tiered.tiers.topology import tier_storage
 from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.layout import step_name

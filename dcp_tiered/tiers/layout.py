@@ -10,6 +10,7 @@ from collections.abc import Collection
 from typing import Any
 
 from dcp_tiered.errors import CorruptCheckpointError, StorageError
+from dcp_tiered.names import DATA_FILE
 from dcp_tiered.storage import MissingFileError, Storage
 
 #: Exactly what :func:`step_name` writes: 9 ASCII digits, more (no leading zero) only for steps >= 1e9,
@@ -47,7 +48,7 @@ INTENT_MAX_BYTES = 64 << 20
 INTENT_FILE = re.compile(r"^\.promote-(\d{1,9})\.json$")
 INTENT_FIELDS = ("name", "source", "rank", "data_file", "records", "targets", "meta", "save_id")
 _TIER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # as Tier names; only ever looked up, never a path
-_DATA_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.distcp$")  # a plain name: no separator, no '..' prefix
+
 _SAVE_ID = re.compile(r"^[0-9a-f]{1,64}$")
 _MAX_ITEMS = 1_000_000
 _MAX_KEY = 4096
@@ -128,7 +129,7 @@ def parse_intent(data: bytes, where: str, *, file_name: "str | None" = None, dir
     m = INTENT_FILE.match(file_name) if file_name is not None else None
     if not _is_uint(doc["rank"]) or (file_name is not None and (m is None or int(m.group(1)) != doc["rank"])):
         raise _bad(where, f"'rank' {str(doc['rank'])[:20]!r} does not match the file name {file_name!r}")
-    if doc["data_file"] is not None and not (isinstance(doc["data_file"], str) and _DATA_FILE.match(doc["data_file"])):
+    if doc["data_file"] is not None and not (isinstance(doc["data_file"], str) and DATA_FILE.match(doc["data_file"])):
         raise _bad(where, f"'data_file' {str(doc['data_file'])[:80]!r} is not a plain data file name")
     if not isinstance(doc["save_id"], str) or not _SAVE_ID.match(doc["save_id"]):
         raise _bad(where, "'save_id' is not a save id")

@@ -33,7 +33,7 @@ from dcp_tiered.dcp.save_stats import stats_from_records
 from dcp_tiered.errors import DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
-from dcp_tiered.tiers.catalog import tier_storage
+from dcp_tiered.tiers.topology import tier_storage
 from dcp_tiered.tiers.promote.fragments import (
     FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_DEFAULT, FRAGMENT_WAIT_FLOOR, FragmentWait, commit_from_fragments,
     copy_with_fragment, fragment_wait_bound,

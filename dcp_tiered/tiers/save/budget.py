@@ -242,7 +242,7 @@ def _free_bytes(path: str, ram: bool = True) -> int | None:
     return min(found) if found else None
 
 
-#: (id of the tier, checkpoint name) of saves whose budget :func:`check_save_budget` already passed (it saw
+#: (id of the tier, checkpoint name) of saves whose budget :func:`save_budget_error` already passed (it saw
 #: every rank's real sizes): :func:`check_save_fits` does not check them again with its plan-only estimate.
 _PASSED: dict[int, str] = {}
 _PASSED_LOCK = threading.Lock()
