@@ -177,8 +177,9 @@ def _map(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:
         return checkpoint
     from lightning.fabric.utilities.apply_func import apply_to_collection
 
-    if callable(map_location):
-        return apply_to_collection(checkpoint, torch.Tensor, lambda t: map_location(t, "cpu"))
+    if callable(map_location):  # torch.load's contract: None leaves the tensor as it is
+        return apply_to_collection(checkpoint, torch.Tensor,
+                                   lambda t: t if (mapped := map_location(t, "cpu")) is None else mapped)
     if isinstance(map_location, dict):
         target = map_location.get("cpu", "cpu")
         return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(target))
@@ -296,7 +297,7 @@ class CompressedCheckpointIO(CheckpointIO):
                 with open(path, "rb") as f:
                     return self._load_file(f, path, map_location, weights_only)
             if not os.path.exists(path):
-                raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
+                raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
         else:
             fs, _ = fsspec.core.url_to_fs(path, **self.storage_options)
             if fs.isfile(path):  # a stock .ckpt file (or a reference) on an object store

@@ -1,0 +1,36 @@
+"""``CompressedCheckpointIO`` keeps the contracts Lightning's own ``TorchCheckpointIO`` has.
+
+- ``map_location`` may be a callable returning None, which ``torch.load`` takes as "leave the
+  tensor where it is" (Lightning's own ``_default_map_location`` does this); every tensor used
+  to become None.
+- A missing checkpoint raises ``Checkpoint file not found: <path>``, the message Lightning's tests
+  and users match (still a ``FileNotFoundError``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_tiered.integrations.lightning import CompressedCheckpointIO
+
+
+def test_a_map_location_callable_returning_none_leaves_every_tensor(tmp_path):
+    io = CompressedCheckpointIO()
+    ckpt = {"state_dict": {"w": torch.arange(6.0)}, "epoch": 3}
+    io.save_checkpoint(ckpt, tmp_path / "a.ckpt")
+    got = io.load_checkpoint(tmp_path / "a.ckpt", map_location=lambda storage, loc: None)
+    assert torch.equal(got["state_dict"]["w"], torch.arange(6.0)) and got["epoch"] == 3
+
+
+def test_a_map_location_callable_still_maps(tmp_path):
+    io = CompressedCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.arange(6.0)}}, tmp_path / "a.ckpt")
+    got = io.load_checkpoint(tmp_path / "a.ckpt", map_location=lambda t, loc: t * 2)
+    assert torch.equal(got["state_dict"]["w"], torch.arange(6.0) * 2)
+
+
+def test_a_missing_checkpoint_says_what_lightning_says(tmp_path):
+    path = tmp_path / "missing.ckpt"
+    with pytest.raises(FileNotFoundError, match=f"Checkpoint file not found: {path}"):
+        CompressedCheckpointIO().load_checkpoint(path)
