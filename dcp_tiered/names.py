@@ -16,7 +16,7 @@ DATA_SUFFIX = ".distcp"
 #: Held (``flock``) by a local save's coordinator from planning to the commit.
 LOCK_FILE = ".lock"
 
-_DATA_RANK = re.compile(r"^__(\d+)_")
+_DATA_RANK = re.compile(r"^__([0-9]{1,9})_", re.ASCII)  # a rank is at most 9 ASCII digits
 #: A data file name as read from untrusted records or intents: plain, no separator, no ``..`` prefix.
 DATA_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.distcp$")
 

@@ -22,7 +22,7 @@ from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import CheckpointInfo, inspect_checkpoint, list_tier
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.layout import parse_step, step_name
-from dcp_tiered.tiers.replicas.markers import read_markers, vouches
+from dcp_tiered.tiers.replicas.markers import MAX_WORLD, read_markers, vouches
 from dcp_tiered.tiers.topology import cliques
 
 
@@ -124,6 +124,9 @@ def step_state(tier: Tier, step: int, dirs: dict[int, Storage], per_node: int | 
         out["problem"] = "no readable committed .metadata of this step in any directory"
         return out
     world = out["world"] = max(ranks) + 1
+    if world > MAX_WORLD:
+        out["problem"] = f"its records name rank {world - 1}, more ranks than a job runs ({MAX_WORLD}): crafted or damaged"
+        return out
     try:
         local = ranks_per_node(per_node, world, max(dirs) + 1) if kind == "node" else 1
         out["cliques"] = found = cliques(world, tier.replicas, tier.replication_jump or local)
@@ -135,12 +138,15 @@ def step_state(tier: Tier, step: int, dirs: dict[int, Storage], per_node: int | 
         return rank // local
 
     held: dict[int, list[int]] = {}
+    ranks_of: dict[int, list[int]] = {}
+    for r in range(world):
+        ranks_of.setdefault(dir_of(r), []).append(r)
     for k in range(dir_of(world - 1) + 1):
         f = facts.get(k)
         held[k] = sorted(o for o, m in f["markers"].items() if _marker_ok(o, m, f)) if f else []
         out["dirs"].append({
             "index": k, "url": f["url"] if f else _resolve(tier, k), "exists": f is not None and bool(f["files"]),
-            "committed": bool(f and f["committed"]), "ranks": [r for r in range(world) if dir_of(r) == k],
+            "committed": bool(f and f["committed"]), "ranks": ranks_of.get(k, []),
             "replicas_of": held[k], "stale": sorted(o for o in (f["markers"] if f else {}) if o not in held[k])})
     out["missing"] = [{"owner": r, kind: dir_of(m)} for c in found for r in c for m in c
                       if m != r and r not in held[dir_of(m)]]

@@ -153,23 +153,35 @@ def _stateful_objects(value: Any, depth: int = 0) -> list[Any]:
 
 
 def fresh_optimizers(state_dict: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
-    """The optimizers held by the ``Stateful`` objects of ``state_dict`` (as attributes, or in lists, tuples
-    or dicts there) that have not stepped yet: an empty ``state``.
+    """The optimizers reachable from the ``Stateful`` objects of ``state_dict`` (through attributes, lists,
+    tuples and dicts, a few levels deep; modules and tensors are not entered) that have not stepped yet:
+    an empty ``state``.
 
     ``get_state_dict`` (which the DCP tutorial's ``AppState.state_dict()`` calls) initialises such an
     optimizer with a zero-lr step, so a save, or a restore that found nothing, would leave Adam at
-    ``step=1`` and change the run; :func:`reset_fresh` gives them their empty state back."""
+    ``step=1`` and change the run; :func:`reset_fresh` gives them their empty state back.  (Step hooks
+    registered on the optimizer run during that step too; they cannot be undone here.)"""
     found: dict[int, torch.optim.Optimizer] = {}
-    for obj in _stateful_objects(state_dict):
-        if isinstance(obj, torch.optim.Optimizer):
-            candidates: list[Any] = [obj]
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(obj, 0) for obj in _stateful_objects(state_dict)]
+    while todo and len(seen) < 100_000:
+        value, depth = todo.pop()
+        if id(value) in seen or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.optim.Optimizer):
+            if not value.state:
+                found[id(value)] = value
+            continue
+        if depth >= 4:
+            continue
+        if isinstance(value, Mapping):
+            children: Any = value.values()
+        elif isinstance(value, (list, tuple, set)):
+            children = value
         else:
-            attrs = getattr(obj, "__dict__", {})
-            candidates = [v for a in attrs.values() for v in (a.values() if isinstance(a, dict) else
-                                                               a if isinstance(a, (list, tuple)) else (a,))]
-        for c in candidates:
-            if isinstance(c, torch.optim.Optimizer) and not c.state:
-                found[id(c)] = c
+            children = getattr(value, "__dict__", {}).values()
+        todo += [(c, depth + 1) for c in children]
     return list(found.values())
 
 

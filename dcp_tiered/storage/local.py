@@ -184,6 +184,9 @@ class LocalStorage(Storage):
         Iterative and with one directory open at a time, so a tree nested thousands deep (which a
         recursive delete fails on) goes like any other."""
         with storage_errors(self.url, "delete"):
+            if os.path.islink(self.root):
+                raise UnsafeCheckpointError(f"{self.url} is a symbolic link; a delete never goes through links "
+                                            "(remove the link itself)")
             try:
                 fd = self._open_local("", directory=True)
             except FileNotFoundError:

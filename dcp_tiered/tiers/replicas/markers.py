@@ -75,9 +75,10 @@ def marker_files(marker: dict[str, Any], owner: int) -> dict[str, int]:
     out: dict[str, int] = {}
     files = marker.get("files")
     for entry in files if isinstance(files, list) else []:
-        try:
-            name, size = str(entry["file"]), int(entry["size"])
-        except (KeyError, TypeError, ValueError, OverflowError):
+        if not isinstance(entry, dict):
+            continue
+        name, size = entry.get("file"), entry.get("size")
+        if type(name) is not str or type(size) is not int or size < 0:  # "10", -1, True, 9.9: malformed
             continue
         if rank_of_file(name) == owner:
             out[name] = size
