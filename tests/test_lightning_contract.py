@@ -34,3 +34,27 @@ def test_a_missing_checkpoint_says_what_lightning_says(tmp_path):
     path = tmp_path / "missing.ckpt"
     with pytest.raises(FileNotFoundError, match=f"Checkpoint file not found: {path}"):
         CompressedCheckpointIO().load_checkpoint(path)
+
+
+def test_a_crafted_tensor_size_is_refused_before_anything_is_allocated(tmp_path):
+    """A plugin checkpoint whose ``.metadata`` claims a 4 TiB tensor: a library error, not torch's
+    ``RuntimeError`` from allocating it."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from dcp_tiered.dcp.metadata_io import unpack_metadata
+    from dcp_tiered.errors import CorruptCheckpointError
+
+    path = tmp_path / "a.ckpt"
+    CompressedCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(4)}}, path)
+    md = unpack_metadata((path / ".metadata").read_bytes())
+    (fqn, tmd), = [(k, v) for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")]
+    tmd.size = torch.Size([1 << 40])
+    tmd.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1 << 40]))]
+    index = next(i for i in md.storage_data if i.fqn == fqn)
+    md.storage_data[index] = _StorageInfo(relative_path=md.storage_data[index]["file"], offset=0, length=10)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CorruptCheckpointError):
+        CompressedCheckpointIO().load_checkpoint(path)

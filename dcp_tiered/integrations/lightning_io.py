@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - the standalone package
     from pytorch_lightning.plugins.io.async_plugin import AsyncCheckpointIO  # type: ignore[no-redef]
 
 from dcp_tiered.codecs import get_codec
-from dcp_tiered.dcp.format import MAX_OBJECT_BYTES
+from dcp_tiered.dcp.format import MAX_OBJECT_BYTES, is_native_record, record_view
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import set_leaf
 from dcp_tiered.dcp.writer import CompressedWriter, uncommit
@@ -163,13 +163,30 @@ def template_from(reader: Any) -> dict[str, Any]:
     """An empty flat state dict matching a checkpoint's metadata (tensors allocated on CPU)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    out: dict[str, Any] = {}
-    for fqn, md in reader.read_metadata().state_dict_metadata.items():
-        out[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-    if SKELETON not in out:
+    metadata = reader.read_metadata()
+    if SKELETON not in metadata.state_dict_metadata:
         raise ConfigError(f"{reader.storage.url} is a DCP checkpoint but not one written by CompressedCheckpointIO "
                           "(no 'skeleton' entry); load it with dcp.load or dcp-tiered convert")
+    _check_backed(reader.storage, metadata)
+    out: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        out[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
     return out
+
+
+def _check_backed(storage: Any, metadata: Any) -> None:
+    """Before any tensor is allocated at the size ``.metadata`` declares: every record is one this
+    plugin's writer makes (frames whose stored sizes bound the raw bytes) and lies inside a data file
+    that is there, so a crafted size is refused instead of allocated."""
+    sizes = storage.file_sizes()
+    for index, record in metadata.storage_data.items():
+        if not is_native_record(record):
+            raise CorruptCheckpointError(f"{storage.url}: the record of {index.fqn!r} was not written by "
+                                         "CompressedCheckpointIO; load it with dcp.load or dcp-tiered convert")
+        view = record_view(record)
+        if sizes.get(view.file, -1) < view.end:
+            raise CorruptCheckpointError(f"{storage.url_of(view.file)} is missing or shorter than the {view.end} "
+                                         f"bytes {index.fqn!r} needs; restore another checkpoint")
 
 
 def _map(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:
