@@ -118,21 +118,22 @@ def _catalog(tiers: list) -> list:
     return list_tiers(tiers)
 
 
-def _ls_tiers(args: argparse.Namespace) -> list:
-    """``tiers_from_args`` with ``--replicas``/``--replication-jump`` applied to the ``--local-path`` tier."""
+def _ls_tiers(args: argparse.Namespace) -> tuple[list, dict]:
+    """``tiers_from_args`` with ``--replicas``/``--replication-jump`` applied to the ``--local-path`` tier,
+    and the checkpointer options of the ``--tiers`` file."""
     from dataclasses import replace
 
-    tiers, _ = tiers_from_args(args)
+    tiers, options = tiers_from_args(args)
     given = {k: v for k in ("replicas", "replication_jump") if (v := getattr(args, k, None)) is not None}
     per_node = getattr(args, "ranks_per_node", None)  # (the demo's ls passes none of these)
     if per_node is not None and per_node < 1:
         raise CliError(f"--ranks-per-node must be a positive integer, got {per_node}")
     if not given:
-        return tiers
+        return tiers, options
     if args.tiers or not args.local_path:
         raise CliError("--replicas/--replication-jump apply to --local-path; a --tiers file gives them per tier")
     try:
-        return [replace(t, **given) if t.name == "local" else t for t in tiers]
+        return [replace(t, **given) if t.name == "local" else t for t in tiers], options
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
 
@@ -162,7 +163,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from dcp_tiered.cli.replicas import summary
     from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
 
-    tiers = _ls_tiers(args)
+    tiers, options = _ls_tiers(args)
+    optim_keys = tuple(_file_options(args, options).optimizer_keys)  # what retention (gc) takes for optimizer state
     full = torch_available()  # without torch: names and sizes only (.metadata is a torch pickle)
     _check_reachable(tiers)
     infos, states = _ls_listing(tiers, full, getattr(args, "ranks_per_node", None))
@@ -172,7 +174,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             committed_on.setdefault(i.step, []).append(i.tier)
     rows = []
     for i in infos:
-        optim = None if i.keys is None else i.has_prefix(("optim", "optimizer"))
+        optim = None if i.keys is None else i.has_prefix(optim_keys)
         if i.pending_promotions:
             promo = "pending -> " + ",".join(i.pending_promotions)
         elif not i.committed and any(f.endswith(FRAGMENT_SUFFIX) for f in i.files):

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from dcp_tiered.cli.train_model import batch_for_step, build_model, check_resume, fp32_bytes
-from dcp_tiered.cli.args import add_tier_encoding_args, add_tier_location_args, tiers_from_args
+from dcp_tiered.cli.args import DEFAULT_CODECS, add_tier_encoding_args, add_tier_location_args, tiers_from_args
 from dcp_tiered.cli.output import EXIT_OK, EXIT_PROBLEMS, CliError, human_bytes, print_json, table
 from dcp_tiered.cli.tier_cmds import cmd_ls
 from dcp_tiered.cost import format_usd, monthly_cost, parse_prices, price_for
@@ -400,7 +400,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     def banner(text: str) -> None:
         print(f"\n=== {text}", file=out, flush=True)
 
-    banner(f"1/4 train with 3 tiers (local lz4, shared zstd, durable zstd:3), async saves; crash at step {preset['crash']}")
+    codecs = ", ".join(f"{name} {codec}" for name, codec in DEFAULT_CODECS.items())
+    banner(f"1/4 train with 3 tiers ({codecs}), async saves; crash at step {preset['crash']}")
     p1 = subprocess.run(common + ["--crash-at-step", str(preset["crash"]), "--dump-states", states], stdout=out, stderr=sys.stderr)
     if p1.returncode != -signal.SIGKILL:
         raise CliError(f"demo: the first run should have been killed at step {preset['crash']}, it exited with {p1.returncode}", EXIT_PROBLEMS)
