@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -209,7 +210,7 @@ me, rounds, opts = int(me), int(rounds), json.loads(opts) or None
 out = []
 for r in range(rounds):
     open(f"{sync}/{r}.{me}", "w").close()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while not os.path.exists(f"{sync}/{r}.{1 - me}"):
         if time.monotonic() > deadline:
             raise SystemExit("the other racer never came")
