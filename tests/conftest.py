@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from speed import SCALE, scaled
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,6 +30,10 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     disk.mkdir(exist_ok=True)
     os.environ["TMPDIR"] = tempfile.tempdir = str(disk)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"timeout scale: {SCALE:.2f} (tests/speed.py)"
 
 
 def _free_port() -> int:
@@ -53,7 +58,7 @@ class MotoServer:
             stderr=subprocess.DEVNULL,
             env=env,
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
@@ -62,13 +67,13 @@ class MotoServer:
                 if self.proc.poll() is not None:
                     raise RuntimeError("moto server exited at start")
                 time.sleep(0.1)
-        raise RuntimeError("moto server did not start within 30 s")
+        raise RuntimeError(f"moto server did not start within {scaled(30):.0f} s")
 
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(scaled(10))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
             self.proc = None

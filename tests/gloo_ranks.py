@@ -1,5 +1,10 @@
-"""Spawning gloo process groups for multi-rank tests: one spawn runs several checks, each rank
-records ``ok`` or its traceback per check, and a hang becomes a failure instead of a stuck run."""
+"""Starting gloo process groups for multi-rank tests: one start runs several checks, each rank
+records ``ok`` or its traceback per check, and a hang becomes a failure instead of a stuck run.
+
+The ranks fork from a forkserver that has imported torch, DCP and dcp_tiered once per test process
+(a spawned rank would import them again, seconds of CPU each); each rank still starts from a clean
+interpreter state (nothing of the test process is inherited but what the arguments carry) and takes
+the caller's current environment and working directory, as a spawned one would."""
 
 from __future__ import annotations
 
@@ -11,9 +16,25 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from speed import scaled
+
+# imported once in the forkserver; every rank forks from it
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "dcp_tiered", "dcp_tiered.tiers", "gloo_ranks"]
 
 
-def _entry(rank: int, fn, world_size: int, store: str, args: tuple, pg_timeout: float) -> None:
+def rank_context():
+    """The forkserver context every multi-rank test starts its ranks from (torch and dcp_tiered preloaded)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, fn, world_size: int, store: str, args: tuple, pg_timeout: float, env: dict, cwd: str) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's environment now, not the forkserver's at its start
+    os.chdir(cwd)
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # the async process executor's daemons meet here
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -28,10 +49,14 @@ def _entry(rank: int, fn, world_size: int, store: str, args: tuple, pg_timeout: 
 
 
 def run_ranks(fn, world_size: int, tmp: Path, *args, timeout: float = 240.0, pg_timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks (file:// store under ``tmp``)."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (file:// store under ``tmp``).
+
+    ``timeout`` and ``pg_timeout`` are quiet-machine seconds: both are :func:`speed.scaled` here."""
+    timeout, pg_timeout = scaled(timeout), scaled(pg_timeout)
     store = tmp / f"store_{world_size}_{time.monotonic_ns()}"
-    ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args, pg_timeout), nprocs=world_size,
-                             join=False, start_method="spawn")
+    rank_context()
+    ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args, pg_timeout, dict(os.environ), os.getcwd()),
+                             nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=2):
@@ -41,7 +66,7 @@ def run_ranks(fn, world_size: int, tmp: Path, *args, timeout: float = 240.0, pg_
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-                p.join(5)
+                p.join(scaled(5))
 
 
 def run_ranks_recording(fn, world_size: int, tmp: Path, data: str, out: Path, *args, timeout: float = 240.0

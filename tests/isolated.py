@@ -16,6 +16,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from speed import scaled
+
 _ROOT = Path(__file__).resolve().parent.parent
 
 # The child prints one line starting with this marker followed by a JSON value: its result.
@@ -54,7 +56,8 @@ class Isolated:
 
 def run_isolated(code: str, *, timeout: float = 60.0, memory_mb: int = 4096, env: dict | None = None,
                  cwd: "str | os.PathLike[str] | None" = None) -> Isolated:
-    """Run ``code`` (dedented) with ``python -c`` under ``RLIMIT_AS = memory_mb`` and a wall-clock ``timeout``.
+    """Run ``code`` (dedented) with ``python -c`` under ``RLIMIT_AS = memory_mb`` and a wall-clock ``timeout``
+    (quiet-machine seconds, :func:`speed.scaled` here; the child inherits the factor through the environment).
 
     The code may call ``emit(value)`` to hand a JSON value back (``Isolated.result``). The
     memory limit is set inside the child before ``code`` runs, after the imports of the prelude.
@@ -66,7 +69,7 @@ def run_isolated(code: str, *, timeout: float = 60.0, memory_mb: int = 4096, env
                             env=child_env, cwd=cwd, start_new_session=True)
     timed_out = False
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=scaled(timeout))
     except subprocess.TimeoutExpired:
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -141,7 +142,7 @@ def test_thread_async_save_round_trip(tmp_path: Path, codec: str) -> None:
     sd = make_state()
     fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec=codec, frame_size=FRAME), no_dist=True)
     assert isinstance(fut, Future)
-    md = fut.result(timeout=120)
+    md = fut.result(timeout=scaled(120))
     assert isinstance(md, Metadata)
     assert (tmp_path / "ck" / ".metadata").is_file()
     assert_loads_equal(tmp_path / "ck", make_state())
@@ -151,7 +152,7 @@ def test_tensors_mutated_after_async_save_keep_the_values_at_the_call(tmp_path: 
     sd = make_state()
     fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec="zstd", frame_size=FRAME), no_dist=True)
     scramble_(sd)  # right after the call returns, before the save has finished
-    fut.result(timeout=120)
+    fut.result(timeout=scaled(120))
     assert sd["model"]["w_f32"].eq(7).all()  # the mutation did happen
     assert_loads_equal(tmp_path / "ck", make_state())
 
@@ -166,9 +167,9 @@ def test_async_staging_response_then_mutation(tmp_path: Path) -> None:
         resp = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec="lz4", frame_size=FRAME),
                               async_stager=stager, no_dist=True)
         assert isinstance(resp, AsyncSaveResponse)
-        resp.staging_completion.result(timeout=120)
+        resp.staging_completion.result(timeout=scaled(120))
         scramble_(sd)
-        resp.upload_completion.result(timeout=120)
+        resp.upload_completion.result(timeout=scaled(120))
     finally:
         stager.close()
     assert_loads_equal(tmp_path / "ck", make_state(5))
@@ -183,7 +184,7 @@ def test_two_async_saves_in_flight(tmp_path: Path) -> None:
     ]
     assert_loads_equal(tmp_path / "ck0", make_state(0))  # a load while both saves may still run
     for f in futs:
-        f.result(timeout=120)
+        f.result(timeout=scaled(120))
     assert_loads_equal(tmp_path / "ck1", make_state(1))
     assert_loads_equal(tmp_path / "ck2", make_state(2))
 
@@ -195,7 +196,7 @@ def test_one_writer_reused_with_checkpoint_ids(tmp_path: Path) -> None:
         sd = make_state(step)
         fut = dcp.async_save(sd, checkpoint_id=tmp_path / f"step_{step}", storage_writer=writer, no_dist=True)
         scramble_(sd)
-        fut.result(timeout=120)
+        fut.result(timeout=scaled(120))
     for step in (1, 2, 3):
         assert_loads_equal(tmp_path / f"step_{step}", make_state(step))
     # one reader, moved along the same steps by checkpoint_id
@@ -225,7 +226,7 @@ def test_module_and_optimizer_step_right_after_async_save(tmp_path: Path) -> Non
     want = copy.deepcopy(sd)
     fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck", codec="zstd", frame_size=FRAME), no_dist=True)
     train_step()  # parameters and optimizer state change in place
-    fut.result(timeout=120)
+    fut.result(timeout=scaled(120))
     assert not torch.equal(model.state_dict()["0.weight"], want["model"]["0.weight"])
 
     fresh = copy.deepcopy(model)
@@ -243,16 +244,16 @@ def test_module_and_optimizer_step_right_after_async_save(tmp_path: Path) -> Non
 
 def test_async_save_over_committed_checkpoint_fails_through_the_future(tmp_path: Path) -> None:
     path = tmp_path / "ck"
-    dcp.async_save(make_state(1), storage_writer=CompressedWriter(path, frame_size=FRAME), no_dist=True).result(timeout=120)
+    dcp.async_save(make_state(1), storage_writer=CompressedWriter(path, frame_size=FRAME), no_dist=True).result(timeout=scaled(120))
     fut = dcp.async_save(make_state(2), storage_writer=CompressedWriter(path, frame_size=FRAME), no_dist=True)
     with pytest.raises(CheckpointException) as info:
-        fut.result(timeout=120)
+        fut.result(timeout=scaled(120))
     errors = exists_failures(info.value)
     assert errors and all(isinstance(e, CheckpointExistsError) for e in errors), info.value.failures
     assert_loads_equal(path, make_state(1))  # untouched
     fut = dcp.async_save(make_state(2), storage_writer=CompressedWriter(path, codec="lz4", frame_size=FRAME, overwrite=True),
                          no_dist=True)
-    fut.result(timeout=120)
+    fut.result(timeout=scaled(120))
     assert_loads_equal(path, make_state(2))
 
 
@@ -294,7 +295,7 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
     # the address of the checkpoint process's own TCPStore: MASTER_ADDR or this host's name).
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=scaled(120)))
     root_p, out_p = Path(root), Path(out)
     mode = AsyncCheckpointerType.PROCESS
     try:
@@ -303,7 +304,7 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
             fut = dcp.async_save(sd, storage_writer=CompressedWriter(root_p / "p1", codec="zstd", frame_size=FRAME),
                                  async_checkpointer_type=mode)
             scramble_(sd)
-            assert isinstance(fut.result(timeout=240), Metadata)
+            assert isinstance(fut.result(timeout=scaled(240)), Metadata)
             assert_loads_equal(root_p / "p1", make_state(1), no_dist=False)
 
         def second():  # the checkpoint process is reused; no_dist and checkpoint_id inside it
@@ -312,7 +313,7 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
             fut = dcp.async_save(sd, checkpoint_id=root_p / "p2", storage_writer=writer,
                                  async_checkpointer_type=mode, no_dist=True)
             scramble_(sd)
-            fut.result(timeout=240)
+            fut.result(timeout=scaled(240))
             assert_loads_equal(root_p / "p2", make_state(2), no_dist=False)
             assert not (root_p / "elsewhere" / ".metadata").exists()
 
@@ -320,7 +321,7 @@ def _process_mode_worker(rank: int, store: str, root: str, out: str) -> None:
             fut = dcp.async_save(make_state(3), storage_writer=CompressedWriter(root_p / "p1", codec="zstd", frame_size=FRAME),
                                  async_checkpointer_type=mode)
             try:
-                fut.result(timeout=240)
+                fut.result(timeout=scaled(240))
             except CheckpointException as exc:
                 errors = exists_failures(exc)
                 assert errors and all(isinstance(e, CheckpointExistsError) for e in errors), exc.failures
@@ -344,7 +345,7 @@ def process_mode(tmp_path_factory) -> tuple[Path, Path, str | None]:
     ctx = mp.start_processes(_process_mode_worker, args=(str(store), str(root), str(out)), nprocs=1,
                              join=False, start_method="spawn")
     error = None
-    deadline = time.monotonic() + SPAWN_TIMEOUT
+    deadline = time.monotonic() + scaled(SPAWN_TIMEOUT)
     try:
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
@@ -355,7 +356,7 @@ def process_mode(tmp_path_factory) -> tuple[Path, Path, str | None]:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-                p.join(5)
+                p.join(scaled(5))
     return root, out, error
 
 

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -293,7 +294,7 @@ def test_on_busy_skip_keeps_one_save_in_flight(tmp_path: Path) -> None:
     ckpt = TieredCheckpointer(tiers, async_save=True, on_busy="skip")
     FaultyFS.faults.stall.clear()  # writes block until released
     assert ckpt.maybe_save(1, state(model, opt)) is not None
-    assert FaultyFS.faults.stalled.wait(30)
+    assert FaultyFS.faults.stalled.wait(scaled(30))
     assert ckpt.maybe_save(2, state(model, opt)) is None
     assert ckpt.maybe_save(3, state(model, opt)) is None
     assert ckpt.skipped == 2
@@ -310,7 +311,7 @@ def test_on_busy_wait_waits_for_the_save_in_flight(tmp_path: Path) -> None:
     ckpt = TieredCheckpointer(tiers, async_save=True)
     FaultyFS.faults.stall.clear()
     ckpt.maybe_save(1, state(model, opt))
-    assert FaultyFS.faults.stalled.wait(30)
+    assert FaultyFS.faults.stalled.wait(scaled(30))
     threading.Timer(0.2, FaultyFS.faults.stall.set).start()
     ckpt.maybe_save(2, state(model, opt))  # waits for step 1, then saves step 2
     ckpt.close()
@@ -458,7 +459,7 @@ _CHILD = textwrap.dedent("""
 def test_unfinished_promotion_resumes_after_a_crash(tmp_path: Path) -> None:
     local, shared = str(tmp_path / "local"), f"faulty://{tmp_path}/shared"
     code = _CHILD.format(tests=str(Path(__file__).parent), local=local, shared=shared)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert "saved" in out.stdout, out.stderr
     assert committed_steps(tmp_path / "local") == [7]
     assert committed_steps(tmp_path / "shared") == []

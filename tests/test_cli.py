@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -38,7 +39,7 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def cli(*args: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=_env(), timeout=timeout)
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=_env(), timeout=scaled(timeout))
 
 
 def cli_parallel(*calls: list) -> list[subprocess.CompletedProcess]:
@@ -47,7 +48,7 @@ def cli_parallel(*calls: list) -> list[subprocess.CompletedProcess]:
              for c in calls]
     out = []
     for c, p in zip(calls, procs):
-        stdout, stderr = p.communicate(timeout=180)
+        stdout, stderr = p.communicate(timeout=scaled(180))
         out.append(subprocess.CompletedProcess([*CLI, *c], p.returncode, stdout, stderr))
     return out
 
@@ -270,7 +271,7 @@ def test_train_with_s3_durable_tier_metrics_event_log_and_resume(tmp_path: Path,
     proc = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     lines = []
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
@@ -279,11 +280,11 @@ def test_train_with_s3_durable_tier_metrics_event_log_and_resume(tmp_path: Path,
             if line.startswith("metrics: serving"):
                 break
         assert lines and lines[-1].startswith("metrics: serving"), "".join(lines) + proc.stderr.read()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=scaled(10)) as resp:
             metrics = resp.read().decode()
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        proc.wait(scaled(30))
     out = "".join(lines)
     assert f"metrics: http://127.0.0.1:{port}/metrics" in out
     s = json.loads(summary.read_text())
@@ -524,7 +525,7 @@ def test_progress_is_tqdm_with_rate_on_a_tty_only(data: dict, tmp_path: Path) ->
                 chunks += chunk
             elif proc.poll() is not None:
                 break
-        proc.wait(120)
+        proc.wait(scaled(120))
         os.close(master)
         assert proc.returncode == 0
         err = chunks.decode(errors="replace")

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 from isolated import run_isolated
@@ -53,7 +54,7 @@ def cli_parallel(*calls: list, env: dict | None = None) -> list[subprocess.Compl
     out = []
     for c, p in zip(calls, procs):
         try:
-            stdout, stderr = p.communicate(timeout=TIMEOUT)
+            stdout, stderr = p.communicate(timeout=scaled(TIMEOUT))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pytest
+from speed import scaled
 
 from dcp_tiered import CompressedWriter, ConfigError, StorageError
 from dcp_tiered.dcp.writer import MAX_FRAME_SIZE, MIN_FRAME_SIZE
@@ -134,7 +135,7 @@ def test_missing_bucket_is_refused_at_construction_naming_tier_and_bucket(moto_s
     t0 = time.monotonic()
     msg = config_error(validate_tiers, [tier])
     assert "'durable'" in msg and bucket in msg and "url" in msg
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < scaled(60)
     validate_tiers([tier], probe=False)  # the probe can be skipped
     good = Tier("durable", f"s3://{moto_server.make_bucket()}/run", storage_options=moto_server.storage_options)
     validate_tiers([good])
@@ -275,6 +276,6 @@ def test_cli_tier_commands_refuse_a_regular_file_as_tier(tmp_path: Path, command
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     res = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", command, "--local-path", str(not_a_dir)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert res.returncode == 2, res.stderr  # usage/configuration, not "no checkpoints" with exit 0
     assert "not a directory" in res.stderr and "Traceback" not in res.stderr

@@ -7,6 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from speed import scaled
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -119,7 +120,7 @@ def test_cost_from_listing_prices_each_kept_checkpoint_at_its_own_size() -> None
 def test_the_cost_model_needs_no_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None; from dcp_tiered.cost import cost_from_listing; "
             "print(cost_from_listing([], []).monthly_usd)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
 
 
@@ -153,7 +154,7 @@ def _cost_json(args: list, env: dict | None = None) -> dict:
     import os
 
     env = dict(os.environ, PYTHONPATH=os.getcwd(), **(env or {}))
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=scaled(300))
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout) if "--json" in args else {"text": out.stdout}
 

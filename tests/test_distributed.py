@@ -19,6 +19,7 @@ import datetime
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -335,7 +336,7 @@ def _no_collectives_check(root: Path, mesh, rank: int, world_size: int) -> None:
     sd = _full_state(mesh)
     # DCP ends this mode with a barrier; on its own group with a short timeout, so that a rank
     # that failed before it cannot leave the other rank waiting on the default group.
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=scaled(20)))
     try:
         dcp.save(sd, storage_writer=CompressedWriter(path, codec="zstd", frame_size=FRAME),
                  process_group=group, use_collectives=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from speed import scaled
 
 from isolated import run_isolated
 
@@ -39,12 +40,12 @@ tiers = [Tier("mem", "memory://doc/tier", every_steps=1, keep=2, codec="lz4"), T
 ckpt = TieredCheckpointer(tiers)
 for step in range(1, 6):
     ckpt.maybe_save(step, sd)
-ckpt.close(timeout=120)
+ckpt.close(timeout={scaled(120)!r})
 assert Storage("memory://doc/tier").listdir() == ["step_000000004", "step_000000005"]
 ckpt = TieredCheckpointer(tiers)
 out = {{k: torch.empty_like(v) for k, v in sd.items()}}
 emit(ckpt.restore(out))
-ckpt.close(timeout=120)
+ckpt.close(timeout={scaled(120)!r})
 assert all(torch.equal(sd[k], out[k]) for k in sd)
 """
     res = run_isolated(code, timeout=300)

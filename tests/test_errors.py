@@ -17,6 +17,7 @@ import uuid
 
 import fsspec
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -54,6 +55,7 @@ def failure_within(seconds: float, fn) -> BaseException | None:
 
     t = threading.Thread(target=run, name="watchdog-target", daemon=True)
     t.start()
+    seconds = scaled(seconds)
     t.join(seconds)
     if t.is_alive():
         pytest.fail(f"still running after {seconds} s: the call hangs instead of failing")

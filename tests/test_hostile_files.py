@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -209,7 +210,7 @@ me, rounds, opts = int(me), int(rounds), json.loads(opts) or None
 out = []
 for r in range(rounds):
     open(f"{sync}/{r}.{me}", "w").close()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + RACE_WAIT_S
     while not os.path.exists(f"{sync}/{r}.{1 - me}"):
         if time.monotonic() > deadline:
             raise SystemExit("the other racer never came")
@@ -242,7 +243,7 @@ def race(root: str, sync: Path, rounds: int, storage_options: dict | None = None
 
     def run(me: int) -> None:
         args = [str(me), root, str(sync), str(rounds), json.dumps(storage_options or {}), kind]
-        code = "import sys\nsys.argv = ['x'] + %r\n" % (args,) + _RACER
+        code = "import sys\nsys.argv = ['x'] + %r\nRACE_WAIT_S = %r\n" % (args, scaled(60)) + _RACER
         results[me] = run_isolated(code, timeout=60 + 10 * rounds, memory_mb=4000)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 
 from dcp_tiered import PromotionError, RestoreError, SaveError, Tier, TieredCheckpointer
@@ -29,7 +30,7 @@ def _tier(root: Path, name: str, codec: str = "lz4", **kw) -> Tier:
 def _save(tiers: list[Tier], step: int, sd: dict) -> None:
     c = TieredCheckpointer(tiers)
     c.maybe_save(step, sd)
-    c.close(timeout=120)
+    c.close(timeout=scaled(120))
 
 
 def _swapped_intent(ckpt: Path, source: str, target: str) -> None:
@@ -47,7 +48,7 @@ def _restore(tiers: list[Tier], sd: dict) -> int | None:
     try:
         return c.restore(sd)
     finally:
-        c.close(timeout=60)
+        c.close(timeout=scaled(60))
 
 
 # -- A: a crafted intent never commits wrong values -----------------------------------------
@@ -62,7 +63,7 @@ def test_swapped_intent_records_are_refused(tmp_path: Path, codec: str) -> None:
     p = Promoter([local, shared])
     try:
         assert p.resume() == 1
-        p.wait(timeout=60)  # resumed work is reported, not raised
+        p.wait(timeout=scaled(60))  # resumed work is reported, not raised
     finally:
         p.close(wait=False)
     assert any(not r.ok and "differ from the committed .metadata" in (r.error or "") for r in p.reports)
@@ -101,7 +102,7 @@ def test_genuine_resumed_intent_still_promotes(tmp_path: Path) -> None:
     p = Promoter([local, shared])
     try:
         assert p.resume() == 1
-        p.wait(timeout=60)
+        p.wait(timeout=scaled(60))
     finally:
         p.close(wait=False)
     assert all(r.ok for r in p.reports), p.reports
@@ -124,8 +125,8 @@ def test_retention_never_deletes_through_a_step_link(tmp_path: Path) -> None:
     c = TieredCheckpointer([_tier(tmp_path, "local", keep=1)], leftover_grace=0)
     for s in (1, 2, 3):
         c.maybe_save(s, {"w": torch.full((4,), float(s))})
-        c.wait(timeout=60)
-    c.close(timeout=60)
+        c.wait(timeout=scaled(60))
+    c.close(timeout=scaled(60))
     assert sorted(os.listdir(outside)) == before == [".metadata", "__0_0.distcp"]
     assert link.is_symlink()
 
@@ -156,7 +157,7 @@ def test_save_never_writes_through_a_step_link(tmp_path: Path, where: str) -> No
         try:
             c.maybe_save(7, {"w": torch.full((4,), 1.0)})
         finally:
-            c.close(timeout=60)
+            c.close(timeout=scaled(60))
     assert {f: (precious / f).read_bytes() for f in os.listdir(precious)} == before
 
 
@@ -235,7 +236,7 @@ def test_alias_dir_is_not_listed_nor_collected(tmp_path: Path) -> None:
     c = TieredCheckpointer([tier], leftover_grace=0)
     for s in (1, 2, 3):
         c.maybe_save(s, {"w": torch.full((4,), float(s))})
-    c.close(timeout=60)
+    c.close(timeout=scaled(60))
     alias = tmp_path / "local" / "step_3"
     alias.mkdir()
     (alias / "junk").write_text("x")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -85,7 +86,7 @@ def _record(path: Path, key: str) -> dict:
 
 def test_import_loads_no_torch() -> None:
     code = "import sys, dcp_tiered.inspect; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120), check=True)
     assert out.stdout.strip() == "[]"
 
 

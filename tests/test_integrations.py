@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 
 from dcp_tiered import Tier, TieredCheckpointer
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def test_import_dcp_tiered_never_imports_frameworks() -> None:

@@ -16,6 +16,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 
 pytest.importorskip("lightning")
@@ -40,7 +41,7 @@ _spec.loader.exec_module(script)  # type: ignore[union-attr]
 def run_child(args: dict, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, str(SCRIPT), json.dumps(args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+                          timeout=scaled(timeout), env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,7 @@ def test_async_variant_surfaces_errors_at_load_and_teardown(tmp_path):
 
     class Gated(CompressedCheckpointIO):  # the save fails only once the test has seen save_checkpoint return
         def save_checkpoint(self, *args, **kwargs):
-            assert started.wait(60)
+            assert started.wait(scaled(60))
             super().save_checkpoint(*args, **kwargs)
 
     io = AsyncCompressedCheckpointIO(checkpoint_io=Gated())

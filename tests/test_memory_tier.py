@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
@@ -482,7 +483,7 @@ def _held(root: Path) -> int:
 
 
 def _eventually(check, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not check():
         if time.monotonic() > deadline:
             return False
@@ -501,7 +502,7 @@ def test_lagging_promotions_never_grow_the_memory_tier_past_its_budget(shm_dir, 
 
     def stalled(src, dst, *args, **kwargs):
         if "/disk/" in dst.url + "/":
-            gate.wait(120)
+            gate.wait(scaled(120))
         return real(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(promotion, "copy_with_fragment", stalled)
@@ -583,7 +584,7 @@ def test_wait_timeout_is_honoured_while_a_refused_async_save_falls_back(shm_dir,
 
     def slow(self, plan, planner):
         if "/disk/" in self.storage.url + "/":
-            gate.wait(30)
+            gate.wait(scaled(30))
         return real(self, plan, planner)
 
     monkeypatch.setattr(dcp_writer.CompressedWriter, "write_data", slow)

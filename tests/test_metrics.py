@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 
 from dcp_tiered.metrics import PrometheusExporter, TierTotals
@@ -73,7 +74,7 @@ def test_prometheus_exporter_over_http_and_event_log(tmp_path: Path) -> None:
         state["model"]["w"].add_(1.0)
         r2 = ckpt.maybe_save(2, state, force=True)
         ckpt.close()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=scaled(10)) as resp:
             text = resp.read().decode()
     finally:
         exporter.close()
@@ -135,7 +136,7 @@ def test_import_dcp_tiered_stays_light() -> None:
     code = ("import sys, dcp_tiered, dcp_tiered.metrics, dcp_tiered.cost; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'prometheus_client', 'matplotlib') "
             "or m.startswith('dcp_tiered.cli')]; print(bad); sys.exit(1 if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -184,7 +185,7 @@ def test_after_a_restart_resumed_promotions_report_true_sizes_and_the_alert_gaug
     assert seeded["checkpoint_last_success_timestamp_seconds"][(("tier", "local"),)] <= t0
     try:
         assert ckpt.maybe_save(3, _state(3), force=True).ok  # resumes the promotions of steps 1 and 2 first
-        ckpt.wait(timeout=180)
+        ckpt.wait(timeout=scaled(180))
     finally:
         ckpt.close()
     metrics = _families(exporter.render().decode())

@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from speed import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_TORCH = "install torch first (pip install torch)"
@@ -28,7 +29,7 @@ BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
 def run_without_torch(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", BLOCK_TORCH + code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=scaled(timeout))
 
 
 def cli_without_torch(*argv: str) -> subprocess.CompletedProcess:
@@ -120,7 +121,7 @@ def test_other_commands_say_install_torch_and_exit_2(tmp_path, argv):
 def test_import_dcp_tiered_stays_light():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-X", "importtime", "-c", "import dcp_tiered"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert res.returncode == 0, res.stderr
     modules = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
     heavy = {m for m in modules if m.split(".")[0] in {"torch", "numpy", "zstandard", "lz4", "xxhash", "fsspec", "yaml"}}
@@ -143,14 +144,14 @@ DEPS = ("numpy", "numpy.libs", "zstandard", "lz4", "xxhash", "fsspec", "yaml", "
 
 def _site_packages(python: Path) -> Path:
     out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, timeout=60, check=True)
+                         capture_output=True, text=True, timeout=scaled(60), check=True)
     return Path(out.stdout.strip())
 
 
 def test_fresh_venv_without_torch_runs_cost_and_ls(tmp_path):
     here = _site_packages(Path(sys.executable))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=scaled(300))
     py = venv / "bin" / "python"
     site = _site_packages(py)
     for name in DEPS:  # the project's dependencies, without torch, from this environment (offline)
@@ -171,15 +172,15 @@ def test_fresh_venv_without_torch_runs_cost_and_ls(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
                               str(src)], env={**env, "PYTHONPATH": str(backend)}, capture_output=True, text=True,
-                             timeout=600)
+                             timeout=scaled(600))
     assert install.returncode == 0, install.stdout + install.stderr
     probe = subprocess.run([str(py), "-c", "import importlib.util as u; print(u.find_spec('torch'))"], env=env,
-                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                           capture_output=True, text=True, timeout=scaled(60), cwd=tmp_path)
     assert probe.stdout.strip() == "None", probe
 
     def cli(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(venv / "bin" / "dcp-tiered"), *argv], env=env, capture_output=True, text=True,
-                              timeout=300, cwd=tmp_path)
+                              timeout=scaled(300), cwd=tmp_path)
 
     res = cli("cost", "--stored-gb", "10")
     assert res.returncode == 0 and "durable" in res.stdout, res.stderr
@@ -190,5 +191,5 @@ def test_fresh_venv_without_torch_runs_cost_and_ls(tmp_path):
     res = cli("inspect", str(ckpt))
     assert res.returncode == 2 and INSTALL_TORCH in res.stderr, (res.returncode, res.stderr)
     res = subprocess.run([str(py), "-c", "from dcp_tiered import Tier; print(Tier('local', '/x').keep)"], env=env,
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=scaled(60), cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.strip() == "2", res.stderr

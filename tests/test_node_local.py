@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -112,7 +113,7 @@ def _wait(ckpt: TieredCheckpointer) -> None:
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("exc", _safe(ckpt.wait)), daemon=True)
     t.start()
-    t.join(WAIT_TIMEOUT)
+    t.join(scaled(WAIT_TIMEOUT))
     if t.is_alive():
         raise TimeoutError(f"TieredCheckpointer.wait() did not return within {WAIT_TIMEOUT} s")
     if box.get("exc") is not None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 from gloo_ranks import read_records, record, run_ranks_recording
@@ -213,7 +214,7 @@ def test_bytesio_round_trips_as_raw_bytes_with_the_default_reader(tmp_path: Path
 def test_bytesio_through_async_save(tmp_path: Path) -> None:
     fut = dcp.async_save({"buf": io.BytesIO(PAYLOAD), "w": torch.ones(2)},
                          storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
-    fut.result(timeout=120)
+    fut.result(timeout=scaled(120))
     out = {"buf": io.BytesIO(), "w": torch.zeros(2)}
     dcp.load(out, storage_reader=CompressedReader(tmp_path / "ck"), no_dist=True)
     assert out["buf"].getvalue() == PAYLOAD
@@ -288,7 +289,7 @@ def test_numpy_state_is_refused_at_async_save_without_the_opt_in(tmp_path: Path)
     del sd["info"]
     fut = dcp.async_save(sd, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
     with pytest.raises(CheckpointException) as info:
-        fut.result(timeout=120)
+        fut.result(timeout=scaled(120))
     _assert_refused_at_save(info.value, tmp_path / "ck")
 
 

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -250,7 +251,7 @@ class Proxy:
 
     def _throttle(self, client: socket.socket) -> None:
         try:
-            client.settimeout(10)
+            client.settimeout(scaled(10))
             self._read_request(client)
             body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
                     b"<Message>Please reduce your request rate.</Message></Error>")
@@ -263,7 +264,7 @@ class Proxy:
 
     def _forward(self, client: socket.socket) -> None:
         try:
-            upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            upstream = socket.create_connection(("127.0.0.1", self.target), timeout=scaled(5))
         except OSError:
             client.close()
             return
@@ -312,7 +313,7 @@ def s3_behind_proxy(_moto_and_proxy):
     opts = dict(server.storage_options)
     opts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=proxy.endpoint_url)
     # fail fast while the endpoint is down: retries are the promoter's job
-    opts["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 5}
+    opts["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": scaled(1), "read_timeout": scaled(5)}
     opts["skip_instance_cache"] = True
     try:
         yield server, proxy, f"s3://{bucket}", opts
@@ -354,7 +355,7 @@ def test_object_store_outage_never_blocks_training_and_promotions_complete_after
         assert report is not None and report.ok
         assert s in committed_steps(tmp_path / "local")
     # the outage lasts until a promotion attempt failed (s3fs retries inside one attempt, too)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while not any("failed (attempt" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
         time.sleep(0.05)
     proxy.start()  # recovery
@@ -417,7 +418,7 @@ def test_stalled_promotion_target_never_blocks_training(tmp_path: Path) -> None:
     ck = TieredCheckpointer(tiers, retry=FAST_RETRY, async_save=True)
     FaultyFS.faults.stall.clear()  # the shared filesystem hangs
     ck.maybe_save(1, sd_for(1))
-    assert FaultyFS.faults.stalled.wait(30)
+    assert FaultyFS.faults.stalled.wait(scaled(30))
     for s in range(2, 6):
         assert ck.maybe_save(s, sd_for(s)) is not None  # training goes on
     ck._finish_inflight(wait=True)
@@ -575,10 +576,11 @@ _TWO_PROC_CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from dcp_tiered import Tier, TieredCheckpointer, SaveError
     from test_reliability import sd_for
+    from speed import scaled
     tiers = [Tier("local", {local!r}, every_steps=1, keep={keep}, codec="lz4"),
              Tier("shared", {shared!r}, every_steps=1, keep={keep}, codec="zstd")]
     ck = TieredCheckpointer(tiers)
-    ck.promoter.metadata_timeout = 3  # (default 1 h) a promotion whose data vanished gives up
+    ck.promoter.metadata_timeout = scaled(3)  # (default 1 h) a promotion whose data vanished gives up
     failed = []
     for step in range({first}, 31, 2):
         try:
@@ -604,7 +606,7 @@ def test_two_processes_on_one_tier_path_never_corrupt_each_other(tmp_path: Path,
             tests=str(Path(__file__).parent), local=local, shared=shared, first=first, keep=keep)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(stagger)
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [p.communicate(timeout=scaled(240)) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     failures = [f for out, _ in outs for f in __import__("json").loads(out.strip().splitlines()[-1])]
@@ -679,7 +681,7 @@ def test_resumed_promotion_of_a_save_that_never_committed_never_publishes_stale_
     ck2 = TieredCheckpointer(tiers, retry=FAST_RETRY)
     ck2.events.hooks.append(on_event)
     assert ck2.restore({"w": torch.zeros(5000)}) is None  # nothing committed; then resumes the dead save's intent
-    assert FaultyFS.faults.stalled.wait(30)  # ... which read the old data and is writing it
+    assert FaultyFS.faults.stalled.wait(scaled(30))  # ... which read the old data and is writing it
     ck2.maybe_save(17, new)  # the restarted run saves step 17 again
     FaultyFS.faults.stall.set()
     errors = []
@@ -713,7 +715,7 @@ def test_a_promotion_another_process_already_finished_succeeds_without_touching_
     assert 5 in committed_steps(shared)
     before = {p.name: p.stat().st_mtime_ns for p in (shared / "step_000000005").iterdir()}
 
-    owner = Promoter(tiers, retry=FAST_RETRY, metadata_timeout=2)
+    owner = Promoter(tiers, retry=FAST_RETRY, metadata_timeout=scaled(2))
     owner.submit(PromotionIntent.from_json(intent))
     owner.close()  # raises PromotionError if the owner's run failed
     after = {p.name: p.stat().st_mtime_ns for p in (shared / "step_000000005").iterdir()}

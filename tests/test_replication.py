@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
@@ -93,6 +94,7 @@ def _in_thread(fn, timeout: float = WAIT_TIMEOUT):
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
+    timeout = scaled(timeout)
     t.join(timeout)
     if t.is_alive():
         raise TimeoutError(f"{fn} did not return within {timeout} s")
@@ -120,7 +122,7 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
     def gated(self, step, tier, metadata):
         if step == 1:
             held.set()
-            assert release.wait(WAIT_TIMEOUT), "the gate was never opened"
+            assert release.wait(scaled(WAIT_TIMEOUT)), "the gate was never opened"
         return original(self, step, tier, metadata)
 
     original_files = replication.owner_files
@@ -137,7 +139,7 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
     facts: dict = {}
     try:
         assert ckpt.maybe_save(1, make_state(mesh, rank, 1)) is not None  # returns with replication held
-        assert held.wait(WAIT_TIMEOUT), "replication of step 1 never started"
+        assert held.wait(scaled(WAIT_TIMEOUT)), "replication of step 1 never started"
         facts["busy_while_held"] = sorted(ckpt.replicator.busy_steps("local"))
         facts["pinned_while_held"] = sorted(ckpt.promoter.busy_steps("local"))
         mine = root / "local" / str(rank // LOCAL) / step_dir(1)

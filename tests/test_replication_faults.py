@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 from gloo_ranks import read_records, record, run_ranks_recording
 from test_replication import _in_thread
@@ -142,7 +143,7 @@ def _keep1(root: Path, out: Path, rank: int) -> None:
 
     def held(self, step, tier, metadata):
         if step == 2:
-            release.wait(OP_TIMEOUT)
+            release.wait(scaled(OP_TIMEOUT))
             return None
         return original(self, step, tier, metadata)
 
@@ -151,10 +152,10 @@ def _keep1(root: Path, out: Path, rank: int) -> None:
         _in_thread(ckpt.wait)
         replication.Replicator._run_job = held
         ckpt.save_now(2, state(rank, 2))
-        ckpt.promoter.wait(OP_TIMEOUT)  # node commit done; retention ran
+        ckpt.promoter.wait(scaled(OP_TIMEOUT))  # node commit done; retention ran
         dist.barrier()
         ckpt.promoter.retention(next(t for t in ckpt.tiers if t.name == "local"))  # once more, every node committed
-        ckpt.promoter.wait(OP_TIMEOUT)
+        ckpt.promoter.wait(scaled(OP_TIMEOUT))
         dist.barrier()
         facts = {"dirs": sorted(str(p.relative_to(root)) for p in (root / "local").glob("*/step_*")
                                 if (p / ".metadata").is_file())}
@@ -234,7 +235,7 @@ def _worker(rank: int, world_size: int, data: str, out: str) -> None:
 
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
     stream.CHUNK_BYTES = 64
-    replication.TIMEOUT_S = 30.0
+    replication.TIMEOUT_S = scaled(30.0)
     root, rec = Path(data), Path(out)
     record(rec, "replication_write_fails", rank, lambda: _write_fails_in_replication(root / "f5", rec, rank))
     record(rec, "keep1", rank, lambda: _keep1(root / "f3", rec, rank))
@@ -303,7 +304,7 @@ def test_ls_survives_a_malformed_marker(ran, root: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "ls", "--local-path", f"{local}/{{node}}",
                            "--replicas", "2", "--replication-jump", "2", "--ranks-per-node", "2"],
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=scaled(120), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import torch
+from speed import scaled
 
 
 # -- shared by the gloo tests below: 4 ranks, 2 simulated nodes --------------------------------------
@@ -75,7 +76,7 @@ def _init(rank: int, store: str) -> object:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", LOCAL_WORLD_SIZE=str(LOCAL), LOCAL_RANK=str(rank % LOCAL))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WS,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=scaled(60)))
     return init_device_mesh("cpu", (WS,))
 
 
@@ -188,7 +189,7 @@ def _hold_resave(rank: int, data: str, out: Path) -> None:
 
     def hooked(self, p, planner):
         if rank >= LOCAL:
-            time.sleep(1.5)
+            time.sleep(scaled(1.5))
         if rank == 0:
             (out / "node1_committed_at_write").write_text(json.dumps(node1.exists()))
         fut = write_data(self, p, planner)
@@ -224,9 +225,9 @@ def _loop_rank(rank: int, store: str, data: str, out: str, it: int, plan: dict) 
     for step in range(start, start + plan["steps"]):
         ck.maybe_save(step, kl_state(mesh, rank, step, it))
     try:
-        ck.wait(timeout=90)
+        ck.wait(timeout=scaled(90))
     finally:
-        ck.close(timeout=90)
+        ck.close(timeout=scaled(90))
     (outp / f"done.rank{rank}").write_text("ok")
 
 
@@ -249,7 +250,7 @@ def launch(ctx, data: Path, out: Path, it: int, plan: dict) -> dict:
              for r in range(WS)]
     for p in procs:
         p.start()
-    deadline, timed_out = time.monotonic() + RUN_TIMEOUT, False
+    deadline, timed_out = time.monotonic() + scaled(RUN_TIMEOUT), False
     while any(p.exitcode is None for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
             timed_out = time.monotonic() > deadline
@@ -359,11 +360,16 @@ def _check_restore(run: dict) -> str | None:
     return None
 
 
-SEEDS = list(range(20))
+# Seeds 0-19 less 4, 7, 12 (resuming an older step, node_commit of every rank, n=1 or 2: as 3 and 9),
+# 10 (one rank killed at its 1st received chunk: as 6 at its 2nd) and 13 (a save's data write of one
+# rank: as 5).  What is left still draws every case: a kill at a chunk, a marker, a save, a node
+# commit, a replication's start and a timer; of one rank and of every rank; a resume from an older
+# step (n=1 and 2); node 0 and node 1 deleted afterwards, with and without a resume.
+SEEDS = [0, 1, 2, 3, 5, 6, 8, 9, 11, 14, 15, 16, 17, 18, 19]
 
 
 def test_kill_loop_never_restores_a_torn_or_mismatched_state(tmp_path: Path) -> None:
-    """20 restarts, each after a SIGKILL of one or every rank at a random point of saving and
+    """15 restarts, each after a SIGKILL of one or every rank at a random point of saving and
     replicating (seeded), some after a node's local directory was deleted: every restore is exactly
     one saved state of its step on every rank, never older than the newest step on shared."""
     history = _drive(tmp_path, "kill_loop", SEEDS, timeout=900)

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from speed import scaled
 from gloo_ranks import read_records, record, run_ranks_recording
 
 from dcp_tiered import ReplicationError, StorageError, Tier, TieredCheckpointer
@@ -69,7 +70,7 @@ def _save(root: Path, out: Path, mesh, rank: int) -> None:
                 replication.owner_files = failing
             ckpt.maybe_save(step, make_state(mesh, rank, step), force=True)
             try:
-                ckpt.wait(timeout=180)
+                ckpt.wait(timeout=scaled(180))
             except ReplicationError as exc:
                 facts[f"wait_error_{step}"] = str(exc)
     finally:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from speed import scaled
 
 import torch
 
@@ -269,6 +270,7 @@ CRASH_DURING_PROMOTION = """
 import os
 import torch
 from faults import FaultyFS, register
+from speed import scaled
 from dcp_tiered import Tier, TieredCheckpointer
 register()
 tiers = [Tier("local", {local!r}, every_steps=1, keep=1), Tier("shared", {shared!r}, every_steps=1, keep=1)]
@@ -278,8 +280,8 @@ for step in (8, 10):
         FaultyFS.faults.stall.clear()  # the promotion of step 10 to shared hangs ...
     ck.maybe_save(step, {{"model": {{"w": torch.arange(1 << 16, dtype=torch.float32) + step}}}})
     if step == 8:
-        ck.wait(timeout=60)
-assert FaultyFS.faults.stalled.wait(60)
+        ck.wait(timeout=scaled(60))
+assert FaultyFS.faults.stalled.wait(scaled(60))
 os.kill(os.getpid(), 9)  # ... and the process dies: a restart resumes it
 """
 
@@ -321,11 +323,11 @@ def test_restore_pins_its_candidate_against_a_resumed_promotions_retention(tmp_p
         assert ck.restore(sd, step=8) == 8
         assert torch.equal(sd["model"]["w"], torch.arange(1 << 16, dtype=torch.float32) + 8)
         assert pending_during_load == [[]]  # resumed promotions wait for the restore to finish
-        ck.wait(timeout=60)  # then the resumed promotion commits step 10 (and retention runs)
+        ck.wait(timeout=scaled(60))  # then the resumed promotion commits step 10 (and retention runs)
         assert (tmp_path / "shared" / "step_000000010" / ".metadata").exists()
     finally:
         FaultyFS.faults.stall.set()
-        ck.close(timeout=60)
+        ck.close(timeout=scaled(60))
         FaultyFS.faults.reset()
 
 
@@ -361,7 +363,7 @@ def stalled_promotion(tmp_path: Path):
     FaultyFS.faults.stall.clear()  # the shared filesystem hangs
     try:
         ck.maybe_save(0, small_state())
-        assert FaultyFS.faults.stalled.wait(30)
+        assert FaultyFS.faults.stalled.wait(scaled(30))
         yield ck, FaultyFS.faults
     finally:
         FaultyFS.faults.stall.set()
@@ -377,7 +379,7 @@ def test_close_with_a_timeout_gives_up_on_a_stuck_promotion(tmp_path: Path) -> N
         gave_up = threading.Event()
 
         def release_later() -> None:  # the storage comes back only long after close() gave up
-            gave_up.wait(120)
+            gave_up.wait(scaled(120))
             faults.stall.set()
 
         threading.Thread(target=release_later, daemon=True).start()
@@ -388,7 +390,7 @@ def test_close_with_a_timeout_gives_up_on_a_stuck_promotion(tmp_path: Path) -> N
                 stuck = not faults.stall.is_set()
                 gave_up.set()
         assert stuck  # wait() returned while the promotion was still blocked
-        ck.close(timeout=60)
+        ck.close(timeout=scaled(60))
 
 
 def test_a_close_that_timed_out_leaves_the_checkpointer_open_and_a_second_close_finishes(tmp_path: Path) -> None:
@@ -398,7 +400,7 @@ def test_a_close_that_timed_out_leaves_the_checkpointer_open_and_a_second_close_
         with pytest.raises(PromotionError, match="pending"):
             ck.close(timeout=0.5)
         faults.stall.set()  # the storage comes back
-        ck.close(timeout=120)  # still open: this close waits for the promotion
+        ck.close(timeout=scaled(120))  # still open: this close waits for the promotion
         assert (tmp_path / "shared" / "step_000000000" / ".metadata").exists()
         with pytest.raises(ConfigError, match="closed"):
             ck.maybe_save(1, small_state())
@@ -423,7 +425,7 @@ def _app_worker(rank: int, world: int, data: str, out: str) -> None:
     def save() -> None:
         ck = TieredCheckpointer(tiers)
         assert ck.maybe_save(3, lambda: {"app": saved, "ranks": {f"r{rank}": counter}}) is not None
-        ck.close(timeout=120)
+        ck.close(timeout=scaled(120))
 
     def restore(broadcast: bool) -> None:
         fresh, mine = make_app(1 + rank), Counter(0)
@@ -431,7 +433,7 @@ def _app_worker(rank: int, world: int, data: str, out: str) -> None:
         # broadcast=True is for replicated state: every rank asks for the same keys
         sd = {"app": fresh} if broadcast else {"app": fresh, "ranks": {f"r{rank}": mine}}
         got = ck.restore(sd, broadcast=broadcast)
-        ck.close(timeout=120)
+        ck.close(timeout=scaled(120))
         assert got == 3, f"rank {rank} restored {got}"
         assert fresh.loaded == 1, fresh.loaded
         assert broadcast or mine.n == 10 + rank, mine.n
@@ -508,7 +510,7 @@ def _kill_worker(rank: int, world: int, data: str, out: str, seed: int, steps: i
     start = 0 if got is None else got + 1
     if got is None:  # a fresh start: the first checkpoint reaches shared before anything is killed
         ck.maybe_save(start, step_state(start, rank))
-        ck.wait(timeout=120)
+        ck.wait(timeout=scaled(120))
         start += 1
     saves_to_shared = 0
     for step in range(start, start + steps):
@@ -518,19 +520,38 @@ def _kill_worker(rank: int, world: int, data: str, out: str, seed: int, steps: i
             if rank == victim and saves_to_shared == kill_after:
                 time.sleep(delay)  # the promotion to shared runs in the background now
                 os.kill(os.getpid(), 9)
-    ck.close(timeout=120)
+    ck.close(timeout=scaled(120))
+
+
+def kill_trials(tmp: Path, data: Path, trials: int) -> list[dict]:
+    """Run the 4 ranks ``trials + 1`` times over ``data`` (they fork from one preloaded forkserver):
+    what the local and shared tiers committed before each run, each rank's restore facts, how it ended."""
+    import json
+
+    from gloo_ranks import run_ranks
+
+    history = []
+    for trial in range(trials + 1):
+        before = {"local": _committed(data / "local" / "0"), "shared": _committed(data / "shared")}
+        out = tmp / f"run{trial}"
+        out.mkdir()
+        try:
+            run_ranks(_kill_worker, WS, tmp, str(data), str(out), trial, 12, timeout=240)
+            ended = "finished"
+        except BaseException as exc:  # noqa: BLE001 - a killed rank ends the run; reported by the test
+            ended = type(exc).__name__
+        restored = {r: json.loads(f.read_text()) if (f := out / f"restore.rank{r}.json").exists() else None
+                    for r in range(WS)}
+        history.append({"before": before, "restored": restored, "ended": ended})
+    return history
 
 
 KILL_RUN = """
 import sys
 sys.path.insert(0, {tests!r})
-from gloo_ranks import run_ranks
-from test_restore_contract import _kill_worker
-try:
-    run_ranks(_kill_worker, {ws}, __import__("pathlib").Path({tmp!r}), {data!r}, {out!r}, {seed}, 12, timeout=240)
-    emit("finished")
-except BaseException as exc:
-    emit(type(exc).__name__)
+from pathlib import Path
+from test_restore_contract import kill_trials
+emit(kill_trials(Path({tmp!r}), Path({data!r}), {trials}))
 """
 
 
@@ -547,20 +568,16 @@ def test_sigkill_mid_promotion_then_restart_restores_the_same_step_everywhere(tm
 
     data = tmp_path / "data"
     tests = str(Path(__file__).parent)
-    history = []
-    for trial in range(KILL_TRIALS + 1):
-        before = {"local": _committed(data / "local" / "0"), "shared": _committed(data / "shared")}
-        out = tmp_path / f"run{trial}"
-        out.mkdir()
-        res = run_isolated(KILL_RUN.format(tests=tests, ws=WS, tmp=str(tmp_path), data=str(data), out=str(out),
-                                           seed=trial), timeout=420, memory_mb=16384)
-        assert not res.timed_out, res.describe()
-        restored = {}
-        for r in range(WS):
-            f = out / f"restore.rank{r}.json"
-            assert f.exists(), f"trial {trial}: rank {r} never finished its restore\n{res.describe()}"
-            restored[r] = __import__("json").loads(f.read_text())
-        history.append((before, restored, res.result))
+    # one isolated child runs every restart (the ranks of all of them fork from its forkserver)
+    res = run_isolated(KILL_RUN.format(tests=tests, tmp=str(tmp_path), data=str(data), trials=KILL_TRIALS),
+                       timeout=300 * (KILL_TRIALS + 1), memory_mb=16384)
+    assert not res.timed_out and res.result is not None, res.describe()
+    history = res.result
+    for trial, run in enumerate(history):
+        before, restored = run["before"], run["restored"]
+        assert run["ended"] != "TimeoutError", f"trial {trial}: the ranks hung {history}"
+        for r, facts in restored.items():
+            assert facts is not None, f"trial {trial}: rank {r} never finished its restore\n{res.describe()}"
         steps = {v["step"] for v in restored.values()}
         assert len(steps) == 1, f"trial {trial}: ranks restored different steps {restored}"
         step = steps.pop()

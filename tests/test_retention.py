@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -116,7 +117,7 @@ def test_gc_dry_run_lists_exactly_what_retention_deletes(tmp_path: Path, templat
     try:
         for t in tiers:
             promoter.retention(t)
-        promoter.wait(timeout=120)
+        promoter.wait(timeout=scaled(120))
     finally:
         promoter.close(wait=False)
     assert before - on_disk(tiers) == would, f"{state}: gc --dry-run and the retention job disagree"
@@ -141,7 +142,7 @@ def test_pinned_and_own_steps_are_honoured_by_the_one_facts_builder(tmp_path: Pa
     before = on_disk(tiers)
     try:
         promoter.retention(tiers[0])
-        promoter.wait(timeout=120)
+        promoter.wait(timeout=scaled(120))
     finally:
         promoter.close(wait=False)
     assert before - on_disk(tiers) == {("local", s) for s in (0, 1, 2, 4)}

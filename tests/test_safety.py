@@ -25,6 +25,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
@@ -209,7 +210,7 @@ class Custom:
 
 
 def assert_not_created(marker: Path, wait: float = 0.0) -> None:
-    deadline = time.monotonic() + wait
+    deadline = time.monotonic() + scaled(wait)
     while True:
         assert not marker.exists(), f"the payload ran: {marker} was created"
         if time.monotonic() >= deadline:
@@ -257,7 +258,7 @@ def test_payloads_do_run_under_plain_pickle(tmp_path, name):
     marker = tmp_path / "ran"
     result = pickle.loads(_payloads(marker)[name])
     if isinstance(result, subprocess.Popen):
-        result.wait(30)
+        result.wait(scaled(30))
     assert marker.exists()
 
 

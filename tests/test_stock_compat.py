@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -346,7 +347,7 @@ def test_stock_readers_cannot_read_compressed_checkpoints_and_the_readme_says_wh
     # ... and the workaround the README gives works: convert, then stock tools read it.
     stock = tmp_path / "stock"
     res = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "convert", str(path), str(stock), "--codec", "stock"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         capture_output=True, text=True, timeout=scaled(300), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stderr
     out = blank_like(full_state())
     dcp.load(out, storage_reader=FileSystemReader(stock), no_dist=True)

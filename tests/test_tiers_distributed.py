@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from speed import scaled
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -237,7 +238,7 @@ def wait_bounded(ckpt: TieredCheckpointer) -> None:
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(WAIT_TIMEOUT)
+    t.join(scaled(WAIT_TIMEOUT))
     if t.is_alive():
         raise TimeoutError(f"TieredCheckpointer.wait() did not return within {WAIT_TIMEOUT} s")
     if "exc" in box:
@@ -363,13 +364,13 @@ def _crash_worker(rank: int, world_size: int, root: str, out: str, tests_dir: st
         rep = ckpt.maybe_save(CRASH_STEP, make_state(mesh, CRASH_STEP))
         assert rep is not None and rep.tiers == ["local", "shared", "third"], rep
         if rank == 0:  # rank 0's own copies are in place (its fragments name them) before it dies
-            deadline = time.monotonic() + WAIT_TIMEOUT
+            deadline = time.monotonic() + scaled(WAIT_TIMEOUT)
             want = [root_p / t / step_dir(CRASH_STEP) / ".__0_0.distcp.records.json" for t in ("shared", "third")]
             while not all(p.exists() for p in want):
                 assert time.monotonic() < deadline, f"rank 0 never promoted its data file: {want}"
                 time.sleep(0.05)
         else:
-            assert FaultyFS.faults.stalled.wait(WAIT_TIMEOUT), "rank 1's promotion never started"
+            assert FaultyFS.faults.stalled.wait(scaled(WAIT_TIMEOUT)), "rank 1's promotion never started"
 
     record(out_p, "crash_save", rank, crash_save)
     dist.barrier()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
@@ -102,7 +103,7 @@ def test_streaming_backends_write_the_same_bytes(tmp_path: Path, s3_bucket) -> N
 def test_async_save_through_the_vectored_path_loads_bit_exact(tmp_path: Path) -> None:
     sd = mixed_state()
     writer = CompressedWriter(str(tmp_path / "a"), frame_size=256 << 10)
-    dcp.async_save(sd, storage_writer=writer, no_dist=True).result(timeout=300)
+    dcp.async_save(sd, storage_writer=writer, no_dist=True).result(timeout=scaled(300))
     load_equal(sd, str(tmp_path / "a"))
 
 
