@@ -58,3 +58,15 @@ def test_a_crafted_tensor_size_is_refused_before_anything_is_allocated(tmp_path)
     (path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CorruptCheckpointError):
         CompressedCheckpointIO().load_checkpoint(path)
+
+
+@pytest.mark.parametrize("body", ['{"dcp_tiered_tier_ref": 1, "step": "7"}', '{"dcp_tiered_tier_ref": 1, "step": null}',
+                                  '{"dcp_tiered_tier_ref": 1, "step": [1]}', '{"dcp_tiered_tier_ref": 1, "step": -3}',
+                                  '{"dcp_tiered_tier_ref": 1, "step": ' + "[" * 3000 + "]" * 3000 + "}"])
+def test_a_malformed_tier_reference_is_a_library_error(tmp_path, body):
+    from dcp_tiered.errors import CorruptCheckpointError
+
+    path = tmp_path / "last.ckpt"
+    path.write_text(body)
+    with pytest.raises(CorruptCheckpointError, match="reference"):
+        CompressedCheckpointIO(checkpointer=[]).load_checkpoint(path)

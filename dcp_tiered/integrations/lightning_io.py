@@ -227,15 +227,26 @@ def _local(path: "str | os.PathLike[str]") -> bool:
 
 REF_KEY = "dcp_tiered_tier_ref"
 
-def parse_ref(head: bytes) -> dict[str, Any] | None:
-    """The reference in a file's first bytes, or None for anything else (a stock ``.ckpt``)."""
+def parse_ref(head: bytes, path: str = "") -> dict[str, Any] | None:
+    """The reference in a file's first bytes, or None for anything else (a stock ``.ckpt``).
+
+    Untrusted: a reference whose step is not a non-negative integer, or JSON nested too deep to
+    read, is a :class:`CorruptCheckpointError` naming the file."""
     if not head.startswith(b"{"):
         return None
     try:
         ref = json.loads(head)
-    except ValueError:
+    except (ValueError, RecursionError):
+        if head.lstrip(b"{[ \t\r\n").startswith(b'"' + REF_KEY.encode()) or REF_KEY.encode() in head[:4096]:
+            raise CorruptCheckpointError(f"{path}: a damaged dcp-tiered reference; restore another checkpoint") from None
         return None
-    return ref if isinstance(ref, dict) and ref.get(REF_KEY) == 1 else None
+    if not (isinstance(ref, dict) and ref.get(REF_KEY) == 1):
+        return None
+    step = ref.get("step")
+    if type(step) is not int or step < 0:
+        raise CorruptCheckpointError(f"{path}: a dcp-tiered reference whose step is {str(step)[:40]!r}, not a step "
+                                     "number; restore another checkpoint")
+    return ref
 
 def write_ref(path: str, step: int) -> None:
     """Atomically put a reference to ``step`` at local ``path`` (whatever was there is replaced)."""
@@ -355,7 +366,7 @@ class CompressedCheckpointIO(CheckpointIO):
 
     def _load_file(self, f: Any, path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         """A regular file: a reference into the tiers, or a stock ``torch.save`` checkpoint."""
-        ref = parse_ref(f.read(4096))
+        ref = parse_ref(f.read(4096), path)
         if ref is not None:
             return _map(self._load_routed(ref, path), map_location)
         f.seek(0)
