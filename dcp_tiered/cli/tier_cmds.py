@@ -8,6 +8,7 @@ from typing import Any
 from dcp_tiered.checks import INSTALL_TORCH, torch_available
 from dcp_tiered.cli.args import DEFAULT_KEEP, TIER_NAMES, add_tier_location_args, tiers_from_args
 from dcp_tiered.cli.output import (
+    EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_PROBLEMS,
     CliError,
@@ -100,15 +101,22 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_cost)
 
 
-def _check_reachable(tiers: list) -> None:
-    """Fail now, with the storage error, when a tier's bucket or endpoint cannot be reached.
+def _check_reachable(tiers: list, must_exist: bool = False) -> None:
+    """Fail now, with the storage error, when a tier's bucket or endpoint cannot be reached, and
+    (``must_exist``) when no tier's local directory exists at all: a mistyped path, not an empty tier.
 
     (``list_tiers`` logs unreachable tiers and goes on, which would print an empty listing.)
     """
     from dcp_tiered.tiers.topology import tier_storage
 
+    missing = []
     for t in tiers:
-        tier_storage(t).check_reachable()
+        store = tier_storage(t)
+        store.check_reachable()
+        if store.is_local and not t.node_local and not store.exists():
+            missing.append(f"tier {t.name!r}: {store.url}")
+    if must_exist and tiers and len(missing) == len(tiers):
+        raise CliError(f"{'; '.join(missing)} does not exist (a mistyped path?)", EXIT_NOT_FOUND)
 
 
 def _catalog(tiers: list) -> list:
@@ -166,7 +174,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     tiers, options = _ls_tiers(args)
     optim_keys = tuple(_file_options(args, options).optimizer_keys)  # what retention (gc) takes for optimizer state
     full = torch_available()  # without torch: names and sizes only (.metadata is a torch pickle)
-    _check_reachable(tiers)
+    _check_reachable(tiers, must_exist=True)
     infos, states = _ls_listing(tiers, full, getattr(args, "ranks_per_node", None))
     committed_on: dict[int, list[str]] = {}
     for i in infos:
@@ -273,7 +281,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from dcp_tiered.tiers.retention import Retention
 
     tiers, options = tiers_from_args(args)
-    _check_reachable(tiers)
+    _check_reachable(tiers, must_exist=True)
     opts = _file_options(args, options)  # what the checkpointer built from the same YAML uses
     grace = parse_grace(args.leftover_grace, "--leftover-grace") if args.leftover_grace is not None else opts.leftover_grace
     retention = Retention(tiers, leftover_grace=grace, optimizer_keys=opts.optimizer_keys)

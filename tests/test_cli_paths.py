@@ -1,0 +1,22 @@
+"""A mistyped tier path is an error, not an empty tier: ``ls`` and ``gc`` on a directory that does not
+exist said "no checkpoints" (or deleted nothing) and exited 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_tiered.cli.__main__ import main
+
+
+@pytest.mark.parametrize("command", [["ls"], ["gc", "--dry-run"]])
+def test_a_tier_path_that_does_not_exist_fails_with_exit_3(tmp_path, capsys, command):
+    missing = tmp_path / "no-such-dir"
+    assert main([*command, "--local-path", str(missing)]) == 3
+    err = capsys.readouterr().err
+    assert str(missing) in err and "does not exist" in err, err
+    assert not missing.exists()
+
+
+def test_an_existing_empty_tier_is_fine(tmp_path, capsys):
+    assert main(["ls", "--local-path", str(tmp_path)]) == 0
+    assert "no checkpoints" in capsys.readouterr().out
