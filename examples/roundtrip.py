@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import contextlib
 import tempfile
 import time
 
@@ -52,7 +53,7 @@ def dir_size(path: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--codec", default="zstd", help="none, lz4, zstd, zstd:N")
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--dir", default=None, help="where to write and keep the checkpoints (default: a temp dir, removed at the end)")
     args = ap.parse_args()
     weights = minilm_state()
     sets = {
@@ -60,14 +61,19 @@ def main() -> None:
         "MiniLM bf16": {k: v.bfloat16() for k, v in weights.items()},
         "Adam state": adam_state(weights),
     }
-    root = args.dir or tempfile.mkdtemp(prefix="dcp-tiered-demo-")
-    print(f"codec={args.codec}  writing under {root}")
+    with contextlib.ExitStack() as stack:
+        root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-tiered-roundtrip-"))
+        print(f"codec={args.codec}  writing under {root}{'' if args.dir else ' (removed at the end)'}")
+        _round_trips(sets, root, args.codec)
+
+
+def _round_trips(sets: dict, root: str, codec: str) -> None:
     print(f"{'state':<14}{'raw MB':>9}{'stored MB':>11}{'ratio':>8}{'save MB/s':>11}{'load MB/s':>11}  equal")
     for name, sd in sets.items():
         path = os.path.join(root, name.replace(" ", "_"))
         raw = sum(t.numel() * t.element_size() for t in sd.values())
         t0 = time.perf_counter()
-        dcp.save(sd, storage_writer=CompressedWriter(path, codec=args.codec, overwrite=True), no_dist=True)
+        dcp.save(sd, storage_writer=CompressedWriter(path, codec=codec, overwrite=True), no_dist=True)
         t1 = time.perf_counter()
         out = {k: torch.empty_like(v) for k, v in sd.items()}
         dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)
