@@ -246,6 +246,7 @@ def test_over_budget_save_writes_nothing_and_later_saves_work(shm_dir, tmp_path)
     with TieredCheckpointer([mem, disk]) as ck:
         small = _state(1, 64 * 1024)  # ~0.3 MiB
         ck.save_now(1, small)
+        ck.wait()  # step 1's promotion rewrites its intent as it goes: compare after it is done
         before = _files(shm_dir / "ckpt")
         with pytest.raises(SaveError) as info:
             ck.maybe_save(2, _state(2, 1 << 20))  # 4 MiB of float32 alone

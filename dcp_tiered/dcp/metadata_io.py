@@ -140,7 +140,7 @@ def _unpacked(md: Metadata, source: str) -> None:
 #: (decoded objects take about 28 times the encoded bytes).
 _DECODED: "collections.OrderedDict[bytes, tuple[Metadata, int, int]]" = collections.OrderedDict()
 _DECODED_LOCK = threading.Lock()
-DECODE_CACHE_ENTRIES = 4
+DECODE_CACHE_ENTRIES = 16
 #: Bound of the decoded objects held, estimated as :data:`DECODED_PER_BYTE` times the encoded bytes.
 DECODE_CACHE_BYTES = 1 << 30
 DECODED_PER_BYTE = 32
