@@ -42,7 +42,7 @@ from dcp_tiered.tiers.replicas.markers import is_replicated, marker_files, marke
 from dcp_tiered.tiers.replicas import stream
 from dcp_tiered.tiers.replicas.stream import FileEntry, broadcast_header, check_group, file_digest, stream_file
 from dcp_tiered.tiers.retention import save_writers
-from dcp_tiered.tiers.topology import check_replication, clique_peers, jump_of, local_world, step_dir
+from dcp_tiered.tiers.topology import check_replication, jump_of, local_world, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +258,8 @@ class Replicator:
     def state(self, step: int) -> dict[str, Any]:
         """Per replicated tier, as this rank sees ``step``: in flight here, this rank's clique, the owners
         whose committed replica markers this node holds, and ``replicated``
-        (:func:`~dcp_tiered.tiers.replicas.markers.is_replicated` for the clique peers of this directory's
-        ranks, as retention judges it)."""
+        (:func:`~dcp_tiered.tiers.replicas.markers.is_replicated` for this rank's clique peers: what its own
+        replication brought; retention asks the same rule for every rank of the directory)."""
         out: dict[str, Any] = {}
         for name, (clique, _g) in self.plans.items():
             child = step_dir(self.tiers[name], self.rank, step)
@@ -268,7 +268,7 @@ class Replicator:
                 save_id, writers = save_writers(child)
             except DcpTieredError:
                 save_id, writers = None, None
-            peers = clique_peers(self.tiers[name], self.rank, self.world)
+            peers = [r for r in clique if r != self.rank]  # this rank's own replication (its wait covers it)
             out[name] = {"in_flight": step in self.busy_steps(name), "clique": clique, "markers": sorted(markers),
                          "replicated": is_replicated(markers, peers, save_id, child.file_sizes(), writers)}
         return out
