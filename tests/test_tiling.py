@@ -59,7 +59,7 @@ def layouts(draw):
     return size, boxes
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_tiling_problem_agrees_with_brute_force(layout):
     size, boxes = layout
@@ -74,8 +74,8 @@ def test_many_chunks_each_once_pass_and_a_duplicate_in_place_of_another_is_refus
     assert "overlap" in tiling_problem((4096, 8), boxes)
 
 
-def test_a_2d_grid_of_a_million_chunks_is_checked_in_linear_work():
-    rows, cols = 1024, 1024
+def test_a_2d_grid_of_many_chunks_is_checked_in_linear_work():
+    rows, cols = 512, 512
     boxes = [((r, c), (1, 1)) for r in range(rows) for c in range(cols)]
     assert tiling_problem((rows, cols), boxes) is None
 
