@@ -206,7 +206,11 @@ def save_state(accelerator: Any, checkpointer: Any = None, step: int | None = No
     if implicit:
         step = int(pc.iteration)
     output_dir = _output_dir(ck, step, force) if accelerator._save_model_state_pre_hook else None
-    report = ck.maybe_save(step, lambda: _payload(accelerator, extra, output_dir), force=force)
+    snapshot = OptimizerSnapshot(_optimizers(accelerator))  # the state-dict helper steps fresh ones at lr 0
+    try:
+        report = ck.maybe_save(step, lambda: _payload(accelerator, extra, output_dir), force=force)
+    finally:  # the save holds its copy (async: staged): the live optimizers go back as they were
+        snapshot.undo()
     if implicit or report is not None:
         pc.iteration = step + 1
     return report
