@@ -20,3 +20,23 @@ def test_a_tier_path_that_does_not_exist_fails_with_exit_3(tmp_path, capsys, com
 def test_an_existing_empty_tier_is_fine(tmp_path, capsys):
     assert main(["ls", "--local-path", str(tmp_path)]) == 0
     assert "no checkpoints" in capsys.readouterr().out
+
+
+def test_progress_counts_items_as_integers(capsys):
+    import io
+    import sys
+
+    from dcp_tiered.cli import output
+
+    class FakeTTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    saved, sys.stderr = sys.stderr, FakeTTY()
+    try:
+        with output.progress(206, "gc") as bar:
+            bar.refresh()
+        text = sys.stderr.getvalue()
+    finally:
+        sys.stderr = saved
+    assert "0/206 " in text and "206.0" not in text, text

@@ -166,7 +166,9 @@ def progress(total: float, desc: str = "", unit: str = "", enabled: bool | None 
     from tqdm import tqdm
 
     on = sys.stderr.isatty() if enabled is None else enabled
-    return tqdm(total=max(float(total), 0.0), desc=desc, unit=unit or "it", unit_scale=unit == "B",
+    count = max(total, 0)
+    count = int(count) if float(count).is_integer() else float(count)  # "0/206", not "0/206.0"
+    return tqdm(total=count, desc=desc, unit=unit or "it", unit_scale=unit == "B",
                 unit_divisor=1024 if unit == "B" else 1000, disable=not on, file=sys.stderr,
                 leave=False, mininterval=0.2)
 
