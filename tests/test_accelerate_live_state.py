@@ -40,3 +40,25 @@ def test_save_state_before_the_first_step_changes_nothing(tmp_path):
     with_save, without = _run(tmp_path / "a", True), _run(tmp_path / "b", False)
     assert with_save[1] == without[1] == [5.0] * len(without[1]), (with_save[1], without[1])
     assert all(torch.equal(a, b) for a, b in zip(with_save[0], without[0]))
+
+
+def test_a_save_pre_hook_can_write_next_to_the_checkpoint(tmp_path):
+    """Accelerate creates ``output_dir`` before it calls the save hooks; the documented hook pattern
+    writes a file there (it failed: the directory did not exist yet)."""
+    accelerator = Accelerator(cpu=True)
+    accelerator.free_memory()
+    net = torch.nn.Linear(3, 2)
+    model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+    def hook(models, weights, output_dir):
+        with open(f"{output_dir}/hook.json", "w") as f:
+            f.write("{}")
+
+    handle = accelerator.register_save_state_pre_hook(hook)
+    try:
+        with TieredCheckpointer([Tier("local", str(tmp_path / "tier"))]) as ck:
+            assert integration.save_state(accelerator, ck, 3, force=True).ok
+        assert (tmp_path / "tier" / "step_000000003" / "hook.json").is_file()
+        assert (tmp_path / "tier" / "step_000000003" / ".metadata").is_file()
+    finally:
+        handle.remove()

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 import accelerate  # noqa: F401 - fail at import when the extra is missing
+import fsspec
 import torch
 
 from dcp_tiered.dcp.reader import CompressedReader
@@ -179,6 +180,8 @@ def _payload(accelerator: Any, extra: Extra, output_dir: str | None) -> dict[str
     sd = state_dict(accelerator, extra() if callable(extra) else extra)
     hooks = list(accelerator._save_model_state_pre_hook.values())
     if hooks:
+        if output_dir is not None and fsspec.core.split_protocol(output_dir)[0] in (None, "file", "local"):
+            os.makedirs(fsspec.core.strip_protocol(output_dir), exist_ok=True)  # as accelerate: hooks may write there
         weights = [sd.pop(_model_key(i)) for i in range(len(accelerator._models))]
         for hook in hooks:
             hook(accelerator._models, weights, output_dir)
