@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from dcp_tiered.errors import ConfigError, DcpTieredError
-from dcp_tiered.names import METADATA_FILE, rank_of_file
+from dcp_tiered.names import METADATA_FILE
 from dcp_tiered.ranks import local_world
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.catalog import CheckpointInfo, inspect_checkpoint, list_tier
@@ -75,8 +75,7 @@ def replicated_infos(tier: Tier, index: int, with_metadata: bool) -> list[Checkp
 
 def _step_facts(child: Storage) -> dict[str, Any]:
     """One directory's step: committed, its save id and the ranks of its records, the markers in it."""
-    from dcp_tiered.dcp.format import record_view
-    from dcp_tiered.dcp.metadata_io import load_metadata
+    from dcp_tiered.tiers.retention import save_writers  # reads .metadata: torch
 
     files = child.file_sizes()
     facts: dict[str, Any] = {"url": child.url, "committed": METADATA_FILE in files, "files": files,
@@ -86,9 +85,7 @@ def _step_facts(child: Storage) -> dict[str, Any]:
     facts["markers"] = read_markers(child)
     if facts["committed"]:
         try:
-            md = load_metadata(child)
-            facts["save_id"] = getattr(md.storage_meta, "save_id", None)
-            facts["ranks"] = {r for v in md.storage_data.values() if (r := rank_of_file(record_view(v).file)) is not None}
+            facts["save_id"], facts["ranks"] = save_writers(child)
         except DcpTieredError as exc:
             facts["problem"] = str(exc)
     return facts

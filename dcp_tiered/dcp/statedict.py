@@ -3,7 +3,8 @@ and ``Stateful`` objects (anything with ``state_dict()``/``load_state_dict()``) 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+import copy
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -152,26 +153,25 @@ def _stateful_objects(value: Any, depth: int = 0) -> list[Any]:
     return [s for v in items for s in _stateful_objects(v, depth + 1)]
 
 
-def fresh_optimizers(state_dict: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+def reachable_optimizers(state_dict: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     """The optimizers reachable from the ``Stateful`` objects of ``state_dict`` (through attributes, lists,
-    tuples and dicts, a few levels deep; modules and tensors are not entered) that have not stepped yet:
-    an empty ``state``.
+    tuples and dicts, a few levels deep; modules, tensors and large containers are not entered).
 
-    ``get_state_dict`` (which the DCP tutorial's ``AppState.state_dict()`` calls) initialises such an
-    optimizer with a zero-lr step, so a save, or a restore that found nothing, would leave Adam at
-    ``step=1`` and change the run; :func:`reset_fresh` gives them their empty state back.  (Step hooks
-    registered on the optimizer run during that step too; they cannot be undone here.)"""
+    ``get_state_dict`` (which the DCP tutorial's ``AppState.state_dict()`` calls) initialises an
+    optimizer that has not stepped yet with a zero-lr step, so a save, or a restore that found
+    nothing, would leave Adam at ``step=1`` and change the run: take an :class:`OptimizerSnapshot`
+    of them first.  (Step hooks registered on the optimizer run during that step too; they cannot
+    be undone.)"""
     found: dict[int, torch.optim.Optimizer] = {}
     seen: set[int] = set()
     todo: list[tuple[Any, int]] = [(obj, 0) for obj in _stateful_objects(state_dict)]
-    while todo and len(seen) < 100_000:
+    while todo:
         value, depth = todo.pop()
         if id(value) in seen or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float)):
             continue
         seen.add(id(value))
         if isinstance(value, torch.optim.Optimizer):
-            if not value.state:
-                found[id(value)] = value
+            found[id(value)] = value
             continue
         if depth >= 4:
             continue
@@ -181,12 +181,29 @@ def fresh_optimizers(state_dict: Mapping[str, Any]) -> list[torch.optim.Optimize
             children = value
         else:
             children = getattr(value, "__dict__", {}).values()
-        todo += [(c, depth + 1) for c in children]
+        if len(children) <= _MAX_CHILDREN:  # a data loader's long list holds no optimizer: not walked
+            todo += [(c, depth + 1) for c in children]
     return list(found.values())
 
 
-def reset_fresh(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Undo the zero-lr initialisation of :func:`fresh_optimizers` once the state was copied or not used:
-    the lr-0 step changed no parameter and left no gradient, so an empty ``state`` is the state before."""
-    for optim in optimizers:
-        optim.state.clear()
+#: Containers with more entries than this are not searched for optimizers (the walk stays cheap per save).
+_MAX_CHILDREN = 1024
+
+
+class OptimizerSnapshot:
+    """Undo the state initialisation DCP's ``get_state_dict`` does (a zero-lr step) on the given
+    optimizers that have not stepped yet: their state, hyper-parameters and gradients as before."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        self.saved = [copy.deepcopy(o.state_dict()) if not o.state else None for o in self.optimizers]
+        self.grads = [[p.grad for g in o.param_groups for p in g["params"]] for o in self.optimizers]
+
+    def undo(self) -> None:
+        for o, saved, grads in zip(self.optimizers, self.saved, self.grads):
+            if saved is not None:
+                o.load_state_dict(saved)
+                o.state.clear()
+                params = [p for g in o.param_groups for p in g["params"]]
+                for p, g in zip(params, grads):
+                    p.grad = g

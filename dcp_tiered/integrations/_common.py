@@ -3,7 +3,6 @@ gathering/applying model and optimizer state through ``torch.distributed.checkpo
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dcp_tiered.dcp.statedict import OptimizerSnapshot  # noqa: F401 - the integrations use it from here
 from dcp_tiered.errors import ConfigError
 from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 from dcp_tiered.tiers.config import Tier
@@ -64,24 +64,6 @@ def apply_model_state(model: torch.nn.Module, sd: dict[str, Any]) -> None:
 
 def apply_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     set_optimizer_state_dict(model, optimizer, sd)
-
-
-class OptimizerSnapshot:
-    """Undo the state initialization of :func:`optimizer_state` when nothing was restored."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.optimizers = list(optimizers)
-        self.saved = [copy.deepcopy(o.state_dict()) if not o.state else None for o in self.optimizers]
-        self.grads = [[p.grad for g in o.param_groups for p in g["params"]] for o in self.optimizers]
-
-    def undo(self) -> None:
-        for o, saved, grads in zip(self.optimizers, self.saved, self.grads):
-            if saved is not None:
-                o.load_state_dict(saved)
-                o.state.clear()
-                params = [p for g in o.param_groups for p in g["params"]]
-                for p, g in zip(params, grads):
-                    p.grad = g
 
 
 def to_json(value: Any, what: str) -> str:

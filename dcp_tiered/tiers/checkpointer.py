@@ -33,7 +33,7 @@ from dcp_tiered.checks import check_timeout
 from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.planners import DowncastSavePlanner
 from dcp_tiered.dcp.save_stats import stats_from_records
-from dcp_tiered.dcp.statedict import expand_stateful, fresh_optimizers, reset_fresh
+from dcp_tiered.dcp.statedict import OptimizerSnapshot, expand_stateful, reachable_optimizers
 from dcp_tiered.errors import ConfigError, MemoryBudgetError, SaveError
 from dcp_tiered.storage.retry import RetryPolicy
 from dcp_tiered.tiers.catalog import CheckpointInfo, list_tiers
@@ -239,13 +239,13 @@ class TieredCheckpointer:
         return self._save(step, state_dict, due, full)
 
     def _save(self, step: int, state_dict: Mapping[str, Any], due: Sequence[str], full: bool, waited: float = 0.0) -> SaveReport:
-        fresh = fresh_optimizers(state_dict)  # DCP's get_state_dict would step them at lr 0: undone below
+        fresh = OptimizerSnapshot(reachable_optimizers(state_dict))  # DCP's get_state_dict steps fresh ones at lr 0
         try:
             sd, with_optim = self._payload(step, state_dict, full)
             use_async, self._sync_next = self.options.async_save and not self._sync_next, False
             return self._write(sd, SaveReport(step, list(due), with_optim, use_async, state_bytes(sd), waited_s=waited))
         finally:  # the save holds its copy now (async: staged), so the live state goes back as it was
-            reset_fresh(fresh)
+            fresh.undo()
 
     def _check_budget(self, sd: Mapping[str, Any], report: SaveReport) -> None:
         """A memory tier refusing the save of ``report`` by this checkpointer, decided on every
@@ -485,15 +485,15 @@ class TieredCheckpointer:
         if step is not None:
             check_step(step)
         self._finish_inflight(wait=True)
-        fresh = fresh_optimizers(state_dict)  # untouched again unless a checkpoint is loaded into them
+        fresh = OptimizerSnapshot(reachable_optimizers(state_dict))  # undone unless a checkpoint is loaded
         try:
             try:
                 found = self._restorer.restore(state_dict, step, broadcast, bucket_bytes)
             except BaseException:
-                reset_fresh(fresh)
+                fresh.undo()
                 raise
             if found is None:
-                reset_fresh(fresh)
+                fresh.undo()
                 return None
             restored, tiers = found
             self.schedule.restored(restored, self.clock(), tiers)  # the schedules count from the restored step
