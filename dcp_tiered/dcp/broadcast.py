@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.storage import StorageReader
 
+from dcp_tiered.dcp.agree import failures
 from dcp_tiered.dcp.bucket_broadcast import broadcast_tensors
 from dcp_tiered.dcp.objects import normalize_safe_globals
 from dcp_tiered.dcp.reader import CompressedReader
@@ -317,11 +318,9 @@ def _agree_on_structure(desc: list, mine: dict[Path_, Any], leader: bool, g: _Gr
             problem = _mismatch(desc, mine)
         except ConfigError as exc:
             problem = str(exc)
-    problems: list[Any] = [None] * len(g.ranks)
-    dist.all_gather_object(problems, problem, group=g.group)
-    bad = {r: p for r, p in zip(g.ranks, problems) if p is not None}
-    if bad:
-        detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items()))
+    count, bad = failures(problem, g.group)
+    if count:
+        detail = "; ".join(f"rank {g.ranks[r]}: {p}" for r, p in bad) + (f"; and {count - len(bad)} more" if count > len(bad) else "")
         raise ConfigError(f"load_and_broadcast: state dicts differ from the leader's (rank {g.leader}): {detail}")
 
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dcp_tiered.dcp.agree import agree, failures
 from dcp_tiered.dcp.broadcast import load_and_broadcast
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
@@ -174,20 +174,22 @@ class Restorer:
                             list_tier(tier, i, self.rank, self.node, with_metadata=False))
             except Exception:  # noqa: BLE001 - decided by the full restore, which reports it
                 found = True
-        return not any(self._gather(found))
+        return not self._agree(found, any)
 
-    def _gather(self, value: Any) -> list[Any]:
-        """``value`` of every rank (one all-gather on the listing group), or ``[value]`` alone."""
-        if not self.distributed:
-            return [value]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.list_group)
-        return out
+    def _agree(self, value: Any, decide: Callable[[list[Any]], Any]) -> Any:
+        """``decide`` over every rank's ``value`` (gathered on the coordinator only: O(N) bytes), the same
+        answer on every rank."""
+        return agree(value, decide, self.list_group, alone=not self.distributed)
+
+    def _failures(self, error: "str | None") -> tuple[int, list[tuple[int, str]]]:
+        """How many ranks report an error, and the first few ``(rank, error)``: the same on every rank."""
+        return failures(error, self.list_group, alone=not self.distributed)
 
     def _agree_candidates(self, plain: dict[str, Any], step: int | None, pinned: set[Candidate], unlisted: list[str],
                           precheck: dict[str, Any] | None) -> tuple[list[Candidate], dict[Candidate, str], bool]:
-        """The candidate list every rank agrees on (one all-gather), the rejected ones with why,
-        and whether any committed checkpoint exists; listing problems of any rank go to ``unlisted``."""
+        """The candidate list every rank agrees on (decided on the coordinator over every rank's view), the
+        rejected ones with why, and whether any committed checkpoint exists; listing problems of any rank
+        go to ``unlisted``."""
         problems: list[str] = []
         held: list[peer_fetch.Held] = []
         view: list[View] = []
@@ -199,19 +201,29 @@ class Restorer:
             held = peer_fetch.holdings(self.tiers, self.rank, self.node) if self.replicator.plans else []
         except Exception as exc:  # noqa: BLE001
             problems.append(f"listing the replicas failed: {describe_error(exc)}")
-        views = self._gather((view, problems, held))
+        candidates, reasons, found, lines, fetch = self._agree((view, problems, held), lambda views: self._decide(views, step))
+        unlisted.extend(line for line in lines if line not in unlisted)
+        self._fetch.update(fetch)
+        return candidates, reasons, found
+
+    def _decide(self, views: list[Any], step: int | None) -> tuple:
+        """The coordinator's decision over every rank's ``(view, problems, held)``: the usable candidates in
+        restore order, why each other one is not, whether any exists, every rank's listing problems and
+        the plans of the candidates usable through peers."""
+        lines: list[str] = []
         seen: dict[Candidate, dict[int, str | None]] = {}
         save_ids: dict[Candidate, set[str | None]] = {}
         for rank, (v, probs, _held) in enumerate(views):
             for p in probs:
                 line = f"rank {rank}: {p}" if self.distributed else p
-                if line not in unlisted:
-                    unlisted.append(line)
+                if line not in lines:
+                    lines.append(line)
             for s, i, why, save_id in v:
                 seen.setdefault((s, i), {})[rank] = why
                 save_ids.setdefault((s, i), set()).add(save_id)
         usable: list[Candidate] = []
         reasons: dict[Candidate, str] = {}
+        fetch: dict[Candidate, peer_fetch.Plan] = {}
         for (s, i), by_rank in seen.items():
             if step is not None and s != step:
                 reasons[(s, i)] = f"not the requested step {step}"
@@ -221,31 +233,30 @@ class Restorer:
                             for r in range(len(views)) if by_rank.get(r, "") is not None]
                 if not problems and len(save_ids[(s, i)]) > 1:  # the nodes committed different saves of the step
                     problems = [f"the nodes hold different saves of this step (save ids {sorted(map(str, save_ids[(s, i)]))})"]
-                elif problems and self._through_peers((s, i), by_rank, save_ids[(s, i)], [h for _v, _p, h in views]):
-                    problems = []
+                elif problems:
+                    plan = self._through_peers((s, i), by_rank, save_ids[(s, i)], [h for _v, _p, h in views])
+                    if plan is not None:
+                        fetch[(s, i)], problems = plan, []
             else:
                 problems = [by_rank[0]] if by_rank.get(0) is not None else []
             if problems:
                 reasons[(s, i)] = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} ranks)" if len(problems) > 3 else "")
             else:
                 usable.append((s, i))
-        return restore_order(usable), reasons, bool(seen)
+        return restore_order(usable), reasons, bool(seen), lines, fetch
 
     def _through_peers(self, cand: Candidate, by_rank: dict[int, str | None], save_ids: set[str | None],
-                       held: list[list[peer_fetch.Held]]) -> bool:
-        """Whether the ranks lacking node-local candidate ``cand`` can fetch their files from clique peers
-        holding committed replicas (then :meth:`_prepare` fetches them); every rank decides alike."""
+                       held: list[list[peer_fetch.Held]]) -> "peer_fetch.Plan | None":
+        """The plan by which the ranks lacking node-local candidate ``cand`` fetch their files from clique
+        peers holding committed replicas (:meth:`_prepare` fetches them), or None where they cannot."""
         if self.replicator.group_of(self.tiers[cand[1]].name) is None or len(save_ids - {None}) != 1:
-            return False
+            return None
         if any(why is not None and why.startswith(NEEDS_OTHERS) for why in by_rank.values()):
-            return False  # the fetch would bring the rank's own files, not the other node's it needs
-        ok = [r for r in range(len(held)) if r in by_rank and by_rank[r] is None]
+            return None  # the fetch would bring the rank's own files, not the other node's it needs
+        ok = {r for r, why in by_rank.items() if why is None}
         lacking = [r for r in range(len(held)) if r not in ok]
         cliques = [c for c, _g in self.replicator.all_groups[self.tiers[cand[1]].name]]
-        plan = peer_fetch.plan_fetch(cand, lacking, ok, next(iter(save_ids - {None})), held, cliques)
-        if plan is not None:
-            self._fetch[cand] = plan
-        return plan is not None
+        return peer_fetch.plan_fetch(cand, lacking, ok, next(iter(save_ids - {None})), held, cliques)
 
     def _lacking(self, tier: Tier, info: Any, state_dict: dict[str, Any], own: Callable[[str], bool]) -> str | None:
         """Why this rank cannot load the node-local checkpoint ``info`` from its own node, or None: its load
@@ -303,22 +314,23 @@ class Restorer:
                                                          clique_groups=self.replicator.all_groups[tier.name])
         except Exception as exc:  # noqa: BLE001 - a gloo timeout too: every rank must still gather below
             error = f"fetch failed: {describe_error(exc)}"
-        self._raise_failed(cand, self._gather(error))
+        self._raise_failed(cand, error)
         try:  # the node's .metadata only now that every receiving rank of every node verified its files
             error = peer_fetch.commit_node_metadata(tier, cand[0], plan, metadata, rank=self.rank, node=self.node)
         except Exception as exc:  # noqa: BLE001
             error = describe_error(exc)
-        self._raise_failed(cand, self._gather(error))
+        self._raise_failed(cand, error)
         return received
 
-    def _raise_failed(self, cand: Candidate, errors: list[Any]) -> None:
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
+    def _raise_failed(self, cand: Candidate, error: "str | None") -> None:
+        """Raise on every rank where any rank's step of a fetch failed (collective)."""
+        count, failed = self._failures(error or None)
+        if count:
             raise RestoreError(f"fetching the files of step {cand[0]} from peers failed on rank {failed[0][0]}: "
                                f"{failed[0][1]}")
 
-    def _everywhere(self, fn: Callable[[], None]) -> list[tuple[int, str]]:
-        """Run ``fn`` on every rank; the ``(rank, error)`` of each rank where it failed, the same on every rank."""
+    def _everywhere(self, fn: Callable[[], None]) -> tuple[int, list[tuple[int, str]]]:
+        """Run ``fn`` on every rank; how many ranks failed and the first ``(rank, error)``, the same on every rank."""
         error = None
         try:
             fn()
@@ -326,7 +338,7 @@ class Restorer:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             error = describe_error(exc)
-        return [(r, e) for r, e in enumerate(self._gather(error)) if e is not None]
+        return self._failures(error)
 
     def _attempt(self, cand: Candidate, state_dict: dict[str, Any], broadcast: Any, bucket_bytes: int) -> str | None:
         """Load one candidate on every rank; None if every rank succeeded, else why (the same on every rank).
@@ -344,16 +356,16 @@ class Restorer:
             if not self._broadcasting(broadcast):  # with broadcast only each group's leader reads
                 opened["reader"] = CompressedReader(url, storage_options=tier.storage_options, **self.reader_options)
 
-        failed = self._everywhere(open_candidate)
-        if not failed:
-            failed = self._everywhere(lambda: self._load(opened["url"], tier, state_dict, broadcast, bucket_bytes,
-                                                         opened.get("reader")))
-        if not failed:
+        count, failed = self._everywhere(open_candidate)
+        if not count:
+            count, failed = self._everywhere(lambda: self._load(opened["url"], tier, state_dict, broadcast,
+                                                                bucket_bytes, opened.get("reader")))
+        if not count:
             peers = {"through_peers": True, "fetched_bytes": opened.get("fetched", 0)} if cand in self._fetch else {}
             self.events.emit({"event": "restore", "step": s, "tier": tier.name, "seconds": time.perf_counter() - t0,
                               **peers})
             return None
-        why = failed[0][1] if len(failed) == self.world else f"rank {failed[0][0]}: {failed[0][1]}"
+        why = failed[0][1] if count == self.world else f"rank {failed[0][0]}: {failed[0][1]}"
         self.failures += 1
         log.warning("restore: step %d on tier %s failed (%s); trying the next candidate", s, tier.name, why)
         self.events.emit({"event": "restore_failure", "step": s, "tier": tier.name, "error": why})

@@ -63,12 +63,21 @@ def plan_fetch(cand: tuple[int, int], lacking: Sequence[int], ok_ranks: Sequence
     ``ok_ranks`` (sees the candidate committed and whole) whose node holds a marker of that rank with
     ``save_id``.  None when some lacking rank has no holder (the candidate stays unusable)."""
     s, i = cand
+    if save_id is None:
+        return None
+    clique_of = {member: c for c in cliques for member in c}
+    ok = set(ok_ranks)
+    vouched: dict[int, set[int]] = {}  # holder -> owners it holds a marker of, of this candidate and save
+
+    def holds(h: int, r: int) -> bool:
+        if h not in vouched:
+            vouched[h] = {e[2] for e in held[h] if e[0] == i and e[1] == s and e[3] == save_id}
+        return r in vouched[h]
+
     plan: Plan = {}
     for r in lacking:
-        clique = next((c for c in cliques if r in c), [])
-        holder = next((h for h in clique if h != r and h in ok_ranks
-                       and any(e[:3] == (i, s, r) and e[3] == save_id for e in held[h])), None)
-        if holder is None or save_id is None:
+        holder = next((h for h in clique_of.get(r, ()) if h != r and h in ok and holds(h, r)), None)
+        if holder is None:
             return None
         plan[r] = holder
     return plan

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dcp_tiered.dcp.agree import agree
 from dcp_tiered.dcp.format import expected_sizes
 from dcp_tiered.errors import ConfigError, DcpTieredError, ReplicationError
 from dcp_tiered.names import rank_of_file
@@ -85,17 +86,22 @@ def _refused(entries: Sequence[FileEntry], metadata: Any, owner: int) -> str | N
 
 
 def agree_settings(tiers: Sequence[Tier], group: Any = None) -> None:
-    """All-gather every rank's replication settings (per tier: replicas, jump, ``LOCAL_WORLD_SIZE``) on
+    """Compare every rank's replication settings (per tier: replicas, jump, ``LOCAL_WORLD_SIZE``) on
     ``group`` (default: the default group); the same :class:`ConfigError` on every rank when they differ."""
     replicated = [(t.name, t.replicas, jump_of(t)) for t in tiers if t.replicas > 1]
     mine = replicated, local_world() if replicated else None  # ranks without replication may differ otherwise
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    odd = [r for r, theirs in enumerate(every) if theirs != every[0]]
-    if odd:
-        raise ConfigError(f"the ranks disagree on replication: rank 0 has {_settings(every[0])}, rank {odd[0]} "
-                          f"{_settings(every[odd[0]])} ({len(odd)} rank(s) differ); give every rank the same tiers "
-                          "(replicas, replication_jump) and LOCAL_WORLD_SIZE")
+
+    def differ(every: list[Any]) -> "str | None":
+        odd = [r for r, theirs in enumerate(every) if theirs != every[0]]
+        if not odd:
+            return None
+        return (f"the ranks disagree on replication: rank 0 has {_settings(every[0])}, rank {odd[0]} "
+                f"{_settings(every[odd[0]])} ({len(odd)} rank(s) differ); give every rank the same tiers "
+                "(replicas, replication_jump) and LOCAL_WORLD_SIZE")
+
+    problem = agree(mine, differ, group)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _settings(value: Any) -> str:
