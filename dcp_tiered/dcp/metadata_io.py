@@ -44,7 +44,7 @@ from dcp_tiered.dcp.format import (
     is_native_record,
 )
 from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import TABLE_FIELD, is_table, pack_storage, unpack_storage
+from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import tiling_problem
 from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError, UnsupportedFormatError
@@ -99,7 +99,7 @@ def _counts(md: Metadata) -> tuple[int, int]:
     """Storage records and tensor chunks of ``md`` (as decoded, or a table's declared row count)."""
     storage = getattr(md, "storage_data", None)
     sdm = getattr(md, "state_dict_metadata", None)
-    records = len(storage) if isinstance(storage, dict) else 0
+    records = len(storage) if isinstance(storage, (dict, PackedRecords)) else 0
     chunks = sum(len(c) for t in sdm.values() if type(c := getattr(t, "chunks", None)) is list) if isinstance(sdm, dict) else 0
     return records, chunks
 
@@ -107,14 +107,19 @@ def _counts(md: Metadata) -> tuple[int, int]:
 def _packed(metadata: Metadata) -> Metadata:
     """``metadata`` as format 2 stores it: records, items and planner paths as tables in the head record."""
     sdm, storage = metadata.state_dict_metadata, metadata.storage_data
-    if type(sdm) is not dict or type(storage) is not dict:
+    if type(storage) is PackedRecords:  # packed once by the writer's finish, for the broadcast too
+        packed = dict(storage.packed)
+        if not is_table(packed):
+            return _as_dict(metadata, packed)
+    elif type(sdm) is not dict or type(storage) is not dict:
         return metadata
-    packed = pack_storage(sdm, storage)
-    if packed is storage:
-        return metadata
-    out = copy.copy(metadata)
-    out.storage_data = packed
+    else:
+        packed = pack_storage(sdm, storage)
+        if packed is storage:
+            return metadata
+    out = _as_dict(metadata, packed)
     first, head = next(iter(packed.items()))
+    packed[first] = head = dict(head)  # the head gains the item tables; the caller's stays as it was
     items = pack_items(sdm)
     if items is not None:
         head["items"] = items
@@ -122,6 +127,12 @@ def _packed(metadata: Metadata) -> Metadata:
         paths = pack_paths(metadata.planner_data, list(sdm))
         if paths is not None:
             head["paths"], out.planner_data = paths, None
+    return out
+
+
+def _as_dict(metadata: Metadata, storage: dict) -> Metadata:
+    out = copy.copy(metadata)
+    out.storage_data = storage
     return out
 
 

@@ -33,6 +33,7 @@ from dcp_tiered.dcp.format import (
     expected_sizes, record_view,
 )
 from dcp_tiered.dcp.metadata_io import encode_metadata
+from dcp_tiered.dcp.record_table import PackedRecords
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
 from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
@@ -142,8 +143,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         threads: compression threads (default: cores of this node divided by its ranks).
         overwrite: replace a committed checkpoint at ``path`` instead of refusing.
         sync_files: fsync data files on local filesystems before committing.
-        check_sizes: before committing, check every data file's size from the coordinator
-            (turn off only where other ranks' files are not visible to it, e.g. node-local disks).
+        check_sizes: each rank checks that its data file, once written, has the size its records
+            need, as the storage reports it (a failure fails the save before anything is committed).
         nice: encode and write on threads of their own at this lower CPU priority, relative to
             the process's main thread; the calling thread keeps its priority
             (``TieredCheckpointer`` uses it for background saves, so training keeps the cores).
@@ -291,7 +292,10 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         file_name = data_file(prefix)
         def write() -> list[WriteResult]:
             try:
-                return self._write_file(file_name, plan.items, planner)
+                results = self._write_file(file_name, plan.items, planner)
+                if self.check_sizes:
+                    self._check_written(results)
+                return results
             except BaseException:
                 # This save fails everywhere (DCP gathers the failure): let a retry claim the path.
                 # A failure on another rank leaves the coordinator's lock until this writer is
@@ -308,15 +312,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             for wr in wr_list:
                 storage_md[wr.index] = wr.storage_data
                 views[wr.index] = record_view(wr.storage_data)
-        expected = expected_sizes(views.values())
-        for name, size in expected.items() if self.check_sizes else ():
-            actual = self.storage.size(name)
-            if actual != size:
-                raise StorageError(
-                    f"data file {self.storage.url_of(name)} has {actual} bytes, expected {size}; "
-                    "the save did not complete, nothing was committed"
-                )
-        metadata.storage_data = storage_md
+        expected = expected_sizes(views.values())  # each rank checked its own files (write_data)
+        metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md)
         metadata.storage_meta = self.storage_meta()
         committed = False
         try:
@@ -334,6 +331,17 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.url, save_id=self.save_id)
+
+    def _check_written(self, results: list[WriteResult]) -> None:
+        """This rank's data file, once written, has the size its records need, as the storage sees it: a
+        check of every rank's own file (the coordinator stat-ing each in turn would keep every rank waiting)."""
+        for name, size in expected_sizes(record_view(r.storage_data) for r in results).items():
+            actual = self.storage.size(name)
+            if actual != size:
+                raise StorageError(
+                    f"data file {self.storage.url_of(name)} has {actual} bytes once written, expected {size}; "
+                    "the save did not complete, nothing was committed"
+                )
 
     # -- encoding -------------------------------------------------------------------
 

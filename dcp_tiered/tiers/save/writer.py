@@ -225,7 +225,7 @@ class TieredWriter(StorageWriter):
         self._plan_tiers = tp.tiers
         primary = self.by_name[tp.tiers[0]]
         kwargs: dict[str, Any] = {"storage_options": primary.storage_options, "threads": self.threads,
-                                  "check_sizes": not primary.node_local, "nice": self.nice,
+                                  "nice": self.nice,
                                   "cpu_slots": self.cpu_slots}
         if self.frame_size:
             kwargs["frame_size"] = self.frame_size
