@@ -356,3 +356,64 @@ def test_nested_state_round_trips_through_all_three_tables(tmp_path: Path) -> No
     dcp.load(back, storage_reader=CompressedReader(tmp_path / "ours"), no_dist=True)
     assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["epoch"] == 7
     assert back["optim"]["param_groups"] == state["optim"]["param_groups"]
+
+
+_MUTABLE = {
+    "raw": st.one_of(st.integers(0, 1 << 20), st.sampled_from([1 << 62, 2**64 - 1])),
+    "offset": st.sampled_from([0, (1 << 62) - 1, 1 << 62, 2**64 - 1]),
+    "itemsize": st.sampled_from([0, 1, 2, 3, 4, 8, 16, 32]),
+    "frame": st.sampled_from([0, 1, 4095, 4096, 4097, 1 << 40]),
+    "frames": st.integers(0, 2**64 - 1),
+    "dtype": st.sampled_from(["float32", "bfloat16", "int8", "float128", "nonsense"]),
+    "codec": st.sampled_from(["none", "lz4", "zstd:1", "zstd:99", "gzip"]),
+    "filter": st.sampled_from([*FILTERS, "nonsense"]),
+    "file": st.sampled_from(["__1_0.distcp", "../escape.distcp", "/abs.distcp", "a/../../b"]),
+    "fmt": st.sampled_from([1, 2, 3]),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(records(), min_size=1, max_size=5), st.data())
+def test_the_table_row_checks_refuse_what_the_record_checks_refuse(recs: list, data: st.DataObject) -> None:
+    """``unpack_storage(..., checkpoint=)`` checks a table's rows over its columns; it must refuse a table
+    exactly when one of its records fails the per-record checks (``check_record``, the file name, the kind
+    against the tensor table): one mutated field of one record, any value that still packs."""
+    from dcp_tiered.dcp.format import check_against_chunks, chunk_sizes
+    from dcp_tiered.dcp.record_table import _check_one
+
+    sdm, storage = _layout(recs, data)
+    tabled = [i for i, r in storage.items() if type(r) is dict and "future_field" not in r]
+    if not tabled:
+        return
+    index = data.draw(st.sampled_from(tabled))
+    rec = dict(storage[index])
+    field = data.draw(st.sampled_from(sorted(_MUTABLE)))
+    value = data.draw(_MUTABLE[field])
+    if field == "frames":
+        if not rec["frames"]:
+            return
+        at = data.draw(st.integers(0, len(rec["frames"]) - 1))
+        rec["frames"] = (*rec["frames"][:at], value, *rec["frames"][at + 1:])
+        rec["length"] = sum(rec["frames"])
+    elif field == "dtype" and "dtype" not in rec:
+        return
+    else:
+        rec[field] = value
+    storage[index] = rec
+    packed = pack_storage(sdm, storage)
+    if not is_table(packed):
+        return
+    rows = list(unpack_storage(sdm, packed, "ckpt/.metadata").items())[:next(iter(packed.values()))["table"]["n"]]
+    try:
+        for row in rows:
+            _check_one(row, sdm, "ckpt", None)
+            check_against_chunks(row[1], row[0], chunk_sizes(sdm), "ckpt")
+        slow = None
+    except (CorruptCheckpointError, UnsupportedFormatError) as exc:
+        slow = str(exc)
+    try:
+        unpack_storage(sdm, packed, "ckpt/.metadata", checkpoint="ckpt")
+        fast = None
+    except (CorruptCheckpointError, UnsupportedFormatError) as exc:
+        fast = str(exc)
+    assert (fast is None) == (slow is None), (field, value, fast, slow)

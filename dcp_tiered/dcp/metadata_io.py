@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import os
 import pickle
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -46,7 +48,7 @@ from dcp_tiered.dcp.format import (
 from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
-from dcp_tiered.dcp.tiling import tiling_problem
+from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
 from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
@@ -218,10 +220,19 @@ def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadat
         _unpacked(md, source)
     _check_counts(md, source, table)
     _check_tables(md, source)
+    checked = 0
     if table:
-        md.storage_data = unpack_storage(md.state_dict_metadata, md.storage_data, source)
-    _check_records(md, source, max_object_bytes)
+        packed = md.storage_data
+        md.storage_data = unpack_storage(md.state_dict_metadata, packed, source,
+                                         checkpoint=_checkpoint_of(source), max_object_bytes=max_object_bytes)
+        checked = next(iter(packed.values()))[TABLE_FIELD]["n"]  # a valid table: its rows were checked
+    _check_records(md, source, max_object_bytes, skip=checked)
     return md
+
+
+def _checkpoint_of(source: str) -> str:
+    """The checkpoint a ``.metadata`` source names, as record messages give it."""
+    return source.rsplit("/", 1)[0] if source.endswith(METADATA_FILE) else source
 
 
 def unpack_metadata(data: bytes) -> Metadata:
@@ -285,20 +296,41 @@ def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
         raise _bad(source, f"tensor {fqn!r} has an invalid size {size!r}"[:200])
     if type(chunks) is not list:
         raise _bad(source, f"tensor {fqn!r} has chunks of type {type(chunks).__name__}, not a list")
-    for chunk in chunks:
-        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if type(chunk) is not ChunkStorageMetadata or not _size_ok(offsets) or not _size_ok(sizes):
-            raise _bad(source, f"tensor {fqn!r} has an invalid chunk")
-        if not len(offsets) == len(sizes) == len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
-            raise _bad(source, f"tensor {fqn!r} has chunk {tuple(offsets)}+{tuple(sizes)} outside its size {tuple(size)}")
-    _check_coverage(fqn, size, chunks, source)
-
-
-def _check_coverage(fqn: str, size: Any, chunks: list, source: str) -> None:
-    """The chunks of a tensor must tile it exactly, or part of it would never be loaded (:mod:`dcp.tiling`)."""
-    problem = tiling_problem(size, [(c.offsets, c.sizes) for c in chunks])
-    if problem is not None:
+    arrays = _chunk_arrays(size, chunks)
+    if arrays is None:  # the per-chunk checks name what is wrong
+        for chunk in chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if type(chunk) is not ChunkStorageMetadata or not _size_ok(offsets) or not _size_ok(sizes):
+                raise _bad(source, f"tensor {fqn!r} has an invalid chunk")
+            if not len(offsets) == len(sizes) == len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise _bad(source, f"tensor {fqn!r} has chunk {tuple(offsets)}+{tuple(sizes)} outside its size {tuple(size)}")
+        problem = tiling_problem(size, [(c.offsets, c.sizes) for c in chunks])
+    else:
+        problem = array_tiling_problem(size, *arrays)
+    if problem is not None:  # the chunks must tile the tensor exactly, or part of it would never be loaded
         raise _bad(source, f"tensor {fqn!r}: {problem}")
+
+
+def _chunk_arrays(size: Any, chunks: list) -> "tuple[np.ndarray, np.ndarray] | None":
+    """The chunks' offsets and sizes as ``(chunks, dims)`` int64 arrays when every chunk is a well-formed
+    ``ChunkStorageMetadata`` inside ``size`` (checked over the columns); None otherwise."""
+    dims = len(size)
+    if not chunks:
+        return np.zeros((0, dims), dtype=np.int64), np.zeros((0, dims), dtype=np.int64)
+    if set(map(type, chunks)) != {ChunkStorageMetadata}:
+        return None
+    offs, sizes = [c.offsets for c in chunks], [c.sizes for c in chunks]
+    if set(map(type, offs)) | set(map(type, sizes)) != {torch.Size} or set(map(len, offs)) | set(map(len, sizes)) != {dims}:
+        return None
+    try:
+        o = np.array(offs, dtype=np.int64).reshape(len(chunks), dims)
+        n = np.array(sizes, dtype=np.int64).reshape(len(chunks), dims)
+        d = np.array(size, dtype=np.int64).reshape(dims)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    if (o < 0).any() or (n < 0).any() or (o > d).any() or (n > d - o).any():
+        return None
+    return o, n
 
 
 def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_object_bytes: "int | None") -> None:
@@ -387,13 +419,15 @@ def _check_tables(md: Metadata, source: str) -> None:
         raise _bad(source, "version is not a string")
 
 
-def _check_records(md: Metadata, source: str, max_object_bytes: "int | None") -> None:
-    """Every storage record, against the (already checked) tensor table."""
+def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", skip: int = 0) -> None:
+    """Every storage record, against the (already checked) tensor table; the first ``skip`` were checked
+    as rows of the record table (``unpack_storage``)."""
     sdm, storage = md.state_dict_metadata, md.storage_data
-    checkpoint = source.rsplit("/", 1)[0] if source.endswith(METADATA_FILE) else source
-    sizes = chunk_sizes(sdm)
+    checkpoint = _checkpoint_of(source)
+    rest = itertools.islice(storage.items(), skip, None)
+    sizes = chunk_sizes(sdm) if skip < len(storage) else {}
     files: set[str] = set()  # data file names already checked
-    for index, record in storage.items():
+    for index, record in rest:
         if type(index) is not MetadataIndex:
             raise _bad(source, f"storage_data has a key of type {type(index).__name__}, not MetadataIndex")
         fqn = getattr(index, "fqn", None)

@@ -23,13 +23,17 @@ every record is.  ``unpack_storage(sdm, pack_storage(sdm, s)) == s``, index hint
 from __future__ import annotations
 
 import collections.abc
-from typing import Any, Iterator
+import math
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD
+from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
+from dcp_tiered.dcp.format import check_record
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
+from dcp_tiered.storage import safe_relative_name
 
 #: Format version of a ``.metadata`` holding a record table.
 TABLE_VERSION = 2
@@ -217,21 +221,26 @@ def _columns(head: dict, sdm: dict, source: str) -> tuple[dict, list, list, tupl
         if int(cols[c].max()) > top:
             raise _bad(source, f"column {c!r} holds values above {top}")
     total = int(cols["nframes"].sum(dtype=np.uint64))
-    frames, sums = (_read(table, c, total, source).tolist() for c in ("frames", "sums"))
-    return {c: v.tolist() for c, v in cols.items()}, frames, sums, (None, *names)
+    frames, sums = (_read(table, c, total, source) for c in ("frames", "sums"))
+    return cols, frames, sums, (None, *names)
 
 
-def unpack_storage(sdm: dict, storage: dict, source: str) -> dict:
+def unpack_storage(sdm: dict, storage: dict, source: str, *, checkpoint: "str | None" = None,
+                   max_object_bytes: "int | None" = None) -> dict:
     """``storage_data`` in memory (one dict record per index) from its on-disk form (see module doc).
 
-    ``sdm`` must already be checked (``state_dict_metadata`` types); the records returned
-    still need ``check_metadata`` like any other.
+    ``sdm`` must already be checked (``state_dict_metadata`` types).  With ``checkpoint`` (the name
+    messages give) the table's records are checked as ``check_metadata`` checks each record
+    (:func:`_check_rows`), and only the records stored apart from the table (after its rows) still
+    need it; without, every record does.
     """
     if not is_table(storage):
         return storage
     items = iter(storage.items())
     first_index, head = next(items)
-    cols, frames, sums, names = _columns(head, sdm, source)
+    arrays, frame_col, sum_col, names = _columns(head, sdm, source)
+    cols = {c: v.tolist() for c, v in arrays.items()}
+    frames, sums = frame_col.tolist(), sum_col.tolist()
     fqns, out, at = list(sdm), {}, 0
     rows = zip(*(cols[c] for c in _ROW))
     for item, chunk, hint, kind, nframes, fmt, offset, raw, itemsize, frame, *ids in rows:
@@ -265,8 +274,116 @@ def unpack_storage(sdm: dict, storage: dict, source: str) -> dict:
         out[index] = rec
     if next(iter(out)) != first_index:
         raise _bad(source, "is not stored under its first record's index")
+    if checkpoint is not None:
+        _check_rows(arrays, frame_col, names, sdm, list(out.items()), checkpoint, max_object_bytes)
     for index, rec in items:
         if index in out:
             raise _bad(source, f"and another record both hold {getattr(index, 'fqn', index)!r}")
         out[index] = rec
+    return out
+
+
+#: The fields of a row that are the same for many rows (strings, item size, frame size): the rules on
+#: them are checked once per distinct combination, by the per-record checks themselves.
+_STATIC = ("fmt", "kind", "itemsize", "frame", *_NAMES)
+_BIG = 1 << 62
+
+
+def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records: list, checkpoint: str,
+                max_object_bytes: "int | None") -> None:
+    """Refuse the table's records that :func:`~dcp_tiered.dcp.format.check_record` (and the checks of a
+    record against the tensor table) would refuse, in time linear in the rows and frames.
+
+    ``check_record`` itself checks one record of each distinct combination of the static fields
+    (:data:`_STATIC`), which covers every rule on strings, codecs, dtypes, item and frame sizes; the
+    rules on each row's own numbers (sizes, frame count, each frame's stored size against its codec's
+    bounds, shape against raw bytes, kind against the tensor table, the non-tensor size cap) run over
+    the columns.  The first row these refuse is checked again by the per-record functions, so the
+    error is theirs.  (``records``: the rows as built, ``(index, record)`` in row order.)"""
+    n = len(records)
+    static = np.stack([cols[c].astype(np.uint64) for c in _STATIC], axis=1)
+    _combos, first, combo = np.unique(static, axis=0, return_index=True, return_inverse=True)
+    combo = combo.reshape(-1)
+    headers, steps, full_lo = (np.empty(len(first), dtype=np.uint64) for _ in range(3))
+    for c, r in enumerate(first.tolist()):
+        rec = _check_one(records[int(r)], sdm, checkpoint, max_object_bytes)
+        step = rec["frame"] - rec["frame"] % rec["itemsize"]
+        headers[c] = stored_frame_bounds(rec["codec"], rec["filter"], rec["itemsize"], 0)[1]
+        steps[c], full_lo[c] = step, stored_frame_bounds(rec["codec"], rec["filter"], rec["itemsize"], step)[0]
+    raw, offset, itemsize, nframes = (cols[c].astype(np.uint64) for c in ("raw", "offset", "itemsize", "nframes"))
+    kind, item, chunk = cols["kind"], cols["item"].astype(np.int64), cols["chunk"].astype(np.int64)
+    step = steps[combo]
+    bad = (offset >= _BIG) | (raw >= _BIG) | (raw % itemsize != 0) | (nframes != (raw + step - 1) // step)
+    entries = list(sdm.values())
+    is_bytes = np.array([type(e) is BytesStorageMetadata for e in entries], dtype=bool)
+    bad |= (kind == 1) != is_bytes[item]
+    if max_object_bytes is not None:
+        bad |= (kind == 1) & (raw > max_object_bytes)
+    tensor = kind == 0
+    if tensor.any():  # the shape is the chunk's (unpack took it from there): its items must be the raw bytes
+        base, numels = _chunk_numels(entries)
+        at = base[item[tensor]] + chunk[tensor] - 1
+        bad[tensor] |= numels[at] != raw[tensor] // itemsize[tensor]
+    if len(frames):
+        row = np.repeat(np.arange(n), nframes.astype(np.int64))
+        last = np.zeros(len(frames), dtype=bool)
+        last[np.cumsum(nframes.astype(np.int64))[nframes > 0] - 1] = True
+        c = combo[row]
+        last_raw = raw - (nframes - 1) * step  # rows with frames only: nframes >= 1 there
+        hi = np.where(last, headers[c] + last_raw[row], headers[c] + steps[c])
+        lo = np.where(last, _last_lo(cols, names, combo, first, last_raw, nframes)[row], full_lo[c])
+        over = (frames < lo) | (frames > hi)
+        bad[row[over]] = True
+        with np.errstate(over="ignore"):  # each frame is at most its bound here, so the sums are exact
+            length = np.add.reduceat(frames, np.flatnonzero(np.r_[True, row[1:] != row[:-1]])) if not over.any() else None
+        if length is not None:
+            bad[nframes > 0] |= length >= _BIG
+    if bad.any():
+        r = int(np.flatnonzero(bad)[0])
+        _check_one(records[r], sdm, checkpoint, max_object_bytes)
+        raise CorruptCheckpointError(f"record of {records[r][0].fqn!r} in {checkpoint} has sizes or a frame table "
+                                     "that are impossible for its codec and shape (the sizes are damaged or crafted)")
+
+
+def _check_one(row: tuple, sdm: dict, checkpoint: str, max_object_bytes: "int | None") -> dict:
+    """The per-record checks of one row: ``check_record``, its kind and shape against the tensor table,
+    its file name."""
+    index, rec = row
+    fqn = index.fqn
+    check_record(rec, fqn, checkpoint, max_object_bytes)
+    safe_relative_name(rec["file"], f"record of {fqn!r} in {checkpoint}")
+    if (rec["kind"] == "bytes") != (type(sdm[fqn]) is BytesStorageMetadata):
+        raise CorruptCheckpointError(f"{checkpoint}: record of {fqn!r} is a {rec['kind']} item, but "
+                                     "state_dict_metadata says otherwise")
+    # no check_against_chunks: a row's shape and offsets are its chunk's, by unpack_storage
+    return rec
+
+
+def _chunk_numels(entries: list) -> tuple[np.ndarray, np.ndarray]:
+    """Where each item's chunks start in one flat array, and the element count of every chunk there
+    (capped at 2**63: no raw size is that large)."""
+    base = np.zeros(len(entries), dtype=np.int64)
+    numels: list[int] = []
+    for i, entry in enumerate(entries):
+        base[i] = len(numels)
+        for chunk in getattr(entry, "chunks", ()) if type(entry) is TensorStorageMetadata else ():
+            sizes = chunk.sizes  # a dimension of 2**62 or more is refused as check_record does: no raw size matches
+            numels.append(1 << 63 if sizes and max(sizes) >= _BIG else min(math.prod(sizes), 1 << 63))
+    return base, np.array(numels, dtype=np.uint64)
+
+
+def _last_lo(cols: dict, names: tuple, combo: np.ndarray, first: np.ndarray, last_raw: np.ndarray,
+             nframes: np.ndarray) -> np.ndarray:
+    """The smallest stored size of each row's last frame (0 for rows without frames): one bounds
+    lookup per distinct (combination, raw size of the last frame)."""
+    out = np.zeros(len(combo), dtype=np.uint64)
+    has = np.flatnonzero(nframes > 0)
+    if not len(has):
+        return out
+    pairs, back = np.unique(np.stack([combo[has].astype(np.uint64), last_raw[has]], axis=1), axis=0, return_inverse=True)
+    los = np.empty(len(pairs), dtype=np.uint64)
+    for k, (c, lr) in enumerate(pairs.tolist()):
+        r = int(first[c])  # the combination's fields: codec, filter, item size
+        los[k] = stored_frame_bounds(names[cols["codec"][r]], names[cols["filter"][r]], int(cols["itemsize"][r]), lr)[0]
+    out[has] = los[back.reshape(-1)]
     return out

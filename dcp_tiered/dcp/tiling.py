@@ -30,24 +30,53 @@ Box = tuple[Sequence[int], Sequence[int]]  # (offsets, sizes)
 
 def tiling_problem(size: Sequence[int], boxes: Sequence[Box]) -> str | None:
     """Why ``boxes`` (offsets, sizes; each inside ``size``) do not tile a tensor of ``size`` exactly, or None."""
+    dims = len(size)
+    if not boxes:
+        return array_tiling_problem(size, np.zeros((0, dims), dtype=np.int64), np.zeros((0, dims), dtype=np.int64))
+    try:
+        offsets = np.array([tuple(o) for o, _ in boxes], dtype=np.int64).reshape(len(boxes), dims)
+        sizes = np.array([tuple(n) for _, n in boxes], dtype=np.int64).reshape(len(boxes), dims)
+    except OverflowError:  # a dimension past int64: counted exactly in Python
+        offsets = sizes = None
+    if offsets is None:
+        total, volume = math.prod(size), sum(math.prod(n) for _, n in boxes)
+        if volume != total:
+            return f"the chunks cover {volume} of its {total} elements"
+        return "the chunk layout is too large to check: a dimension exceeds 2**63"
+    return array_tiling_problem(size, offsets, sizes)
+
+
+#: Tensors of fewer elements have their chunks' volumes summed in int64 without overflow (at most
+#: :data:`~dcp_tiered.dcp.format.MAX_METADATA_RECORDS` chunks of at most the tensor's volume each).
+_EXACT = 1 << 40
+
+
+def array_tiling_problem(size: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> str | None:
+    """:func:`tiling_problem` over the chunks' offsets and sizes as ``(chunks, dims)`` int64 arrays, each
+    chunk inside ``size``."""
     total = math.prod(size)
-    volume = sum(math.prod(n) for _, n in boxes)
+    if total < _EXACT:
+        volumes = np.prod(sizes, axis=1)
+        volume = int(volumes.sum(dtype=np.int64))
+    else:  # exact in Python ints (only tensors of 2**40 elements or more)
+        volumes = np.array([math.prod(n) != 0 for n in sizes.tolist()], dtype=bool)
+        volume = sum(math.prod(n) for n in sizes.tolist())
     if volume != total:
         return f"the chunks cover {volume} of its {total} elements"
-    full = [(tuple(o), tuple(n)) for o, n in boxes if math.prod(n)]
-    if len(full) <= 1 or not size:
+    keep = volumes != 0
+    offsets, sizes = offsets[keep], sizes[keep]
+    if len(offsets) <= 1 or not size:
         return None  # one chunk of the full volume inside the tensor is the tensor
-    cuts = [sorted({0, d, *(o[k] for o, _ in full), *(o[k] + n[k] for o, n in full)}) for k, d in enumerate(size)]
+    ends = offsets + sizes
+    cuts = [np.unique(np.concatenate(([0, d], offsets[:, k], ends[:, k]))) for k, d in enumerate(size)]
     shape = [len(c) - 1 for c in cuts]
     cells = math.prod(shape)
-    limit = max(CELLS_PER_CHUNK * len(full), MIN_CELLS)
+    limit = max(CELLS_PER_CHUNK * len(offsets), MIN_CELLS)
     if cells > limit:
-        return (f"the chunk layout is too irregular to check: {len(full)} chunks cut it into {cells} cells, over "
+        return (f"the chunk layout is too irregular to check: {len(offsets)} chunks cut it into {cells} cells, over "
                 f"{limit}; DCP writes grid layouts")
-    offsets = np.array([o for o, _ in full], dtype=np.int64)
-    ends = offsets + np.array([n for _, n in full], dtype=np.int64)
-    first = np.stack([np.searchsorted(np.array(c), offsets[:, k]) for k, c in enumerate(cuts)], axis=1)
-    last = np.stack([np.searchsorted(np.array(c), ends[:, k]) for k, c in enumerate(cuts)], axis=1)
+    first = np.stack([np.searchsorted(c, offsets[:, k]) for k, c in enumerate(cuts)], axis=1)
+    last = np.stack([np.searchsorted(c, ends[:, k]) for k, c in enumerate(cuts)], axis=1)
     counts = _coverage(first, last, shape) if len(shape) <= MAX_CORNER_DIMS else _coverage_by_cell(first, last, shape)
     if counts is None or counts.max(initial=0) > 1:
         where = f" at {_corner(int(np.argmax(counts > 1)), shape, cuts)}" if counts is not None else ""
@@ -94,5 +123,5 @@ def _corner(flat: int, shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> t
     out = []
     for k in reversed(range(len(shape))):
         flat, i = divmod(flat, shape[k])
-        out.append(cuts[k][i])
+        out.append(int(cuts[k][i]))
     return tuple(reversed(out))
