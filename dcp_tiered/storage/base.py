@@ -228,6 +228,12 @@ class Storage:
         with storage_errors(self.url, "list"):
             return self._list()
 
+    def file_stats(self) -> dict[str, tuple[int, float | None]]:
+        """Every file under the root, by relative name: ``(size, mtime)`` (mtime None when unknown).
+
+        One listing: on an object store one paginated list, a request per 1000 objects."""
+        return self._listed()
+
     def file_sizes(self) -> dict[str, int]:
         """Every file under the root, by relative name, with its size."""
         return {rel: size for rel, (size, _mtime) in self._listed().items()}

@@ -6,34 +6,40 @@ byte for byte, or re-encoded for the target's codec) and then commits a fragment
 the target's ``.metadata`` (:func:`commit_from_fragments`) once every data file of the source
 has a fragment of this save, after checking that the fragments describe exactly the source's
 items; ``.metadata`` is written last, so the target is committed only when complete.
+
+The coordinator's requests do not grow as ranks times polls: a poll is one listing of the target
+(on an object store a paginated list, a request per 1000 objects), and :class:`FragmentReads` reads a
+fragment once when a listing shows it (again only when a listing shows it changed), on at most
+:data:`FRAGMENT_READERS` threads; the commit reuses those reads.
 """
 
 from __future__ import annotations
 
 import contextlib
-
+import copy
 import json
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from dcp_tiered.codecs import FrameCodec, get_codec, verify_frame
 from dcp_tiered.codecs.bytegroup import FILTER_NONE
 from dcp_tiered.dcp.format import (METADATA_FILE, ItemRecord, builtin_from_json, expected_sizes, native_files,
-                                   record_view, records_in_file)
+                                   record_view)
 from dcp_tiered.dcp.writer import uncommit
-from dcp_tiered.dcp.metadata_io import committed_save_id, decode_metadata, encode_metadata, read_metadata_bytes
+from dcp_tiered.dcp.metadata_io import committed_save_id, encode_metadata
 from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError, PromotionError, PromotionIOError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.base import write_pieces
 from dcp_tiered.tiers.config import Tier
-from dcp_tiered.tiers.layout import fragment_name, read_small_file
-from dcp_tiered.tiers.promote.intents import index_from_json, index_to_json
+from dcp_tiered.tiers.layout import INTENT_MAX_BYTES, fragment_name
+from dcp_tiered.tiers.promote.intents import SourceMetadata, index_from_json, index_to_json, read_source
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,12 @@ FRAGMENT_WAIT_CAP = 1800.0
 #: Used when neither the source nor the target tier has a time interval (``every``).
 FRAGMENT_WAIT_DEFAULT = 600.0
 _DATA_RANK = re.compile(r"^__(\d+)_")
+#: Most fragment reads (and removals) the coordinator runs at once, whatever the number of ranks.
+FRAGMENT_READERS = 32
+#: Largest fragment read (checked against the listed size before reading): a rank's records.
+FRAGMENT_MAX_BYTES = INTENT_MAX_BYTES
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def _untrusted_view(record: object) -> ItemRecord | None:
@@ -53,11 +65,12 @@ def _untrusted_view(record: object) -> ItemRecord | None:
         return None
 
 
-def changed_items(file: str, new: dict, old: dict) -> list:
-    """Items of the data file ``file`` whose promoted record (``new``) does not describe the source item
-    (``old``): a byte-for-byte copy keeps every record as it is; a re-encoded file keeps every field
-    but the encoding, and the items in the source's order (:func:`~dcp_tiered.tiers.promote.fragments.reencode_file`)."""
-    olds = {i: record_view(r) for i, r in records_in_file(old, file).items()}
+def changed_items(new: dict, old: dict) -> list:
+    """Items of one data file whose promoted record (``new``) does not describe the source item
+    (``old``: the source's records of that file): a byte-for-byte copy keeps every record as it is; a
+    re-encoded file keeps every field but the encoding, and the items in the source's order
+    (:func:`~dcp_tiered.tiers.promote.fragments.reencode_file`)."""
+    olds = {i: record_view(r) for i, r in old.items()}
     news = {i: _untrusted_view(new.get(i)) for i in olds}
     unreadable = [i for i, v in news.items() if v is None]
     if unreadable:
@@ -88,52 +101,133 @@ def copy_with_fragment(src: Storage, dst: Storage, data_file: str, records: list
         new_records = records
     else:
         n, new_records = reencode_file(src, dst, data_file, records, target.codec, cpu)
-    fragment = json.dumps({"save_id": save_id, "records": [[index_to_json(i), r] for i, r in new_records],
-                           "source": [[index_to_json(i), r] for i, r in records]}).encode()
-    dst.commit_bytes(fragment_name(data_file), fragment)
+    dst.commit_bytes(fragment_name(data_file), fragment_bytes(save_id, new_records, records))
     return n
 
 
-def read_fragment(dst: Storage, data_file: str) -> dict | None:
-    """A rank's fragment (its promoted records), or None if absent or unreadable (written by another process)."""
+def fragment_bytes(save_id: str | None, new_records: list, records: list) -> bytes:
+    """A fragment: the promoted records of one data file, the source records its copy used, the save id."""
+    return json.dumps({"save_id": save_id, "records": [[index_to_json(i), r] for i, r in new_records],
+                       "source": [[index_to_json(i), r] for i, r in records]}).encode()
+
+
+def in_pool(fn: Callable[[T], R], items: Sequence[T], workers: int = FRAGMENT_READERS) -> list[R]:
+    """``[fn(i) for i in items]`` on at most ``workers`` threads (here when there is one item or none)."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="dcp_tiered-fragments") as pool:
+        return list(pool.map(fn, items))
+
+
+#: What a listing says of a file: its size and modification time (None where the backend does not say).
+Listed = tuple[int, "float | None"]
+_CHANGED = object()  # a fragment that is not what the listing said any more: read it after the next listing
+
+
+def read_listed_fragment(dst: Storage, name: str, size: int) -> object:
+    """The fragment ``name`` of ``dst`` that a listing gave as ``size`` bytes, read in one bounded request.
+
+    None when it is no fragment (empty, over :data:`FRAGMENT_MAX_BYTES`, not JSON, no records, locally
+    not a regular file); :data:`_CHANGED` when it is not ``size`` bytes any more (rewritten or removed
+    since the listing).  Storage failures raise, as every read."""
+    if not 0 < size <= FRAGMENT_MAX_BYTES:
+        return None
     try:
-        doc = json.loads(read_small_file(dst, fragment_name(data_file)))
-    except (MissingFileError, ValueError, RecursionError):
+        data = dst.read_range(name, 0, size + 1)  # one byte more: a file that grew shows
+    except MissingFileError:
+        return _CHANGED
+    except CorruptCheckpointError:  # locally a link or no regular file: never read through
         return None
-    if not (isinstance(doc, dict) and isinstance(doc.get("records"), list)):
+    if len(data) != size:
+        return _CHANGED
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
         return None
-    return doc
+    return doc if isinstance(doc, dict) and isinstance(doc.get("records"), list) else None
 
 
-def missing_fragments(dst: Storage, files: list[str], present: dict[str, int], save_id: str | None) -> list[str]:
-    """Data files whose fragment of this save is not in ``dst`` yet (an older attempt's does not count)."""
-    missing = []
-    for f in files:
-        frag = read_fragment(dst, f) if fragment_name(f) in present else None
-        if frag is None or frag.get("save_id") != save_id:
-            missing.append(f)
-    return missing
+@dataclass
+class FragmentReads:
+    """The fragments one promotion's coordinator has read, by name, with what the listing said of each then.
+
+    :meth:`update` reads, on at most :data:`FRAGMENT_READERS` threads, only the fragments a listing
+    shows for the first time or changed (another size or time), and forgets those no longer listed: a
+    fragment is read once per promotion unless it is rewritten.  A fragment of another save (an older
+    attempt) that a rank replaces counts once the listing shows the change; where the backend reports
+    no times, such a fragment is read again at each update."""
+
+    docs: dict[str, tuple[Listed, dict | None]] = field(default_factory=dict)
+
+    def doc(self, data_file: str, save_id: str | None) -> dict | None:
+        """The fragment of ``data_file`` of save ``save_id`` as read, or None (not read, unreadable, another save)."""
+        held = self.docs.get(fragment_name(data_file))
+        doc = held[1] if held is not None else None
+        return doc if doc is not None and doc.get("save_id") == save_id else None
+
+    def missing(self, files: list[str], save_id: str | None) -> list[str]:
+        """Data files whose fragment of this save has not been read (an older attempt's does not count)."""
+        return [f for f in files if self.doc(f, save_id) is None]
+
+    def update(self, dst: Storage, listed: dict[str, Listed], files: list[str], save_id: str | None) -> list[DcpTieredError]:
+        """Read the fragments of ``files`` that ``listed`` (one listing of ``dst``) shows new or changed;
+        returns the storage failures (those fragments are read again next time)."""
+        for name in [n for n in self.docs if n not in listed]:
+            del self.docs[name]
+        todo = [n for n in map(fragment_name, files) if n in listed and self._stale(n, listed[n], save_id)]
+
+        def read(name: str) -> object:
+            try:
+                return read_listed_fragment(dst, name, listed[name][0])
+            except DcpTieredError as exc:
+                return exc
+
+        errors = []
+        for name, got in zip(todo, in_pool(read, todo)):
+            if isinstance(got, DcpTieredError) or got is _CHANGED:
+                self.docs.pop(name, None)
+                if got is not _CHANGED:
+                    errors.append(got)
+            else:
+                self.docs[name] = (listed[name], got)  # type: ignore[assignment]
+        return errors
+
+    def _stale(self, name: str, listed: Listed, save_id: str | None) -> bool:
+        held = self.docs.get(name)
+        if held is None or held[0] != listed:
+            return True
+        return listed[1] is None and (held[1] is None or held[1].get("save_id") != save_id)
 
 
 def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None,
-                          on_commit: Callable[[Any], None] | None = None) -> int:
+                          on_commit: Callable[[Any], None] | None = None, *, source: SourceMetadata | None = None,
+                          reads: FragmentReads | None = None) -> int:
     """Commit ``dst``'s ``.metadata`` from the fragments of every data file of ``src`` (of save ``save_id``).
 
     Raises :class:`~dcp_tiered.errors.PromotionError` when a fragment is malformed or does not describe
     the source's items, and :class:`~dcp_tiered.errors.PromotionIOError` (retried like any storage
     failure) when a fragment is missing or a file has the wrong size: another process promoting the
     same save may not have finished its copy yet.  Returns the bytes of ``.metadata``; ``on_commit``
-    receives the committed ``Metadata`` (not called when another process committed this save)."""
-    raw = read_metadata_bytes(src)
-    md = decode_metadata(raw, src.url_of(METADATA_FILE))
+    receives the committed ``Metadata`` (not called when another process committed this save).
+
+    ``source``: the source's ``.metadata`` as read just before (else read and decoded here); ``reads``:
+    the fragments a :class:`FragmentWait` read (only those a listing shows changed since are read
+    again).  The target is listed once; its fragments are removed on at most :data:`FRAGMENT_READERS` threads."""
+    source = source if source is not None else read_source(src)
+    md = source.md
     files = native_files(md.storage_data)
-    present = dst.file_sizes()
-    if save_id and committed_save_id(dst) == save_id:
+    listed = dst.file_stats()
+    present = {name: size for name, (size, _mtime) in listed.items()}
+    if save_id and METADATA_FILE in listed and committed_save_id(dst) == save_id:
         return 0  # another process committed this very save (and removed the fragments)
-    if save_id and (getattr(md.storage_meta, "save_id", None) or "") != save_id:
+    if save_id and source.save_id != save_id:
         raise PromotionError(f"{src.url} was saved again while being promoted; not committing {dst.url}")
-    fragments = {f: read_fragment(dst, f) for f in files}
-    missing = [f for f, doc in fragments.items() if doc is None or doc.get("save_id") != save_id]
+    reads = reads if reads is not None else FragmentReads()
+    errors = reads.update(dst, listed, files, save_id)
+    if errors:
+        raise errors[0]  # a StorageError: retried
+    fragments = {f: reads.doc(f, save_id) for f in files}
+    missing = [f for f, doc in fragments.items() if doc is None]
     if missing:
         # transient when another process promotes the same save right now: retried (a StorageError)
         raise PromotionIOError(f"{dst.url}: promoted files {missing[:3]} vanished before the commit")
@@ -146,12 +240,13 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
         raise PromotionError(f"{dst.url}: a promotion fragment is malformed ({exc}); not committing") from None
     if set(new_data) != set(md.storage_data):
         raise PromotionError(f"{dst.url}: promoted records do not match the source checkpoint's items")
+    by_file = source.records_by_file()
     # a fragment may re-encode (offsets, sizes, frames, codec) but never change what an item is
-    changed = [i.fqn for f in files for i in changed_items(f, new_data, md.storage_data)]
+    changed = [i.fqn for f in files for i in changed_items(new_data, by_file[f])]
     try:  # the records each copy read (its intent's): exactly the source's records of that file
         for f in files:
             used = {index_from_json(i): builtin_from_json(r) for i, r in fragments[f].get("source", ())}  # type: ignore[union-attr]
-            want = records_in_file(md.storage_data, f)
+            want = by_file[f]
             if "source" in fragments[f] and used != want:  # type: ignore[operator]
                 changed += sorted({i.fqn for i in set(used) ^ set(want)} | {i.fqn for i in want if used.get(i) != want[i]})
     except (TypeError, ValueError) as exc:
@@ -163,18 +258,23 @@ def commit_from_fragments(src: Storage, dst: Storage, save_id: str | None = None
         if present.get(f, -1) != size:
             # transient when another process is still copying the same file: retried (a StorageError)
             raise PromotionIOError(f"{dst.url_of(f)} has {present.get(f)} bytes, expected {size}")
-    md.storage_data = new_data
+    out = copy.copy(md)  # the source's, shared with the promotions to other tiers: left as it is
+    out.storage_data = new_data
     if md.storage_meta is not None:
-        md.storage_meta.checkpoint_id = dst.url
-    dst.commit_bytes(METADATA_FILE, encode_metadata(md))
+        out.storage_meta = copy.copy(md.storage_meta)
+        out.storage_meta.checkpoint_id = dst.url
+    dst.commit_bytes(METADATA_FILE, encode_metadata(out))
     if on_commit is not None:
-        on_commit(md)
-    for f in files:
+        on_commit(out)
+
+    def remove(f: str) -> None:
         try:
             dst.remove(fragment_name(f))
         except DcpTieredError as exc:  # cleanup only: the target is committed
             log.warning("could not remove promotion fragment %s: %s", dst.url_of(fragment_name(f)), exc)
-    return len(raw)
+
+    in_pool(remove, files)
+    return source.size
 
 
 def fragment_wait_bound(source: Tier, target: Tier, own_copy_s: float = 0.0) -> float:
@@ -203,15 +303,25 @@ class FragmentWait:
     progress: float = 0.0
     seen: dict[str, int] | None = None
     missing: list[str] = field(default_factory=list)
+    reads: FragmentReads = field(default_factory=FragmentReads)
+    #: The last listing showed a ``.metadata`` in the target (another process may have committed).
+    listed_metadata: bool = False
 
     def poll(self, dst: Storage, now: float, what: str) -> list[str]:
-        """The data files whose fragment of this save is still missing in ``dst`` (listing trouble: as before)."""
+        """The data files whose fragment of this save is still missing in ``dst`` (listing trouble: as before).
+
+        One listing of ``dst``; the fragments it shows new or changed are read (:class:`FragmentReads`)."""
         try:
-            present = dst.file_sizes()
-            self.missing = missing_fragments(dst, self.files, present, self.save_id)
+            listed = dst.file_stats()
         except DcpTieredError as exc:  # storage trouble: keep polling within the bound
             log.warning("%s: cannot list the target (%s); trying again", what, exc)
             return self.missing
+        errors = self.reads.update(dst, listed, self.files, self.save_id)
+        if errors:
+            log.warning("%s: cannot read %d promotion fragment(s) (%s); trying again", what, len(errors), errors[0])
+        self.missing = self.reads.missing(self.files, self.save_id)
+        self.listed_metadata = METADATA_FILE in listed
+        present = {name: size for name, (size, _mtime) in listed.items()}
         if present != self.seen:
             self.seen, self.progress = present, now
         return self.missing

@@ -6,6 +6,11 @@ the tiers whose ``.metadata`` it still has to commit (``meta``).  It is rewritte
 done and removed when nothing is owed.  Read back, it is untrusted input: validated by
 :func:`~dcp_tiered.tiers.layout.parse_intent` and checked against the committed source
 (:func:`intent_mismatch`) before anything is copied.
+
+The source's ``.metadata`` is decoded once for all of an intent's promotions
+(:meth:`PromotionIntent.source_metadata`, a :class:`SourceMetadata`): the check of a resumed intent,
+the coordinator's wait and its commit to every target use it; the commit reads the bytes again
+(a save may have replaced them) and decodes them only if they changed.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from dcp_tiered.dcp.format import METADATA_FILE, builtin_from_json, records_in_file
-from dcp_tiered.dcp.metadata_io import load_metadata
+from dcp_tiered.dcp.format import METADATA_FILE, builtin_from_json, is_native_record, records_in_file
+from dcp_tiered.dcp.metadata_io import decode_metadata, read_metadata_bytes
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.tiers.layout import INTENT_FIELDS, intent_name, parse_intent
@@ -40,6 +46,37 @@ def index_from_json(data: list) -> MetadataIndex:
     return MetadataIndex(fqn, torch.Size(offset) if offset is not None else None, idx)
 
 
+@dataclass(frozen=True)
+class SourceMetadata:
+    """A promotion source's decoded ``.metadata`` (shared: never changed), its size and the digest of its bytes."""
+
+    md: Metadata
+    size: int
+    digest: bytes
+
+    @property
+    def save_id(self) -> str:
+        """The save id it was committed with ("" if none)."""
+        return getattr(self.md.storage_meta, "save_id", None) or ""
+
+    def records_by_file(self) -> dict[str, dict[MetadataIndex, dict]]:
+        """The native records (plain, by index) of each data file, grouped in one pass over the records."""
+        out: dict[str, dict[MetadataIndex, dict]] = {}
+        for i, r in self.md.storage_data.items():
+            if is_native_record(r):
+                out.setdefault(r["file"], {})[i] = r
+        return out
+
+
+def read_source(src: Storage, held: SourceMetadata | None = None) -> SourceMetadata:
+    """Read the ``.metadata`` of ``src`` (size checked first); decode it unless it holds ``held``'s bytes."""
+    raw = read_metadata_bytes(src)
+    digest = xxhash.xxh3_128_digest(raw)
+    if held is not None and held.digest == digest:
+        return held
+    return SourceMetadata(decode_metadata(raw, src.url_of(METADATA_FILE)), len(raw), digest)
+
+
 @dataclass
 class PromotionIntent:
     """What one rank still has to do for one source checkpoint (``.promote-{rank}.json``)."""
@@ -54,6 +91,9 @@ class PromotionIntent:
     rank: int = 0  # the rank that wrote it (also in its file name)
     resumed: bool = False  # picked up from storage after a restart (or from another process)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    #: The source's decoded ``.metadata`` while this intent's promotions need it (:meth:`source_metadata`).
+    source_md: SourceMetadata | None = field(default=None, init=False, repr=False, compare=False)
+    _source_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def to_json(self) -> bytes:
         return json.dumps({k: getattr(self, k) for k in INTENT_FIELDS}).encode()
@@ -88,6 +128,18 @@ class PromotionIntent:
             if meta and target in self.meta:
                 self.meta.remove(target)
             self.record(src, temp_grace)
+            if not self.owes:
+                self.source_md = None  # nothing left to promote: the decoded .metadata goes
+
+    def source_metadata(self, src: Storage, again: bool = False) -> SourceMetadata:
+        """The source checkpoint's ``.metadata`` (``src``), decoded once for every target of this intent.
+
+        ``again``: read its bytes again (a save may have replaced it); decoded again only if they
+        changed.  Raises ``MissingFileError`` when it is not there, as reads do."""
+        with self._source_lock:
+            if self.source_md is None or again:
+                self.source_md = read_source(src, self.source_md)
+            return self.source_md
 
 
 def intent_mismatch(src: Storage, intent: PromotionIntent) -> str | None:
@@ -96,7 +148,7 @@ def intent_mismatch(src: Storage, intent: PromotionIntent) -> str | None:
     another save than the committed one).  A promotion copies and commits the records it is given:
     records swapped or altered between keys would commit wrong values."""
     try:
-        md = load_metadata(src)
+        md = intent.source_metadata(src).md
     except MissingFileError:  # a node-local source: only the coordinator's node holds .metadata
         return None  # the commit checks the records this copy used (its fragment) against the source's
     except DcpTieredError as exc:

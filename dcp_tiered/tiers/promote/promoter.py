@@ -35,11 +35,11 @@ from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.storage.retry import RetryPolicy, retrying
 from dcp_tiered.tiers.topology import tier_storage
 from dcp_tiered.tiers.promote.fragments import (
-    FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_DEFAULT, FRAGMENT_WAIT_FLOOR, FragmentWait, commit_from_fragments,
+    FRAGMENT_WAIT_CAP, FRAGMENT_WAIT_DEFAULT, FRAGMENT_WAIT_FLOOR, FragmentReads, FragmentWait, commit_from_fragments,
     copy_with_fragment, fragment_wait_bound,
 )
 from dcp_tiered.tiers.promote.intents import (
-    STALE, PromotionIntent, index_from_json, index_to_json, intent_mismatch,
+    STALE, PromotionIntent, SourceMetadata, index_from_json, index_to_json, intent_mismatch,
 )
 from dcp_tiered.tiers.jobs import Job, JobRunner
 from dcp_tiered.tiers.layout import intent_name, parse_step, read_intent
@@ -397,25 +397,29 @@ class Promoter:
         now = time.monotonic()
         wait: FragmentWait | None = job.data.get("wait")
         if wait is None:
-            committed_id = committed_save_id(src)
-            if committed_id is None or (intent.save_id is not None and committed_id != intent.save_id):
+            try:
+                source_md: SourceMetadata | None = intent.source_metadata(src)  # decoded once for every target
+            except MissingFileError:
+                source_md = None
+            if source_md is None or (intent.save_id is not None and source_md.save_id != intent.save_id):
                 log.warning("%s: the save this promotion belongs to never committed; not promoting it to %s",
                             src.url, target.name)
                 self._drop(intent, target.name)
                 return None
-            files = native_files(load_metadata(src).storage_data)
+            files = native_files(source_md.md.storage_data)
             wait = job.data["wait"] = FragmentWait(files, intent.save_id, now, now, missing=files)
         if not wait.poll(dst, now, f"promotion of {intent.name} to {target.name}"):
             job.state = "committing"
             report = PromotionReport(step, source.name, target.name, "metadata")
             self._attempt(f"commit {intent.name} on {target.name}",
-                          lambda: commit_measured(report, src, dst, intent.save_id), report,
+                          lambda: commit_measured(report, src, dst, intent.save_id, intent.source_metadata(src, again=True),
+                                                  wait.reads), report,
                           raise_later=not intent.resumed)  # resumed work is recovery: reported, not raised
             if report.ok:
                 self._drop(intent, target.name)
                 self._run_retention(target, (), ())
             return None
-        if intent.save_id and committed_save_id(dst) == intent.save_id:
+        if intent.save_id and wait.listed_metadata and committed_save_id(dst) == intent.save_id:
             self._record(measured(PromotionReport(step, source.name, target.name, "metadata"), dst))  # committed by another
             self._drop(intent, target.name)
             return None
@@ -427,7 +431,11 @@ class Promoter:
             return job.poll_again(wait.describe(now, bound))
         # give up; the intent stops asking for this commit (the missing files will not come)
         self._drop(intent, target.name)
-        if committed_save_id(src) != intent.save_id:
+        try:
+            source_changed = intent.source_metadata(src, again=True).save_id != intent.save_id
+        except MissingFileError:
+            source_changed = True
+        if source_changed:
             log.warning("promotion of %s to %s: the source changed while waiting; dropping it", src.url, target.name)
             return None
         error = (f"tier {target.name!r}, step {step}: gave up after {now - wait.start:.0f}s (bound {bound:.0f}s "
@@ -466,8 +474,11 @@ def measured(report: Any, dst: Storage, result: Any = None) -> Any:
     return report if result is None else result
 
 
-def commit_measured(report: Any, src: Storage, dst: Storage, save_id: str | None) -> int:
-    """:func:`commit_from_fragments`, with ``report``'s sizes from the records it committed (read
-    back only when another process committed the same save); returns the bytes of ``.metadata``."""
-    n = commit_from_fragments(src, dst, save_id, on_commit=lambda md: _sizes(report, md.storage_data))
+def commit_measured(report: Any, src: Storage, dst: Storage, save_id: str | None, source: SourceMetadata | None = None,
+                    reads: FragmentReads | None = None) -> int:
+    """:func:`commit_from_fragments` (of the ``source`` metadata and fragment ``reads`` given), with ``report``'s
+    sizes from the records it committed (read back only when another process committed the same save);
+    returns the bytes of ``.metadata``."""
+    n = commit_from_fragments(src, dst, save_id, on_commit=lambda md: _sizes(report, md.storage_data), source=source,
+                              reads=reads)
     return n if report.stored_bytes else measured(report, dst, n)
