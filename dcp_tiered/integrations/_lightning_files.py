@@ -6,17 +6,29 @@ checkpoint or the new one at every instant, so a SIGKILL never leaves Lightning 
 ``last.ckpt``.  Where the exchange is unsupported the old one is moved aside (``.NAME.<hex>.old``)
 and the new one renamed in; a kill between the two is repaired by :func:`recover` (the next
 save of ``NAME``) and read through by :func:`resolve` (loads).  Standard library only.
+
+Directories in use are never deleted.  A save holds an exclusive ``flock`` on its partial directory
+until it is swapped in (:func:`writing`); a load holds a shared one while it links the files of the
+directory it opened into a hidden ``.NAME.<hex>.reading`` snapshot and reads from there
+(:func:`reading`), so a save swapping ``NAME`` meanwhile changes nothing under it.  Cleanup
+(:func:`discard`) skips a directory whose lock it cannot take: the next save's :func:`recover` deletes
+it.  (Lightning's ``AsyncCheckpointIO`` saves in a thread while ``ModelCheckpoint`` removes and saves
+the same names; a second process may read ``last.ckpt`` while it is saved again.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import glob
 import os
 import shutil
+import stat
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from dcp_tiered.names import METADATA_FILE
@@ -61,10 +73,92 @@ def hidden(path: str, kind: str) -> str:
 
 
 def siblings(path: str) -> list[str]:
-    """The hidden ``.NAME.*.partial`` / ``.old`` entries of ``path`` left by saves and swaps."""
+    """The hidden ``.NAME.*.partial`` / ``.old`` / ``.removed`` / ``.reading`` entries of ``path`` left by
+    saves, swaps, removals and loads."""
     parent, name = os.path.split(os.path.abspath(path))
     pattern = os.path.join(glob.escape(parent), f".{glob.escape(name)}.*")
-    return [p for p in glob.glob(pattern) if p.endswith((".partial", ".old", ".removed"))]
+    return [p for p in glob.glob(pattern) if p.endswith((".partial", ".old", ".removed", ".reading"))]
+
+
+def _locked(path: str, exclusive: bool, wait: bool = False) -> "int | None":
+    """An open descriptor of directory ``path`` holding a ``flock`` on it, or None where another process or
+    thread holds a conflicting one (or the directory is gone).  On a file system without ``flock`` the
+    descriptor holds nothing, and directories in use are as unprotected as before."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        pass
+    return fd
+
+
+def discard(path: str) -> None:
+    """Delete ``path`` unless it is a directory that a save is writing or a load is reading (locked)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        fd = _locked(path, exclusive=True)
+        if fd is None:
+            return  # in use: the next save's recover() deletes it
+        try:
+            delete(path)
+        finally:
+            os.close(fd)
+    else:
+        delete(path)
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[str]:
+    """A fresh hidden partial directory for a save of ``path``, locked against every cleanup until the
+    save has swapped it in (or failed)."""
+    tmp = hidden(path, "partial")
+    os.mkdir(tmp)
+    fd = _locked(tmp, exclusive=True)
+    try:
+        yield tmp
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[str]:
+    """The committed directory ``path`` under a name that stays as it is for the whole load: hard links of
+    its files in a hidden ``.reading`` snapshot, made under a shared lock (no swap deletes a file before it
+    is linked), deleted afterwards.  Where links cannot be made there, ``path`` itself."""
+    fd = _locked(path, exclusive=False, wait=True)
+    if fd is None:
+        yield path
+        return
+    snap = hidden(path, "reading")
+    snap_fd = None
+    try:
+        os.mkdir(snap)
+        snap_fd = _locked(snap, exclusive=False)  # keeps the snapshot from recover() while the load runs
+        for name in os.listdir(fd):
+            if stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                os.link(name, os.path.join(snap, name), src_dir_fd=fd, follow_symlinks=False)
+    except OSError:  # e.g. a read-only parent directory: read in place, as before
+        if snap_fd is not None:
+            os.close(snap_fd)
+        delete(snap)
+        snap = None
+    finally:
+        os.close(fd)
+    if snap is None:
+        yield path
+        return
+    try:
+        yield snap
+    finally:
+        if snap_fd is not None:
+            os.close(snap_fd)
+        delete(snap)
 
 
 def _committed_mtime(path: str) -> int | None:
@@ -80,9 +174,20 @@ def _mtime(path: str) -> int:
 
 
 def newest_committed(path: str) -> str | None:
-    """The newest committed hidden sibling of ``path`` (a save or swap killed before it finished)."""
-    found = [(t, p) for p in siblings(path) if not p.endswith(".removed") and (t := _committed_mtime(p)) is not None]
+    """The newest committed hidden sibling of ``path`` (a save or swap killed before it finished; not one a
+    live save still holds: it swaps itself in)."""
+    found = [(t, p) for p in siblings(path) if p.endswith((".partial", ".old"))
+             and (t := _committed_mtime(p)) is not None and _free(p)]
     return max(found)[1] if found else None
+
+
+def _free(path: str) -> bool:
+    """Whether no save or load holds directory ``path``."""
+    fd = _locked(path, exclusive=True)
+    if fd is None:
+        return not os.path.isdir(path)
+    os.close(fd)
+    return True
 
 
 def swap_in(new: str, path: str) -> None:
@@ -94,13 +199,13 @@ def swap_in(new: str, path: str) -> None:
         return
     if exchange(new, path):
         fsync_dir(parent)
-        delete(new)  # now the previous checkpoint
+        discard(new)  # now the previous checkpoint
         return
     old = hidden(path, "old")  # no atomic exchange here: recover() repairs a kill between the two renames
     os.rename(path, old)
     os.rename(new, path)
     fsync_dir(parent)
-    delete(old)
+    discard(old)
 
 
 def recover(path: str) -> None:
@@ -114,7 +219,7 @@ def recover(path: str) -> None:
         if not os.path.exists(path) or _committed_mtime(best) > _mtime(path):
             swap_in(best, path)
     for leftover in siblings(path):
-        delete(leftover)
+        discard(leftover)
 
 
 def resolve(path: str) -> str:
@@ -136,8 +241,8 @@ def remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         old = hidden(path, "removed")  # never taken back by recover()
         os.rename(path, old)
-        delete(old)
+        discard(old)
     else:
         delete(path)
     for leftover in siblings(path):
-        delete(leftover)
+        discard(leftover)

@@ -307,12 +307,12 @@ class CompressedCheckpointIO(CheckpointIO):
         with storage_errors(path, "prepare the checkpoint directory"):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             _files.recover(path)  # what a killed save or swap left: a newer committed one is kept
-        tmp = _files.hidden(path, "partial")
-        self._write(flat, tmp, overwrite=False)
-        # Swap the committed directory in: the previous checkpoint at the path (last.ckpt is re-saved) stays
-        # whole until then, and the swap is atomic, so a save killed at any point leaves the old one or the new one.
-        with storage_errors(path, f"move the committed checkpoint {tmp} to its name"):
-            _files.swap_in(tmp, path)
+        with _files.writing(path) as tmp:  # no cleanup deletes it while this save runs
+            self._write(flat, tmp, overwrite=False)
+            # Swap the committed directory in: the previous checkpoint at the path (last.ckpt is re-saved) stays
+            # whole until then, and the swap is atomic, so a save killed at any point leaves the old one or the new.
+            with storage_errors(path, f"move the committed checkpoint {tmp} to its name"):
+                _files.swap_in(tmp, path)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -326,13 +326,19 @@ class CompressedCheckpointIO(CheckpointIO):
                     return self._load_file(f, path, map_location, weights_only)
             if not os.path.exists(path):
                 raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
+            with _files.reading(path) as stable:  # a save of the same name meanwhile changes nothing under it
+                return self._load_dir(stable, path, map_location)
         else:
             fs, _ = fsspec.core.url_to_fs(path, **self.storage_options)
             if fs.isfile(path):  # a stock .ckpt file (or a reference) on an object store
                 with fs.open(path, "rb") as f:
                     return self._load_file(f, path, map_location, weights_only)
 
-        reader = CompressedReader(path, storage_options=self.storage_options, threads=self.threads,
+        return self._load_dir(path, path, map_location)
+
+    def _load_dir(self, where: str, path: str, map_location: Any) -> dict[str, Any]:
+        """Load the checkpoint directory ``where`` (``path`` as the user named it, for messages)."""
+        reader = CompressedReader(where, storage_options=self.storage_options, threads=self.threads,
                                   safe_globals=self.safe_globals, max_object_bytes=self.max_object_bytes)
         flat = template_from(reader)
         with _unwrapped():
