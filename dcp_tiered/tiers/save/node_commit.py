@@ -6,8 +6,8 @@ multi-node job never restored from its node-local tier.  After a save, every ran
 committed ``Metadata`` (DCP broadcasts ``finish``'s result, also to an async save's future).
 The leader of each other directory (its lowest rank) checks that the data files of the
 directory's ranks are all there at their recorded sizes, then commits that ``Metadata`` there
-(its :func:`node_view`), with the writer's integrity trailer and commit primitive.  A directory whose files are
-not all in is never committed: restore then skips that step on the node-local tier.
+(its :func:`node_view`), with the writer's integrity trailer and commit primitive.  A directory
+whose files are not all in is never committed: restore then skips that step on the node-local tier.
 
 Node copies.  DCP stores an item that several ranks hold (replicated: DDP-style parameters, a torch
 optimizer's ``step`` tensors and param groups beside FSDP shards) once, in one rank's file.  On a
@@ -65,7 +65,6 @@ class NodeCommit:
     ok: bool
     error: str | None = None
     copied_bytes: int = 0  # the stored bytes of this directory's node copies
-
 
     def as_event(self) -> dict[str, Any]:
         return {"event": "node_commit", **asdict(self)}
