@@ -7,10 +7,16 @@ Scenarios (each in its own data folder):
 
 - ``sync`` / ``async``: sharded state only (DTensors ``Shard(0)`` and one key per rank), so each
   node's files hold everything its ranks need.  A restart restores from ``local`` on every rank.
-- ``replicated``: DDP-style state (plain tensors and an int on every rank): DCP stores each item
-  once, in one rank's file, so no node holds everything.  The restart refuses ``local`` when
-  listing and restores from ``shared``; with that check bypassed (a file lost after the
-  listing), the ``local`` load fails on every rank together before reading data, then ``shared``.
+- ``replicated``: DDP-style state (plain tensors and an int on every rank) and ``fsdp_adam``:
+  parameters sharded as FSDP2 shards them (DTensor ``Shard(0)``) with a torch Adam's state (its
+  ``step`` tensors and param groups are the same on every rank).  DCP stores a replicated item once,
+  in one rank's file; each other node's directory gets a copy of what its ranks need (node copies,
+  :mod:`dcp_tiered.tiers.save.node_commit`), so the restart restores from ``local`` on every rank.
+  For ``fsdp_adam`` the shared tier is moved away before the restart: nothing can come from it.
+- ``replicated-old``: ``replicated`` with node 1's ``.metadata`` replaced by node 0's (a directory
+  committed without node copies): the restart refuses ``local`` when listing and restores from
+  ``shared``; with that check bypassed (a file lost after the listing), the ``local`` load fails on
+  every rank together before reading data, then ``shared``.
 
 One spawn saves, a second spawn (the restart) restores; checks record ``ok`` or a traceback per
 rank, and facts (restored steps, restore events) go to JSON files compared here.
@@ -29,9 +35,11 @@ from speed import scaled
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from gloo_ranks import read_records, record, run_ranks_recording
 
-from dcp_tiered import Tier, TieredCheckpointer
+from dcp_tiered import CompressedReader, Tier, TieredCheckpointer
+from dcp_tiered.dcp.format import record_view
 from dcp_tiered.dcp.metadata_io import load_metadata
 from dcp_tiered.storage import Storage
 from dcp_tiered.names import rank_of_file
@@ -44,8 +52,9 @@ WAIT_TIMEOUT = 180.0
 STEPS = [1, 2, 3]
 KEEP = 2
 W_SHAPE = (37, 24)  # rows per rank: 10, 10, 10, 7
-SCENARIOS = ["sync", "async", "replicated"]
+SCENARIOS = ["sync", "async", "replicated", "fsdp_adam"]
 SHARDED = ["sync", "async"]
+AWAY = "shared-away"  # where fsdp_adam's shared tier goes before the restart
 
 
 def tiers(root: Path) -> list[Tier]:
@@ -78,10 +87,48 @@ def _mesh():
     return init_device_mesh("cpu", (WS,))
 
 
+def fsdp_adam_state(mesh, step: int) -> dict:
+    """A model sharded as FSDP2 shards it (every parameter a DTensor ``Shard(0)``) with its torch Adam
+    after ``step`` steps, as ``get_state_dict`` gives them (at step 0: a fresh model, the optimizer's
+    state made by DCP's initialization)."""
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def shard(t: torch.Tensor):
+        return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+
+    model = nn.Sequential(nn.Linear(24, 37), nn.Tanh(), nn.Linear(37, 8))
+    for i, (name, p) in enumerate(list(model.named_parameters())):
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner).register_parameter(attr, nn.Parameter(shard(_randn(tuple(p.shape), 300 + i))))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+    for s in range(1, step + 1):
+        for i, p in enumerate(model.parameters()):
+            p.grad = shard(_randn(tuple(p.shape), 1000 * s + i))
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def leaves(tree, path: str = ""):
+    """``(dotted path, value)`` of every leaf of nested dicts and lists; a DTensor as its local shard."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from leaves(v, f"{path}.{i}")
+    else:
+        yield path, tree.to_local() if hasattr(tree, "to_local") else tree
+
+
 def make_state(scenario: str, mesh, rank: int, step: int) -> dict:
     """The state of ``rank`` at ``step`` (or a zero template when ``step`` is 0)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    if scenario == "fsdp_adam":
+        return fsdp_adam_state(mesh, step)
     v = full_values(step)
     if step == 0:
         v = {k: torch.zeros_like(t) for k, t in v.items()}
@@ -92,7 +139,11 @@ def make_state(scenario: str, mesh, rank: int, step: int) -> dict:
             f"own{rank}": own}
 
 
-def diffs(scenario: str, sd: dict, rank: int, step: int) -> list[str]:
+def diffs(scenario: str, sd: dict, rank: int, step: int, mesh=None) -> list[str]:
+    if scenario == "fsdp_adam":
+        got = dict(leaves(sd))
+        return [f"{k} differs from step {step}" for k, v in leaves(fsdp_adam_state(mesh, step))
+                if not (torch.equal(got[k], v) and got[k].dtype == v.dtype if isinstance(v, torch.Tensor) else got[k] == v)]
     want = full_values(step)
     out = []
     for k, t in want.items():
@@ -190,12 +241,14 @@ def _restore(root: Path, out: Path, scenario: str, mesh, rank: int, tag: str = "
     try:
         sd = make_state(scenario, mesh, rank, 0)
         got = ckpt.restore(sd)
-        facts = {"step": got, "diffs": diffs(scenario, sd, rank, got) if isinstance(got, int) else ["nothing restored"],
+        facts = {"step": got, "diffs": diffs(scenario, sd, rank, got, mesh) if isinstance(got, int) else ["nothing restored"],
                  "failures": ckpt.restore_failures,
                  "events": [(e["event"], e["step"], e["tier"]) for e in events if e.get("event", "").startswith("restore")]}
     finally:
         ckpt.close()
     (out / f"restore[{scenario}{tag}].rank{rank}.json").write_text(json.dumps(facts))
+    if scenario == "fsdp_adam":  # compared with the shared tier's copy
+        torch.save(dict(leaves(sd)), out / f"restored[{scenario}].rank{rank}.pt")
 
 
 def _restore_unchecked(root: Path, out: Path, mesh, rank: int) -> None:
@@ -217,7 +270,9 @@ def _restore_worker(rank: int, world_size: int, data: str, out: str) -> None:
     root, out_p = Path(data), Path(out)
     for scenario in SCENARIOS:
         record(out_p, f"restore[{scenario}]", rank, lambda s=scenario: _restore(root / s, out_p, s, mesh, rank))
-    record(out_p, "restore[replicated-unchecked]", rank, lambda: _restore_unchecked(root / "replicated", out_p, mesh, rank))
+    old = root / "replicated-old"
+    record(out_p, "restore[replicated-old]", rank, lambda: _restore(old, out_p, "replicated", mesh, rank, "-old"))
+    record(out_p, "restore[replicated-unchecked]", rank, lambda: _restore_unchecked(old, out_p, mesh, rank))
 
 
 # -- fixtures ----------------------------------------------------------------------------------------
@@ -233,8 +288,21 @@ def saved(root: Path) -> tuple[Path, str | None]:
     return run_ranks_recording(_save_worker, WS, root, str(root / "data"), root / "records_save", timeout=SPAWN_TIMEOUT)
 
 
+def _without_node_copies(src: Path, dst: Path) -> None:
+    """``dst``: a copy of the checkpoints in ``src`` whose node 1 directories hold node 0's ``.metadata``,
+    as committed before node copies (it names the replicated items where DCP stored them, on node 0)."""
+    shutil.copytree(src, dst)
+    for d in (dst / "local" / "1").glob("step_*"):
+        shutil.copyfile(dst / "local" / "0" / d.name / ".metadata", d / ".metadata")
+
+
 @pytest.fixture(scope="module")
 def restarted(root: Path, saved) -> tuple[Path, str | None]:
+    data = root / "data"
+    if (data / "fsdp_adam" / "shared").is_dir():  # the restart must not be able to read it
+        (data / "fsdp_adam" / "shared").rename(data / "fsdp_adam" / AWAY)
+    if (data / "replicated").is_dir():
+        _without_node_copies(data / "replicated", data / "replicated-old")
     return run_ranks_recording(_restore_worker, WS, root, str(root / "data"), root / "records_restore",
                                timeout=SPAWN_TIMEOUT)
 
@@ -285,12 +353,64 @@ def test_restart_restores_from_the_node_local_tier(saved, restarted, scenario: s
         assert f["events"] == [["restore", STEPS[-1], "local"]] and f["failures"] == 0, f"rank {rank}: {f}"
 
 
-def test_replicated_state_restores_from_shared(saved, restarted) -> None:
-    """Replicated items live in one rank's file only: every rank refuses the ``local`` candidates
-    when listing (its load would need another node's file) and restores from ``shared``, bit-exact."""
+@pytest.mark.parametrize("scenario", ["replicated", "fsdp_adam"])
+def test_replicated_items_restore_from_the_node_local_tier(saved, restarted, scenario: str) -> None:
+    """Items DCP stored once (DDP-style tensors; Adam's ``step`` tensors and param groups beside FSDP
+    shards) have a copy in every other node's directory: every rank restores from ``local``,
+    bit-exact (for ``fsdp_adam`` with the shared tier moved away: nothing was read from it)."""
+    read_records(saved[0], f"save[{scenario}]", WS, saved[1])
+    read_records(restarted[0], f"restore[{scenario}]", WS, restarted[1])
+    for rank, f in enumerate(_facts(restarted[0], f"restore[{scenario}]")):
+        assert f["step"] == STEPS[-1] and f["diffs"] == [], f"rank {rank}: {f}"
+        assert f["events"] == [["restore", STEPS[-1], "local"]] and f["failures"] == 0, f"rank {rank}: {f}"
+
+
+def _files(path: Path) -> dict:
+    """The data file of each item of the checkpoint in ``path``."""
+    return {i: record_view(r).file for i, r in load_metadata(Storage(str(path))).storage_data.items()}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")
+def test_node_copies_hold_only_replicated_items_and_shared_stays_a_plain_checkpoint(saved, restarted, root: Path) -> None:
+    """Node 1's ``.metadata`` names node 0's files for node 0's shards only; the items it names elsewhere
+    than the shared checkpoint are Adam's replicated ones (never a shard), in node-copies files.  The
+    shared checkpoint (promoted from node 0's) names only the ranks' own data files, loads with stock
+    DCP's loader and ``CompressedReader`` into an empty state dict, and equals what every rank restored."""
+    read_records(saved[0], "save[fsdp_adam]", WS, saved[1])
+    read_records(restarted[0], "restore[fsdp_adam]", WS, restarted[1])
+    name = step_dir(STEPS[-1])
+    data = root / "data" / "fsdp_adam"
+    node1, shared = _files(data / "local" / "1" / name), _files(data / AWAY / name)
+    assert _files(data / "local" / "0" / name) == shared
+    assert set(shared.values()) == {f"__{r}_0.distcp" for r in range(WS)}, shared
+
+    def replicated(fqn: str) -> bool:
+        return fqn.endswith(".step") or ".param_groups." in fqn
+
+    moved = {i.fqn for i in node1 if node1[i] != shared[i]}
+    assert moved and all(map(replicated, moved)), moved
+    assert {node1[i] for i in node1 if node1[i] != shared[i]} <= {"__2_node_0.distcp", "__3_node_0.distcp"}, node1
+    elsewhere = {i.fqn for i, f in node1.items() if rank_of_file(f) not in (2, 3)}  # node 0's shards only
+    assert elsewhere and not any(map(replicated, elsewhere)), elsewhere
+    full = _load_state_dict_from_keys(storage_reader=CompressedReader(str(data / AWAY / name)))
+    want = dict(leaves(full))
+    for rank in range(WS):
+        got = torch.load(restarted[0] / f"restored[fsdp_adam].rank{rank}.pt", weights_only=True)
+        assert set(got) == set(want), set(got) ^ set(want)
+        for k, v in got.items():
+            w = want[k]
+            if isinstance(w, torch.Tensor) and w.shape != v.shape:
+                w = torch.chunk(w, WS, 0)[rank]
+            assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), f"rank {rank}: {k}"
+
+
+def test_a_node_committed_without_node_copies_restores_from_shared(saved, restarted) -> None:
+    """A node directory whose ``.metadata`` names replicated items in another node's file (committed
+    without node copies): every rank refuses the ``local`` candidates when listing (its load would
+    need another node's file) and restores from ``shared``, bit-exact."""
     read_records(saved[0], "save[replicated]", WS, saved[1])
-    read_records(restarted[0], "restore[replicated]", WS, restarted[1])
-    for rank, f in enumerate(_facts(restarted[0], "restore[replicated]")):
+    read_records(restarted[0], "restore[replicated-old]", WS, restarted[1])
+    for rank, f in enumerate(_facts(restarted[0], "restore[replicated-old]")):
         assert f["step"] == STEPS[-1] and f["diffs"] == [], f"rank {rank}: {f}"
         assert f["events"] == [["restore", STEPS[-1], "shared"]] and f["failures"] == 0, f"rank {rank}: {f}"
 

@@ -401,6 +401,8 @@ def _resume_worker(rank: int, world_size: int, root: str, out: str, tests_dir: s
             load_and_compare(path, mesh, rank, CRASH_STEP, with_optim=True)
 
     def restore_resumed():
+        # this rank's local copy gone (each rank lists its own local directory only): the resumed commit serves
+        (root_p / "local" / str(rank) / step_dir(CRASH_STEP) / ".metadata").unlink(missing_ok=True)
         ckpt = TieredCheckpointer(_crash_tiers(root_p), clock=Clock())
         events: list = []
         ckpt.events.hooks.append(events.append)
@@ -524,11 +526,12 @@ def test_promotion_reencodes_and_keeps_optimizer_split(main, root: Path, mode: s
 @pytest.mark.parametrize("mode", MODES)
 def test_node_local_tier_holds_each_ranks_own_files(main, root: Path, mode: str) -> None:
     """Each rank's local directory holds its own data file and is committed (``.metadata``: the
-    coordinator's by the save, rank 1's by rank 1 once its file is in); no promotion intents or
-    temp files are left after wait()."""
+    coordinator's by the save, rank 1's by rank 1 once its files are in); rank 1's also holds its
+    node copies of the replicated items (``model.b``, ``optim.step``), which DCP stores in rank 0's
+    file; no promotion intents or temp files are left after wait()."""
     read_records(main[0], f"save[{mode}]", WS, main[1])
     local = root / "main" / mode / "local"
-    for rank, want in ((0, {".metadata", "__0_0.distcp"}), (1, {".metadata", "__1_0.distcp"})):
+    for rank, want in ((0, {".metadata", "__0_0.distcp"}), (1, {".metadata", "__1_0.distcp", "__1_node_0.distcp"})):
         dirs = sorted((local / str(rank)).glob("step_*"))
         assert dirs, f"no checkpoint in {local / str(rank)}"
         for d in dirs:
@@ -538,21 +541,20 @@ def test_node_local_tier_holds_each_ranks_own_files(main, root: Path, mode: str)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_restore_takes_newest_complete_checkpoint_from_shared(main, mode: str) -> None:
-    """The node-local tier is committed in each rank's directory, but each holds its own rank's file
-    only, and ``model.b`` and ``optim.step`` (replicated) sit in one of them: every rank's load would
-    need the other's file, so restore skips local steps 9 (with optimizer) and 10 without trying
-    them, and reads ``shared``: step 7 (the newest there with optimizer
-    state; 10 lacks it) for model+optim, step 10 for the model alone."""
+def test_restore_takes_newest_checkpoint_holding_the_state_from_local(main, mode: str) -> None:
+    """The node-local tier is committed in each rank's directory, each holding what its rank loads
+    (``model.b`` and ``optim.step``, replicated, are in rank 0's file and in rank 1's node copies):
+    restore skips step 10 (no optimizer state) without trying it and reads ``local`` step 9 for
+    model+optim, ``local`` step 10 for the model alone."""
     read_records(main[0], f"restore[{mode}]", WS, main[1])
     facts = _read_facts(main[0], f"restore[{mode}]", WS)
     for rank, f in enumerate(facts):
-        assert f["with_optim"] == 7, f"rank {rank}: model+optim restored step {f['with_optim']!r}, want 7"
+        assert f["with_optim"] == 9, f"rank {rank}: model+optim restored step {f['with_optim']!r}, want 9"
         assert f["model_only"] == 10, f"rank {rank}: model restored step {f['model_only']!r}, want 10"
         assert f["with_optim_ok"] == "" and f["model_only_ok"] == "", f"rank {rank}: {f}"
         assert f["restore_failures"] == 0, f"rank {rank}: {f['events']}"
         assert [(e["event"], e["step"], e["tier"]) for e in f["events"]] == [
-            ("restore", 7, "shared"), ("restore", 10, "shared")], f"rank {rank}: {f['events']}"
+            ("restore", 9, "local"), ("restore", 10, "local")], f"rank {rank}: {f['events']}"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -17,8 +17,8 @@ from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.layout import step_name
 
-__all__ = ["COORDINATOR", "check_replication", "clique_peers", "cliques", "dir_ranks", "holds_file", "jump_of", "local_world",
-           "node_of", "shares_coordinator_dir", "step_dir", "tier_storage"]
+__all__ = ["COORDINATOR", "check_replication", "clique_peers", "cliques", "dir_leaders", "dir_ranks", "holds_file", "jump_of",
+           "local_world", "node_of", "shares_coordinator_dir", "step_dir", "tier_storage"]
 
 
 def tier_storage(tier: Tier, rank: int = 0, node: "int | None" = None) -> Storage:
@@ -36,6 +36,13 @@ def dir_ranks(tier: Tier, rank: int, world: int, per_node: "int | None" = None) 
     ranks per node, default :func:`~dcp_tiered.ranks.local_world`)."""
     mine = tier.resolved_url(rank, node_of(rank, per_node))
     return [r for r in range(world) if tier.resolved_url(r, node_of(r, per_node)) == mine]
+
+
+def dir_leaders(tier: Tier, world: int, per_node: int | None = None) -> list[int]:
+    """For each of ``world`` ranks, the lowest rank writing into the same directory of ``tier`` (its leader):
+    ranks with one leader share a directory (that of the coordinator's directory is ``COORDINATOR``)."""
+    first: dict[str, int] = {}
+    return [first.setdefault(tier.resolved_url(r, node_of(r, per_node)), r) for r in range(world)]
 
 
 def holds_file(tier: Tier, rank: int, world: int) -> Callable[[str], bool]:

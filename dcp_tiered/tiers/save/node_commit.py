@@ -5,25 +5,41 @@ or ``{rank}`` in a tier's URL only the coordinator's directory used to be commit
 multi-node job never restored from its node-local tier.  After a save, every rank holds the
 committed ``Metadata`` (DCP broadcasts ``finish``'s result, also to an async save's future).
 The leader of each other directory (its lowest rank) checks that the data files of the
-directory's ranks are all there at their recorded sizes, then commits the same ``.metadata``
-there, with the writer's integrity trailer and commit primitive.  A directory whose files are
-not all in is never committed: restore then skips that step on the node-local tier.
+directory's ranks are all there at their recorded sizes, then commits that ``Metadata`` there
+(its :func:`node_view`), with the writer's integrity trailer and commit primitive.  A directory
+whose files are not all in is never committed: restore then skips that step on the node-local tier.
+
+Node copies.  DCP stores an item that several ranks hold (replicated: DDP-style parameters, a torch
+optimizer's ``step`` tensors and param groups beside FSDP shards) once, in one rank's file.  On a
+node-local tier without ``replicas``, :func:`place_replicated` (run by ``TieredWriter`` on the
+coordinator, from what every rank's local plan held) keeps every replicated item that a rank of
+the coordinator's directory holds in that directory (so its ``.metadata``, which promotions copy,
+stays the plain checkpoint), and names for each other directory a rank of it holding the item to
+write a copy into its node-copies file (:func:`node_copies_prefix`).  The copies' records travel
+with the ``Metadata`` that ``dcp.save`` returns (:data:`NODE_COPIES`, never in a ``.metadata``);
+each other directory commits its :func:`node_view`, which names its own copies, so every rank loads
+from its own node.  A directory never holds more than one copy of an item; the coordinator's and
+the shared tiers' checkpoints hold none.
 
 A node's directory holds its own ranks' files, and with peer replication other ranks' files
 as replicas, which count only under a committed replica marker of the same save
-(:func:`vouched_files`); items DCP deduplicated into another node's file (replicated,
-DDP-style state) may not be there.  Restore finds that out before reading any data (:class:`~dcp_tiered.dcp.reader.CompressedReader` checks every file of its
+(:func:`vouched_files`); with ``replicas`` (no node copies) or in a directory committed without
+node copies, items DCP stored in another node's file may not be there.  Restore finds that out
+before reading any data (:class:`~dcp_tiered.dcp.reader.CompressedReader` checks every file of its
 plan first) and every rank falls back to the next candidate together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_tiered.dcp.format import expected_sizes, record_view
 from dcp_tiered.dcp.metadata_io import encode_metadata, load_metadata
@@ -48,6 +64,7 @@ class NodeCommit:
     ranks: list[int]
     ok: bool
     error: str | None = None
+    copied_bytes: int = 0  # the stored bytes of this directory's node copies
 
     def as_event(self) -> dict[str, Any]:
         return {"event": "node_commit", **asdict(self)}
@@ -68,8 +85,9 @@ def _problems(child: Storage, expected: dict[str, int]) -> list[str]:
 
 def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: int, overwrite: bool = True,
                 step: int | None = None) -> NodeCommit | None:
-    """Commit ``metadata`` (the save's committed ``Metadata``) in the directory ``name`` of node-local
-    ``tier`` that ``rank`` sees, once every data file of the directory's ranks has its recorded size.
+    """Commit ``metadata`` (the save's committed ``Metadata``, as :func:`node_view` shows it to this
+    directory) in the directory ``name`` of node-local ``tier`` that ``rank`` sees, once every data file
+    of the directory's ranks (node copies included) has its recorded size.
 
     Runs on the directory's leader (its lowest rank) only, and not for the coordinator's directory
     (committed by the save itself); returns None elsewhere.  Never raises: a directory whose files
@@ -79,23 +97,132 @@ def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: 
     if not tier.node_local or ranks[0] != rank or COORDINATOR in ranks:
         return None
     child = step_dir(tier, rank, name)
-    result = NodeCommit(tier.name, step, child.url, ranks, ok=False)
+    view, copied = node_view(metadata, ranks)
+    result = NodeCommit(tier.name, step, child.url, ranks, ok=False, copied_bytes=copied)
     try:
-        problems = _problems(child, expected_sizes(metadata.storage_data.values(), lambda f: rank_of_file(f) in ranks))
+        problems = _problems(child, expected_sizes(view.storage_data.values(), lambda f: rank_of_file(f) in ranks))
         if problems:
             result.error = (f"not committing {child.url} for rank(s) {ranks}: {'; '.join(problems[:4])}"
                             f"{' ...' if len(problems) > 4 else ''}; restore uses another tier or step")
         else:
-            meta = metadata.storage_meta
-            if meta is not None:
-                meta.checkpoint_id = child.url
-            commit_metadata(child, encode_metadata(metadata), overwrite, ())
+            if view.storage_meta is not None:
+                view.storage_meta = dataclasses.replace(view.storage_meta, checkpoint_id=child.url)
+            commit_metadata(child, encode_metadata(view), overwrite, ())
             result.ok = True
     except DcpTieredError as exc:
         result.error = f"committing {child.url} failed: {exc}"
     if result.error:
         log.warning("node-local tier %s: %s", tier.name, result.error)
     return result
+
+
+# -- node copies -------------------------------------------------------------------------------------
+
+#: Attribute of the ``Metadata`` that ``dcp.save`` returns on every rank (set by ``TieredWriter.finish``
+#: after the coordinator's commit, so never in a ``.metadata``): the save's node copies,
+#: ``((MetadataIndex, record), ...)``.
+NODE_COPIES = "dcp_tiered_node_copies"
+
+
+@dataclass(frozen=True)
+class HeldItems:
+    """The ``storage_data`` of a rank's local ``SavePlan`` (before DCP drops duplicates): the items it holds."""
+
+    indexes: tuple[MetadataIndex, ...]
+
+
+@dataclass(frozen=True)
+class NodeCopy:
+    """The ``storage_data`` of the ``WriteResult`` of a node copy: its record, kept apart from DCP's one
+    record per item (``TieredWriter.finish`` moves it to :data:`NODE_COPIES`)."""
+
+    record: dict
+
+
+def node_copies_prefix(prefix: str) -> str:
+    """The data-file prefix of a rank's node-copies file, from that of its data file: ``__{rank}_{tag}node_``
+    (the name tells its rank, as every data file's does)."""
+    return f"{prefix}node_"
+
+
+def _size(item: WriteItem) -> int:
+    return item.tensor_storage_size() or 1  # as DCP's dedup counts: a non-tensor item as 1
+
+
+def _lightest(candidates: list[int], load: list[int], size: int) -> int:
+    """The least loaded of ``candidates`` (the lowest rank of equals), loaded with ``size`` more."""
+    w = min(candidates, key=lambda r: (load[r], r))
+    load[w] += size
+    return w
+
+
+def place_replicated(plans: Sequence[SavePlan], held: Sequence[Sequence[MetadataIndex]],
+                     leaders: Sequence[int]) -> tuple[list[SavePlan], list[list[WriteItem]]]:
+    """Place the replicated items of a save to a node-local tier so that every directory holds what its
+    ranks hold: ``plans`` (the global plan, after DCP kept each item on one rank), ``held`` (the items each
+    rank's local plan held) and ``leaders`` (:func:`~dcp_tiered.tiers.topology.dir_leaders`).
+
+    An item that a rank of the coordinator's directory holds is moved there if DCP kept it elsewhere; for
+    each other directory where ranks hold an item kept outside it, one of them writes a node copy.  Each
+    goes to the least loaded holder (DCP's own balance).  Returns the new plans and each rank's copies."""
+    owner: dict[MetadataIndex, int] = {}
+    items: dict[MetadataIndex, WriteItem] = {}
+    load = [0] * len(plans)
+    for r, plan in enumerate(plans):
+        for it in plan.items:
+            owner[it.index], items[it.index] = r, it
+            load[r] += _size(it)
+    holders: dict[MetadataIndex, list[int]] = {}
+    for r, indexes in enumerate(held):
+        for index in indexes:
+            holders.setdefault(index, []).append(r)
+    moved: list[set[MetadataIndex]] = [set() for _ in plans]
+    added: list[list[WriteItem]] = [[] for _ in plans]
+    copies: list[list[WriteItem]] = [[] for _ in plans]
+    for index, ranks in holders.items():
+        o = owner.get(index)
+        if len(ranks) < 2 or o is None:
+            continue
+        item, size = items[index], _size(items[index])
+        by_dir: dict[int, list[int]] = {}
+        for r in ranks:
+            by_dir.setdefault(leaders[r], []).append(r)
+        if leaders[o] != COORDINATOR and COORDINATOR in by_dir:
+            w = _lightest(by_dir[COORDINATOR], load, size)
+            load[o] -= size
+            moved[o].add(index)
+            added[w].append(item)
+            o = w
+        for leader, candidates in by_dir.items():
+            if leader != leaders[o]:
+                copies[_lightest(candidates, load, size)].append(item)
+    new = [dataclasses.replace(p, items=[it for it in p.items if it.index not in moved[r]] + added[r])
+           if moved[r] or added[r] else p for r, p in enumerate(plans)]
+    return new, copies
+
+
+def split_node_copies(results: Sequence[Sequence[WriteResult]]
+                      ) -> tuple[list[list[WriteResult]], list[tuple[MetadataIndex, dict]]]:
+    """Every rank's write results without its node copies, and the node copies' ``(index, record)``."""
+    kept: list[list[WriteResult]] = []
+    copies: list[tuple[MetadataIndex, dict]] = []
+    for rank_results in results:
+        kept.append([r for r in rank_results if not isinstance(r.storage_data, NodeCopy)])
+        copies += [(r.index, r.storage_data.record) for r in rank_results if isinstance(r.storage_data, NodeCopy)]
+    return kept, copies
+
+
+def node_view(metadata: Metadata, ranks: Collection[int]) -> tuple[Metadata, int]:
+    """The ``Metadata`` the directory of ``ranks`` commits: the save's, each item that one of ``ranks``
+    wrote a node copy of pointing to that copy; and the stored bytes of those copies."""
+    storage = dict(metadata.storage_data)
+    copied = 0
+    for index, record in getattr(metadata, NODE_COPIES, ()):
+        view = record_view(record)
+        if rank_of_file(view.file) in ranks and index in storage:
+            storage[index] = record
+            copied += view.length
+    return dataclasses.replace(metadata, storage_data=storage), copied
 
 
 def commit_after_save(tier: Tier, step: int, metadata: Any, *, rank: int, world: int, promoter: Any,

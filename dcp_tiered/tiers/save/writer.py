@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_tiered.dcp.format import record_view
+from dcp_tiered.dcp.protocol import completed
 from dcp_tiered.dcp.save_stats import SaveStats
 from dcp_tiered.dcp.writer import (
     CompressedWriter,
@@ -29,12 +30,14 @@ from dcp_tiered.dcp.writer import (
     unique_tag,
 )
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
-from dcp_tiered.names import rank_prefix
+from dcp_tiered.names import data_file, rank_prefix
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.save.budget import check_save_fits
-from dcp_tiered.tiers.save.node_commit import NodeCommit, commit_node
-from dcp_tiered.tiers.topology import node_of, shares_coordinator_dir, step_dir
+from dcp_tiered.tiers.save.node_commit import (
+    NODE_COPIES, HeldItems, NodeCommit, NodeCopy, commit_node, node_copies_prefix, place_replicated, split_node_copies,
+)
+from dcp_tiered.tiers.topology import dir_leaders, node_of, shares_coordinator_dir, step_dir
 from dcp_tiered.tiers.promote.promoter import Promoter
 from dcp_tiered.tiers.policy import SaveSchedule
 from dcp_tiered.tiers.config import Tier, validate_tiers
@@ -54,6 +57,13 @@ class TieredPlan:
     prefix: str
     tiers: tuple[str, ...]  # due tiers, the first one is written, the others promoted to
     save_id: str = ""  # one id for the whole save, on every rank (ties promotions to it)
+    copies: tuple = ()  # the items this rank writes node copies of (MetadataIndex; see node_commit)
+
+
+def copies_node_local(tier: Tier) -> bool:
+    """Whether a save to ``tier`` writes node copies (:mod:`~dcp_tiered.tiers.save.node_commit`): a
+    node-local tier without ``replicas`` (with them, a node holds its clique peers' files instead)."""
+    return tier.node_local and tier.replicas <= 1
 
 
 class TieredWriter(StorageWriter):
@@ -74,6 +84,11 @@ class TieredWriter(StorageWriter):
     ``checkpoint_id`` (``dcp.save(..., checkpoint_id="step_000000100")``, see
     :func:`~dcp_tiered.tiers.layout.step_name`) names the checkpoint
     directory inside every tier.
+
+    On a node-local tier without ``replicas`` every directory gets what its ranks hold: items that
+    several ranks hold (DCP stores them once) are kept in the coordinator's directory and copied into
+    each other one (node copies, :mod:`~dcp_tiered.tiers.save.node_commit`; the ``Metadata`` that
+    ``dcp.save`` returns carries their records for :meth:`commit_node`).
     """
 
     def __init__(
@@ -122,6 +137,7 @@ class TieredWriter(StorageWriter):
         self._inner: CompressedWriter | None = None
         self._intent: Any = None  # the Promoter's record of what this rank owes (opaque here)
         self._plan_tiers: tuple[str, ...] = ()
+        self._local_items: list = []  # this rank's local plan (before DCP drops duplicates): node copies come from it
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -197,12 +213,23 @@ class TieredWriter(StorageWriter):
         primary = self.by_name[self.due[0]] if self.due else None
         if primary is not None and primary.node_local and self.overwrite and not self._coordinator_dir(primary):
             uncommit(self._target(primary))
+        self._local_items = list(plan.items)
+        if any(copies_node_local(t) for t in ([primary] if primary is not None else self.tiers)):
+            # what this rank holds, for the coordinator's placement of replicated items (the indexes are
+            # the plan's own objects: pickled with it, each costs a reference)
+            plan = dataclasses.replace(plan, storage_data=HeldItems(tuple(item.index for item in plan.items)))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         tiers = self._due()
+        primary = self.by_name[tiers[0]]
+        copies: list[list[Any]] = [[] for _ in plans]
+        if copies_node_local(primary) and plans and all(isinstance(p.storage_data, HeldItems) for p in plans):
+            plans, copies = place_replicated(plans, [p.storage_data.indexes for p in plans],
+                                             dir_leaders(primary, len(plans)))
         # A memory tier refuses a save that would not fit before anything (even the claim) is written.
-        check_save_fits(self.by_name[tiers[0]], plans, self.name, rank=self.rank, frame_size=self.frame_size)
+        sized = [dataclasses.replace(p, items=p.items + c) if c else p for p, c in zip(plans, copies)]
+        check_save_fits(primary, sized, self.name, rank=self.rank, frame_size=self.frame_size)
         target = self._target(self.by_name[tiers[0]])
         # Claimed before any rank writes: of two concurrent saves to one path exactly one goes on.
         self._release()
@@ -213,7 +240,9 @@ class TieredWriter(StorageWriter):
             uncommit(target)
         save_id = uuid.uuid4().hex
         tag = unique_tag(target)
-        return [dataclasses.replace(p, storage_data=TieredPlan(rank_prefix(i) + tag, tiers, save_id)) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=TieredPlan(rank_prefix(i) + tag, tiers, save_id,
+                                                               tuple(item.index for item in copies[i])))
+                for i, p in enumerate(plans)]
 
     def _release(self, committed: bool = False) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -242,27 +271,48 @@ class TieredWriter(StorageWriter):
         inner.set_up_storage_writer(self.is_coordinator, rank=self.rank)
         inner_plan = inner.prepare_local_plan(dataclasses.replace(plan, storage_data=RankFilePrefix(tp.prefix)))
         self._inner = inner
-        fut = inner.write_data(inner_plan, planner)
-        targets = tp.tiers[1:]
-        if targets:
-            results = fut.value()  # CompressedWriter completes synchronously; raises its failure
-            records = [(r.index, r.storage_data) for r in results]
-            data_file = record_view(records[0][1]).file if records else None
-            promoter = self._promoter()
-            self._intent = promoter.record_intent(self.name, primary, targets, data_file, records, self.is_coordinator,
-                                                  tp.save_id or None)
-            if self._intent is not None and not self.is_coordinator:
-                promoter.submit(self._intent)  # data files are final; the coordinator commits targets later
-        return fut
+
+        def write() -> list[WriteResult]:
+            results = inner.write_data(inner_plan, planner).value()  # CompressedWriter completes synchronously
+            targets = tp.tiers[1:]
+            if targets:
+                records = [(r.index, r.storage_data) for r in results]
+                data_file = record_view(records[0][1]).file if records else None
+                promoter = self._promoter()
+                self._intent = promoter.record_intent(self.name, primary, targets, data_file, records,
+                                                      self.is_coordinator, tp.save_id or None)
+                if self._intent is not None and not self.is_coordinator:
+                    promoter.submit(self._intent)  # data files are final; the coordinator commits targets later
+            return results + self._write_node_copies(inner, inner_plan, planner, tp, target)
+
+        return completed(write)
+
+    def _write_node_copies(self, inner: CompressedWriter, plan: SavePlan, planner: SavePlanner, tp: TieredPlan,
+                           target: Storage) -> list[WriteResult]:
+        """Write this rank's node copies (items of its local plan that the coordinator named) into its
+        node-copies file; their results carry the records as :class:`NodeCopy`, apart from DCP's."""
+        prefix = node_copies_prefix(tp.prefix)
+        wanted = set(tp.copies)
+        items = [item for item in self._local_items if item.index in wanted]
+        if not items:
+            if self.overwrite and target.exists(data_file(prefix)):
+                target.remove(data_file(prefix))  # an earlier save's copies, which no .metadata names now
+            return []
+        done = inner.write_data(dataclasses.replace(plan, items=items, storage_data=RankFilePrefix(prefix)), planner)
+        return [WriteResult(index=r.index, size_in_bytes=r.size_in_bytes, storage_data=NodeCopy(r.storage_data))
+                for r in done.value()]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self._inner is not None, "finish called before write_data"
+        results, copies = split_node_copies(results)
         committed = False
         try:
             self._inner.finish(metadata, results)
             committed = True
         finally:
             self._release(committed=committed)
+        if copies:  # for the other directories' commits, after this one: never in a .metadata
+            setattr(metadata, NODE_COPIES, tuple(copies))
         self.last_stats = self._inner.last_stats
         self.last_tiers = self._plan_tiers
         promoter = self._promoter()

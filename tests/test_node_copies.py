@@ -1,0 +1,109 @@
+"""Where a save to a node-local tier puts replicated items (``place_replicated``): kept in the
+coordinator's directory, one node copy in each other directory whose ranks hold them, by the least
+loaded holder; sharded items stay where DCP put them.  Plans stand in for DCP's global plan (each
+item on one rank) and ``held`` for what every rank's local plan held.  In-process, no ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_tiered.dcp.format import record_view
+from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.save.node_commit import (
+    NODE_COPIES,
+    NodeCopy,
+    node_view,
+    place_replicated,
+    split_node_copies,
+)
+from dcp_tiered.tiers.topology import dir_leaders
+
+
+def tensor(fqn: str, rows: int) -> WriteItem:
+    size = torch.Size([rows, 4])
+    return WriteItem(MetadataIndex(fqn, torch.Size([0, 0])), WriteItemType.TENSOR,
+                     tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([0, 0]), size),
+                                                 TensorProperties(dtype=torch.float32), size))
+
+
+def obj(fqn: str) -> WriteItem:
+    return WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO)
+
+
+def fqns(items: list[WriteItem]) -> list[str]:
+    return sorted(i.index.fqn for i in items)
+
+
+A, B, C, SHARD = tensor("a", 10), tensor("b", 10), obj("lr"), tensor("w", 5)
+NODES = [0, 0, 2, 2]  # dir_leaders of a {node} tier: 4 ranks, 2 per node
+
+
+def test_dir_leaders() -> None:
+    assert dir_leaders(Tier("l", "/x/{node}"), 4, per_node=2) == NODES
+    assert dir_leaders(Tier("l", "/x/{rank}"), 3, per_node=2) == [0, 1, 2]
+    assert dir_leaders(Tier("l", "/x/{node}"), 3, per_node=0) == [0, 0, 0]  # ranks per node unknown: one node
+
+
+def test_ddp_items_stay_on_node_0_and_node_1_copies_them_balanced() -> None:
+    """DCP put ``a``, ``b`` on ranks 0, 1 and ``lr`` on rank 2: ``lr`` moves to node 0 (the lowest of its
+    equally loaded ranks), and node 1's two ranks share the copies of all three (``a`` to rank 3, which
+    holds nothing yet; ``lr`` to the lowest of two equally loaded ranks)."""
+    held = [[i.index for i in (A, B, C)]] * 4
+    plans = [SavePlan([A]), SavePlan([B]), SavePlan([C]), SavePlan([])]
+    new, copies = place_replicated(plans, held, NODES)
+    assert [fqns(p.items) for p in new] == [["a", "lr"], ["b"], [], []]
+    assert [fqns(c) for c in copies] == [[], [], ["b", "lr"], ["a"]]
+
+
+def test_sharded_items_are_never_moved_or_copied() -> None:
+    other = dataclasses.replace(SHARD, index=MetadataIndex("w", torch.Size([5, 0])))
+    plans = [SavePlan([SHARD]), SavePlan([]), SavePlan([other]), SavePlan([])]
+    new, copies = place_replicated(plans, [[SHARD.index], [], [other.index], []], NODES)
+    assert new == plans and copies == [[]] * 4
+
+
+def test_an_item_held_on_one_rank_of_each_node_moves_to_node_0_and_is_copied_once() -> None:
+    """Held by ranks 1 and 3, kept by DCP on 3: rank 1 writes it, rank 3 copies it for node 1."""
+    plans = [SavePlan([]), SavePlan([]), SavePlan([]), SavePlan([C])]
+    new, copies = place_replicated(plans, [[], [C.index], [], [C.index]], NODES)
+    assert [fqns(p.items) for p in new] == [[], ["lr"], [], []]
+    assert [fqns(c) for c in copies] == [[], [], [], ["lr"]]
+
+
+def test_items_held_by_other_nodes_only_stay_and_a_rank_tier_copies_into_every_directory() -> None:
+    plans = [SavePlan([]), SavePlan([]), SavePlan([C]), SavePlan([])]
+    new, copies = place_replicated(plans, [[], [], [C.index], [C.index]], NODES)  # node 1 holds it all
+    assert new == plans and copies == [[]] * 4
+    new, copies = place_replicated(plans, [[C.index]] * 4, [0, 1, 2, 3])  # {rank}: every rank its own directory
+    assert [fqns(p.items) for p in new] == [["lr"], [], [], []]
+    assert [fqns(c) for c in copies] == [[], ["lr"], ["lr"], ["lr"]]
+
+
+def test_node_view_names_its_own_copies_only() -> None:
+    """The copies' results travel apart from DCP's records; each directory's view names its own."""
+    rec, copy = _StorageInfo("__0_0.distcp", 0, 8), _StorageInfo("__2_node_0.distcp", 0, 9)
+    results = [[WriteResult(C.index, 8, rec)], [], [WriteResult(C.index, 9, NodeCopy(copy))], []]
+    kept, copies = split_node_copies(results)
+    assert kept == [[results[0][0]], [], [], []] and copies == [(C.index, copy)]
+    md = Metadata({}, storage_data={C.index: rec})
+    setattr(md, NODE_COPIES, tuple(copies))
+    node1, copied = node_view(md, [2, 3])
+    assert record_view(node1.storage_data[C.index]).file == "__2_node_0.distcp" and copied == 9
+    assert not hasattr(node1, NODE_COPIES) and md.storage_data[C.index] is rec
+    assert node_view(md, [0, 1])[0].storage_data == {C.index: rec}
