@@ -1,7 +1,8 @@
 """The names inside a checkpoint directory, torch-free: the one definition every layer uses.
 
 A checkpoint directory holds one data file per rank (``__{rank}_{tag}0.distcp``, the tag
-unique to a save on object stores), the commit marker ``.metadata`` (written last: the
+unique to a save on object stores; on a node-local tier also a node-copies file
+``__{rank}_{tag}node_0.distcp``), the commit marker ``.metadata`` (written last: the
 checkpoint is committed if and only if it exists) and, while a save runs locally, a lock.
 """
 
@@ -24,6 +25,13 @@ DATA_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.distcp$")
 def rank_prefix(rank: int) -> str:
     """The data-file prefix of ``rank``'s files (``__{rank}_``); a save on an object store appends its tag."""
     return f"__{rank}_"
+
+
+def node_copies_prefix(prefix: str) -> str:
+    """The data-file prefix of a rank's node-copies file (a node-local tier's copies of replicated items,
+    ``tiers/save/node_commit``), from that of its data file: ``__{rank}_{tag}node_`` (the name tells
+    its rank, as every data file's does)."""
+    return f"{prefix}node_"
 
 
 def data_file(prefix: str) -> str:

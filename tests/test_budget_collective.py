@@ -57,12 +57,24 @@ def _one_rank_fails_inside_the_check(root: str, rank: int) -> None:
             ck.save_now(1, {"w": torch.ones(16)})
 
 
+def _node_copies_count(root: str, rank: int) -> None:
+    from dcp_tiered import SaveError, Tier, TieredCheckpointer
+
+    # node 1 holds 2 MiB of its own ranks' floats and, as its node copy, the 1 MiB replicated tensor
+    # that DCP stores on node 0: 3 MiB against a 2.5 MiB budget (without the copy it would fit)
+    own = torch.full((1 << 18 if rank >= LOCAL else 16,), float(rank))
+    with TieredCheckpointer([Tier("mem", f"{root}/{{node}}", memory_budget="2560KiB", keep=1)]) as ck:
+        with pytest.raises(SaveError, match="memory_budget"):
+            ck.save_now(1, {f"w{rank}": own, "shared": torch.ones(1 << 18)})
+
+
 def _worker(rank: int, world_size: int, data: str, out: str) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
     rec = Path(out)
     record(rec, "over_budget", rank, lambda: _over_budget_with_replicas(f"{data}/a", rank))
     record(rec, "fits", rank, lambda: _fits_with_replicas(f"{data}/b", rank))
-    record(rec, "one_fails", rank, lambda: _one_rank_fails_inside_the_check(f"{data}/c", rank))
+    record(rec, "node_copies", rank, lambda: _node_copies_count(f"{data}/d", rank))
+    record(rec, "one_fails", rank, lambda: _one_rank_fails_inside_the_check(f"{data}/c", rank))  # patches rank 1: last
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +91,7 @@ def outcomes(tmp_path_factory):
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("check", ["over_budget", "fits", "one_fails"])
+@pytest.mark.parametrize("check", ["over_budget", "fits", "one_fails", "node_copies"])
 def test_budget_check_on_four_ranks(outcomes, check):
     out, crash = outcomes
     read_records(out, check, WS, crash)

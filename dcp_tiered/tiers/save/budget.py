@@ -15,6 +15,7 @@ frame headers, non-tensor values by their size; the codec is not counted).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import io
 import logging
@@ -36,7 +37,8 @@ from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.config import existing_parent
 from dcp_tiered.tiers.policy import retention_victims
 from dcp_tiered.tiers.retention import checkpoint_facts, newest_replicated
-from dcp_tiered.tiers.topology import check_replication, node_of
+from dcp_tiered.tiers.save.node_commit import copies_node_local, place_replicated
+from dcp_tiered.tiers.topology import check_replication, dir_leaders, node_of
 
 log = logging.getLogger(__name__)
 
@@ -360,10 +362,16 @@ def _coordinator_answer(tier: Any, gathered: list, checkpoint: str, *, planner: 
         return "; ".join(failed[:3])
     try:
         plans = [p for p, _s, _w in gathered]
+        deduped = False
         try:  # the planner's public global plan drops replicated items as the save will
-            plans = planner.create_global_plan(plans)[0]
+            plans, deduped = planner.create_global_plan(plans)[0], True
         except Exception as exc:  # noqa: BLE001 - the save reports it; count every item meanwhile
             log.debug("budget check of %s: no global plan (%s); counting replicated items on every rank", checkpoint, exc)
+        if deduped and copies_node_local(tier):  # the copies of replicated items each other directory gets
+            local = [p.items for p, _s, _w in gathered]
+            plans, copies = place_replicated(plans, [[it.index for it in items] for items in local],
+                                             dir_leaders(tier, world))
+            plans = [dataclasses.replace(p, items=p.items + c) if c else p for p, c in zip(plans, copies)]
         by_index = [dict(s) for _p, s, _w in gathered]
         per_rank = node_save_bytes(plans, lambda r: r, frame_size, sizes=by_index, tier_dtype=tier.dtype)
         per_node = replicated_node_bytes(tier, per_rank, world)

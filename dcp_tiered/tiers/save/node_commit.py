@@ -15,7 +15,7 @@ node-local tier without ``replicas``, :func:`place_replicated` (run by ``TieredW
 coordinator, from what every rank's local plan held) keeps every replicated item that a rank of
 the coordinator's directory holds in that directory (so its ``.metadata``, which promotions copy,
 stays the plain checkpoint), and names for each other directory a rank of it holding the item to
-write a copy into its node-copies file (:func:`node_copies_prefix`).  The copies' records travel
+write a copy into its node-copies file (:func:`~dcp_tiered.names.node_copies_prefix`).  The copies' records travel
 with the ``Metadata`` that ``dcp.save`` returns (:data:`NODE_COPIES`, never in a ``.metadata``);
 each other directory commits its :func:`node_view`, which names its own copies, so every rank loads
 from its own node.  A directory never holds more than one copy of an item; the coordinator's and
@@ -139,12 +139,6 @@ class NodeCopy:
     record: dict
 
 
-def node_copies_prefix(prefix: str) -> str:
-    """The data-file prefix of a rank's node-copies file, from that of its data file: ``__{rank}_{tag}node_``
-    (the name tells its rank, as every data file's does)."""
-    return f"{prefix}node_"
-
-
 def _size(item: WriteItem) -> int:
     return item.tensor_storage_size() or 1  # as DCP's dedup counts: a non-tensor item as 1
 
@@ -199,6 +193,12 @@ def place_replicated(plans: Sequence[SavePlan], held: Sequence[Sequence[Metadata
     new = [dataclasses.replace(p, items=[it for it in p.items if it.index not in moved[r]] + added[r])
            if moved[r] or added[r] else p for r, p in enumerate(plans)]
     return new, copies
+
+
+def copies_node_local(tier: Any) -> bool:
+    """Whether a save to ``tier`` writes node copies: a node-local tier without ``replicas`` (with them,
+    a node holds its clique peers' files instead)."""
+    return tier.node_local and tier.replicas <= 1
 
 
 def split_node_copies(results: Sequence[Sequence[WriteResult]]

@@ -30,12 +30,12 @@ from dcp_tiered.dcp.writer import (
     unique_tag,
 )
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
-from dcp_tiered.names import data_file, rank_prefix
+from dcp_tiered.names import data_file, node_copies_prefix, rank_prefix
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.save.budget import check_save_fits
 from dcp_tiered.tiers.save.node_commit import (
-    NODE_COPIES, HeldItems, NodeCommit, NodeCopy, commit_node, node_copies_prefix, place_replicated, split_node_copies,
+    NODE_COPIES, HeldItems, NodeCommit, NodeCopy, commit_node, copies_node_local, place_replicated, split_node_copies,
 )
 from dcp_tiered.tiers.topology import dir_leaders, node_of, shares_coordinator_dir, step_dir
 from dcp_tiered.tiers.promote.promoter import Promoter
@@ -58,12 +58,6 @@ class TieredPlan:
     tiers: tuple[str, ...]  # due tiers, the first one is written, the others promoted to
     save_id: str = ""  # one id for the whole save, on every rank (ties promotions to it)
     copies: tuple = ()  # the items this rank writes node copies of (MetadataIndex; see node_commit)
-
-
-def copies_node_local(tier: Tier) -> bool:
-    """Whether a save to ``tier`` writes node copies (:mod:`~dcp_tiered.tiers.save.node_commit`): a
-    node-local tier without ``replicas`` (with them, a node holds its clique peers' files instead)."""
-    return tier.node_local and tier.replicas <= 1
 
 
 class TieredWriter(StorageWriter):
