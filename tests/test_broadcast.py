@@ -312,6 +312,23 @@ def _worker(rank: int, world_size: int, ckpt: str, tiered: str, out: str) -> Non
     if "broadcast" in inspect.signature(__import__("dcp_tiered").TieredCheckpointer.restore).parameters:
         _record(out_p, "restore_broadcast", rank, restore_broadcast)
 
+    def restore_broadcast_sharded_refused_once():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        from dcp_tiered import Tier, TieredCheckpointer
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        tmpl, _ = template()
+        tmpl["model"]["big"] = distribute_tensor(torch.zeros(300, 70), mesh, [Replicate()])
+        with TieredCheckpointer([Tier("shared", "counting://" + tiered, keep=3)], resume_promotions=False) as ck:
+            CountingFS.reset()
+            _expect_error(lambda: ck.restore(tmpl, broadcast=True), (ConfigError,), "replicated")
+            assert ck.restore_failures == 0, ck.restore_failures  # refused up front, no candidate tried
+            assert CountingFS.data_bytes() == 0
+
+    _record(out_p, "restore_broadcast_sharded", rank, restore_broadcast_sharded_refused_once)
+
 
 # -- fixtures and tests ---------------------------------------------------------------------------
 
@@ -401,6 +418,10 @@ def test_leader_failure_inside_dcp_load_reaches_every_rank(spawned) -> None:
 
 def test_sharded_state_is_refused(spawned) -> None:
     _records(spawned, "dtensor_refused")
+
+
+def test_restore_broadcast_refuses_sharded_state_once_up_front(spawned) -> None:
+    _records(spawned, "restore_broadcast_sharded")
 
 
 def test_checkpointer_restore_broadcast(spawned) -> None:

@@ -90,6 +90,12 @@ def _describe(leaves: dict[Path_, Any]) -> list[tuple[Path_, str, tuple[int, ...
     return out
 
 
+def check_broadcastable(state_dict: dict[str, Any]) -> None:
+    """Refuse (:class:`ConfigError`) a state dict that leader load cannot serve: sharded tensors
+    (``DTensor``, ``ShardedTensor``); ``Stateful`` values must already be expanded."""
+    _describe(leaves_by_path(state_dict))
+
+
 def _mismatch(theirs: list, mine: dict[Path_, Any]) -> str | None:
     """Why this rank's state dict does not match the leader's structure (None when it does)."""
     problems = []

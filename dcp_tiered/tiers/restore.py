@@ -16,10 +16,10 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from dcp_tiered.dcp.agree import agree, failures
-from dcp_tiered.dcp.broadcast import load_and_broadcast
+from dcp_tiered.dcp.broadcast import check_broadcastable, load_and_broadcast
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
-from dcp_tiered.errors import RestoreError
+from dcp_tiered.errors import ConfigError, RestoreError
 from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.events import EventLog, describe_error
@@ -72,6 +72,8 @@ class Restorer:
         if self._nothing_to_restore():
             return None  # decided before any Stateful's state_dict() runs: it may change the live state
         plain = expand_stateful(state_dict)[0]
+        if self._broadcasting(broadcast):  # refused once, before any candidate, on every rank alike
+            self._refuse_unbroadcastable(plain)
         # A node-local candidate is refused up front where this rank's load would need another node's files.
         precheck = plain if not self._broadcasting(broadcast) else None
         rejected: dict[Candidate, str] = {}
@@ -102,6 +104,18 @@ class Restorer:
         if not committed and not unlisted:
             return None
         raise self._error(rejected, unlisted, step)
+
+    def _refuse_unbroadcastable(self, plain: dict[str, Any]) -> None:
+        """Raise :class:`ConfigError` on every rank where any rank's state cannot be broadcast (sharded)."""
+        error = None
+        try:
+            check_broadcastable(plain)
+        except ConfigError as exc:
+            error = str(exc)
+        count, failed = self._failures(error)
+        if count:
+            raise ConfigError(f"restore(broadcast=...): rank {failed[0][0]}: {failed[0][1]}"
+                              + (f" (and {count - 1} more rank(s))" if count > 1 else ""))
 
     def _warn_skipped(self, restored: Candidate, rejected: dict[Candidate, str], step: int | None) -> None:
         """Say which newer checkpoints restore passed over and why (e.g. a node-local step whose
