@@ -40,3 +40,16 @@ def test_progress_counts_items_as_integers(capsys):
     finally:
         sys.stderr = saved
     assert "0/206 " in text and "206.0" not in text, text
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """``--help`` of each command explains each of its options (``train --help`` had none for --batch-size, --lr, --seed...)."""
+    import argparse
+
+    from dcp_tiered.cli.__main__ import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"{name} {opt.option_strings[0]}" for name, cmd in sub.choices.items() for opt in cmd._actions
+            if opt.option_strings and opt.help is None]
+    assert not bare, bare

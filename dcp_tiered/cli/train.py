@@ -71,14 +71,14 @@ def add_parsers(sub: Any) -> None:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=200, help="last step to train to (default 200)")
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--seq-len", type=int, default=64)
-    g.add_argument("--vocab", type=int, default=512)
-    g.add_argument("--d-model", type=int, default=128)
-    g.add_argument("--layers", type=int, default=2)
-    g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    g.add_argument("--vocab", type=int, default=512, help="vocabulary size of the synthetic tokens (default 512)")
+    g.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
+    g.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    g.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the model init and the batches (default 0)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when present")
     g.add_argument("--torch-threads", type=int, default=1, metavar="N",
                    help="intra-op CPU threads for training (default 1: fastest for this small model, and it leaves "
@@ -95,7 +95,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--resume", action="store_true", help="resume from the newest good checkpoint (fastest tier first)")
     c.add_argument("--event-log", metavar="PATH", help="append save/promotion/restore reports as JSON lines")
     c.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (0: any free port)")
-    c.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
+    c.add_argument("--metrics-addr", default="0.0.0.0",
+                   help="address --metrics-port binds (default 0.0.0.0: every interface, so that a Prometheus on "
+                        "another host can scrape it; 127.0.0.1 keeps it to this machine)")
     c.add_argument("--metrics-linger-s", type=float, default=0.0, metavar="S",
                    help="keep serving metrics S seconds after training (for a last scrape)")
     c.add_argument("--price", action="append", default=[], metavar="TIER=USD", help="storage price per GB-month (see `cost`)")
