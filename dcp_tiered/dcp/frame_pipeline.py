@@ -75,10 +75,18 @@ class ItemSource:
     fields: dict
 
 
-@dataclasses.dataclass
-class _Pending:
-    source: ItemSource
-    frames: list  # (Future | _Batch, index in the batch's results or -1, raw bytes)
+class _Item:
+    """An item being written: its frames' stored lengths and checksums so far."""
+
+    __slots__ = ("source", "start", "lengths", "sums", "left", "queued")
+
+    def __init__(self, source: ItemSource) -> None:
+        self.source = source
+        self.start: int | None = None
+        self.lengths: list[int] = []
+        self.sums: list[int] = []
+        self.left = 0  # frames queued and not written yet
+        self.queued = False  # every frame of the item is queued
 
 
 class PieceWriter:
@@ -117,11 +125,13 @@ def write_items(
 ) -> None:
     """Encode every item's frames on ``pool`` and write them to ``f`` in item order.
 
-    At most about ``max_inflight_bytes`` raw bytes are submitted and not yet written.
+    At most about ``max_inflight_bytes`` raw bytes are submitted and not yet written, counted per
+    frame: the extra memory of a save is bounded by its frames in flight, whatever its largest item.
     ``fields["frame_size"]`` is set on each item's fields before its frames are cut.
     """
     out = PieceWriter(f)
-    pending: collections.deque[_Pending] = collections.deque()
+    # frames in file order: (item, the job encoding it or None for an item without frames, index, raw bytes)
+    pending: collections.deque[tuple[_Item, Any, int, int]] = collections.deque()
     batch: _Batch | None = None
     inflight = 0
     offset = 0
@@ -133,54 +143,65 @@ def write_items(
             batch = None
 
     def drain_one() -> None:
+        """Write the oldest queued frame; an item is reported once its last frame is written."""
         nonlocal inflight, offset
-        entry = pending.popleft()
-        start, lengths, sums = offset, [], []
-        for job, index, raw in entry.frames:
+        item, job, index, raw = pending.popleft()
+        if item.start is None:
+            item.start = offset
+        if job is not None:
             fut = job.future if isinstance(job, _Batch) else job
             if not fut.done():
                 out.flush()  # hand the gathered bytes to the kernel while the encoders finish
             enc = fut.result()[index] if index >= 0 else fut.result()
             out.add(enc)
             offset += enc.stored_len
-            lengths.append(enc.stored_len)
-            sums.append(enc.digest)
+            item.lengths.append(enc.stored_len)
+            item.sums.append(enc.digest)
             inflight -= raw
-        on_item(entry.source, start, lengths, sums)
+            item.left -= 1
+        if item.queued and item.left == 0:
+            on_item(item.source, item.start, item.lengths, item.sums)
+
+    def bound() -> None:
+        """Write frames (oldest first) until what is queued is within ``max_inflight_bytes``: per frame, so
+        one large item never has all its frames encoded and held at once."""
+        while inflight > max_inflight_bytes and pending:
+            if batch is not None and pending[0][1] is batch:
+                submit_batch()  # only when the oldest frame waits on it: batches stay full
+            drain_one()
 
     try:
         for src in sources:
             fc = codec_for(src.fields)
             fields = src.fields
             fields["frame_size"] = record_frame_size(src.arr.nbytes, frame_size)
-            frames = []
+            item = _Item(src)
             for s, e in frame_bounds(src.arr.nbytes, fields["frame_size"], fields["itemsize"]):
                 raw = max(e - s, 1 << 12)  # tiny frames still count toward the bound
                 if e - s < SMALL_FRAME:
                     if batch is None:
                         batch = _Batch()
-                    frames.append((batch, len(batch.jobs), raw))
+                    pending.append((item, batch, len(batch.jobs), raw))
                     batch.jobs.append((fc, src.arr[s:e]))
                     batch.raw += e - s
                     if batch.raw >= BATCH_BYTES or len(batch.jobs) >= BATCH_FRAMES:
                         submit_batch()
                 else:
                     submit_batch()
-                    frames.append((pool.submit(fc.encode, src.arr[s:e]), -1, raw))
+                    pending.append((item, pool.submit(fc.encode, src.arr[s:e]), -1, raw))
+                item.left += 1
                 inflight += raw
-            pending.append(_Pending(src, frames))
-            while inflight > max_inflight_bytes:
-                if batch is not None and any(job is batch for job, _i, _r in pending[0].frames):
-                    submit_batch()  # only when the oldest item waits on it: batches stay full
-                drain_one()
+                bound()
+            item.queued = True
+            if item.left == 0:  # no frames, or all written already: reported in file order all the same
+                pending.append((item, None, -1, 0))
         submit_batch()
         while pending:
             drain_one()
         out.flush()
     except BaseException:
-        for entry in pending:
-            for job, _index, _raw in entry.frames:
-                fut = job.future if isinstance(job, _Batch) else job
-                if fut is not None:
-                    fut.cancel()
+        for _item, job, _index, _raw in pending:
+            fut = job.future if isinstance(job, _Batch) else job
+            if fut is not None:
+                fut.cancel()
         raise
