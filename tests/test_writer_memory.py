@@ -9,6 +9,12 @@ for the pool, the codecs' contexts and the allocator.
 
 from __future__ import annotations
 
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_tiered.dcp.tensors as tensors
+from dcp_tiered import CompressedReader, CompressedWriter
 from isolated import run_isolated
 
 FRAME = 4 << 20
@@ -16,11 +22,17 @@ THREADS = 2
 ALLOWANCE = 48 << 20
 
 
-def test_extra_memory_of_a_save_with_a_512_mib_tensor_is_bounded_by_its_frames(tmp_path) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "device-path"])
+def test_extra_memory_of_a_save_with_a_512_mib_tensor_is_bounded_by_its_frames(tmp_path, staged: bool) -> None:
+    """``device-path``: the tensor's bytes go through :class:`DeviceBytes` as a CUDA tensor's do (copied to
+    host memory frame by frame on the encoders' threads): a copy of the whole tensor would show here."""
     res = run_isolated(f"""
         import os, torch
         import torch.distributed.checkpoint as dcp
+        import dcp_tiered.dcp.tensors as tensors
         from dcp_tiered import CompressedWriter
+        if {staged!r}:
+            tensors.staged_by_frame = lambda t: True
 
         def status(field):
             with open("/proc/self/status") as f:
@@ -39,3 +51,23 @@ def test_extra_memory_of_a_save_with_a_512_mib_tensor_is_bounded_by_its_frames(t
     assert res.returncode == 0, res.describe()
     bound = (2 * THREADS + 2) * FRAME + ALLOWANCE
     assert res.result["extra"] <= bound, f"{res.result['extra'] >> 20} MiB extra, bound {bound >> 20} MiB"
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(300_000, generator=g), "h": torch.randn(1000, 7, generator=g).to(torch.bfloat16),
+            "t": torch.randn(64, 64, generator=g).t(), "n": torch.zeros(0), "step": 7}
+
+
+def test_the_device_path_writes_the_same_bytes(tmp_path, monkeypatch) -> None:
+    """Frame-by-frame staging (the path of CUDA tensors, forced here on CPU tensors) writes exactly the
+    bytes the in-memory path writes, and they load back bit for bit."""
+    for name, staged in (("cpu", False), ("staged", True)):
+        monkeypatch.setattr(tensors, "staged_by_frame", lambda t, _s=staged: _s)
+        dcp.save(_state(), storage_writer=CompressedWriter(tmp_path / name, codec="zstd:1", frame_size=64 << 10),
+                 no_dist=True)
+    assert (tmp_path / "cpu" / "__0_0.distcp").read_bytes() == (tmp_path / "staged" / "__0_0.distcp").read_bytes()
+    back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in _state().items()}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "staged"), no_dist=True)
+    for k, v in _state().items():
+        assert torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, k

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-import numpy as np
 
 from dcp_tiered.codecs import FrameCodec, frame_bounds
 from dcp_tiered.codecs.frames import EncodedFrame, record_frame_size
@@ -35,8 +34,20 @@ BATCH_FRAMES = 512
 FLUSH_BYTES = 1 << 20
 
 
-def _encode_all(jobs: list[tuple[FrameCodec, np.ndarray]]) -> list[EncodedFrame]:
-    return [fc.encode(arr) for fc, arr in jobs]
+def _encode_all(jobs: list[tuple[FrameCodec, Any, int, int]]) -> list[EncodedFrame]:
+    return [_encode(fc, data, s, e) for fc, data, s, e in jobs]
+
+
+def _encode(fc: FrameCodec, data: Any, s: int, e: int) -> EncodedFrame:
+    """Encode bytes ``s:e`` of ``data``, sliced on the pool's thread: for a device tensor's bytes
+    (:class:`~dcp_tiered.dcp.tensors.DeviceBytes`) the slice is its copy to a host buffer, given back
+    once encoded."""
+    raw = data[s:e]
+    frame = fc.encode(raw)
+    release = getattr(data, "release", None)
+    if release is not None:
+        release(raw, frame.pieces)
+    return frame
 
 
 class GatedPool:
@@ -60,17 +71,18 @@ class _Batch:
     __slots__ = ("jobs", "raw", "future")
 
     def __init__(self) -> None:
-        self.jobs: list[tuple[FrameCodec, np.ndarray]] = []
+        self.jobs: list[tuple[FrameCodec, Any, int, int]] = []
         self.raw = 0
         self.future: Future | None = None
 
 
 @dataclasses.dataclass
 class ItemSource:
-    """One item to write: its raw bytes, what keeps them alive, and its record fields."""
+    """One item to write: its raw bytes (a uint8 array, or a device tensor's ``DeviceBytes``), what keeps
+    them alive, and its record fields."""
 
     item: Any
-    arr: np.ndarray
+    arr: Any
     keep: Any
     fields: dict
 
@@ -182,13 +194,13 @@ def write_items(
                     if batch is None:
                         batch = _Batch()
                     pending.append((item, batch, len(batch.jobs), raw))
-                    batch.jobs.append((fc, src.arr[s:e]))
+                    batch.jobs.append((fc, src.arr, s, e))
                     batch.raw += e - s
                     if batch.raw >= BATCH_BYTES or len(batch.jobs) >= BATCH_FRAMES:
                         submit_batch()
                 else:
                     submit_batch()
-                    pending.append((item, pool.submit(fc.encode, src.arr[s:e]), -1, raw))
+                    pending.append((item, pool.submit(_encode, fc, src.arr, s, e), -1, raw))
                 item.left += 1
                 inflight += raw
                 bound()

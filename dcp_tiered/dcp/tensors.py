@@ -2,23 +2,99 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
 
-def tensor_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """Return the raw element bytes of ``tensor`` as a uint8 array, and the tensor backing them.
+class _HostBuffers:
+    """Host buffers for :class:`DeviceBytes`, reused: a fresh buffer per frame would leave the allocator's
+    arenas holding several times the frames in flight.  At most :data:`HOST_BUFFERS` are kept.  They are
+    torch tensors (pinned where CUDA is present, so device copies into them are DMA), lent as arrays."""
 
-    The tensor is moved to the CPU and made contiguous (only the view's elements are kept);
-    the returned tensor must stay referenced while the array is in use.
-    """
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous()
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # the address of a lent array -> its whole buffer
+        self._lock = threading.Lock()
+
+    def get(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """An array of ``n`` bytes and the tensor it is (to copy into)."""
+        with self._lock:
+            whole = next((b for b in self._free if b.numel() >= n), None)
+            if whole is not None:
+                self._free.remove(whole)
+        if whole is None:
+            whole = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        part = whole[:n]
+        arr = part.numpy()
+        with self._lock:
+            self._lent[arr.ctypes.data] = whole
+        return arr, part
+
+    def put(self, arr: np.ndarray) -> None:
+        with self._lock:
+            whole = self._lent.pop(arr.ctypes.data, None)
+            if whole is not None and len(self._free) < HOST_BUFFERS:
+                self._free.append(whole)
+
+    def forget(self, arr: np.ndarray) -> None:
+        """``arr`` stays with its reader (an encoded frame stores it raw): never lent again."""
+        with self._lock:
+            self._lent.pop(arr.ctypes.data, None)
+
+
+#: Host buffers kept for reuse by :class:`DeviceBytes` (one per frame in flight, about).
+HOST_BUFFERS = 16
+_BUFFERS = _HostBuffers()
+
+
+class DeviceBytes:
+    """The raw element bytes of a tensor on a device (CUDA), copied to host memory one slice at a time.
+
+    ``bytes_[s:e]`` copies those bytes into a host buffer (pinned where CUDA is present) and returns it
+    as a uint8 array, so a save never holds a whole device tensor in host memory: the writer's encoders
+    each copy the frame they encode, overlapped with the others' encoding, and host memory stays
+    bounded by the frames in flight.  :meth:`release` gives a buffer back once its frame is encoded."""
+
+    __slots__ = ("_flat", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._flat = tensor.reshape(-1).view(torch.uint8)
+        self.nbytes = self._flat.numel()
+
+    def __getitem__(self, frame: slice) -> np.ndarray:
+        start, stop, _ = frame.indices(self.nbytes)
+        host, part = _BUFFERS.get(max(stop - start, 0))
+        part.copy_(self._flat[start:stop])
+        return host
+
+    @staticmethod
+    def release(host: np.ndarray, kept: "tuple[object, ...]") -> None:
+        """Reuse ``host`` unless one of ``kept`` (the encoded frame's pieces) still reads it (a plane stored raw)."""
+        if any(isinstance(p, np.ndarray) and np.shares_memory(p, host) for p in kept):
+            _BUFFERS.forget(host)
+        else:
+            _BUFFERS.put(host)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> "tuple[np.ndarray | DeviceBytes, torch.Tensor]":
+    """Return the raw element bytes of ``tensor`` and the tensor backing them (keep it referenced while
+    the bytes are in use): a uint8 array of a CPU tensor's own memory, or :class:`DeviceBytes` of a
+    device tensor (copied to the host frame by frame, never whole).  Only the view's elements are kept
+    (made contiguous where needed, on the tensor's own device)."""
+    t = tensor.detach().contiguous()
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8), t
+    if staged_by_frame(t):
+        return DeviceBytes(t), t
     return t.reshape(-1).view(torch.uint8).numpy(), t
+
+
+def staged_by_frame(t: torch.Tensor) -> bool:
+    """Whether the bytes of ``t`` are copied to the host frame by frame (:class:`DeviceBytes`): any
+    tensor not in CPU memory."""
+    return t.device.type != "cpu"
 
 
 def empty_for_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
