@@ -125,3 +125,20 @@ def test_summary_rows_for_the_save_speed_targets() -> None:
     cpu = [r for r in storage_rows({"data": {"sets": sets}}, None) if r[0].startswith("CPU core-seconds")]
     assert cpu == [["CPU core-seconds per GB saved ≤ stock + DCP zstd's: s", "3.00 vs 2.00 core-s/GB", "1.50",
                     "**missed by 50%**"]]
+
+
+def test_gpu_bench_runs_its_cases_on_cpu_tensors_and_refuses_to_record_them(tmp_path: Path) -> None:
+    """``bench_gpu`` (meant for a GPU machine) runs the same code on CPU tensors: every case measured,
+    blocked time at most the total, and ``--write`` refused off a GPU (its numbers would say nothing)."""
+    import pytest
+
+    from benchmarks import bench_gpu
+
+    (result,) = bench_gpu.main(["--device", "cpu", "--quick", "--dir", str(tmp_path)])
+    for key, _label in bench_gpu.CASES:
+        m = result[key]
+        assert 0 < m["blocked_s"] <= m["wall_s"] + 1e-6 and m["cpu_s"] >= 0 and m["peak_host_bytes"] >= 0, (key, m)
+    assert "blocked / copy" in bench_gpu.table([result])
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(SystemExit, match="GPU"):
+            bench_gpu.main(["--device", "cpu", "--quick", "--dir", str(tmp_path), "--write"])

@@ -1,0 +1,196 @@
+"""Saves of CUDA state: how long they block training, their throughput and their peak host memory.
+
+Run on a machine with a GPU:  .venv/bin/python -m benchmarks.bench_gpu [--sizes-mib 256,1024] [--repeat 3]
+      [--dir /var/tmp] --write          (writes the section "gpu" of docs/benchmarks.md)
+      ``--device cpu --quick`` runs the same code on CPU tensors (the test suite's smoke run; it never
+      writes the section: its numbers say nothing about a GPU).
+
+For each state size (real MiniLM fp32 weights and Adam moments, repeated under distinct keys and
+cloned, then moved to the device) it measures, each case ``--repeat`` times, in this process:
+
+* one copy of the state from the device into preallocated pinned host tensors: the floor of any
+  async save, which must copy the state before training may change it;
+* synchronous ``dcp.save``: stock ``FileSystemWriter(thread_count=2)`` against ``CompressedWriter``
+  (``zstd:1``), which copies each frame to a pinned buffer on its encoder thread;
+* ``dcp.async_save`` with one ``DefaultStager(StagingOptions(pin_memory=True, ...))`` reused across
+  calls (staging storages cached and refilled), both writers: the time the call blocks and the time
+  until the save is committed;
+* ``TieredCheckpointer.maybe_save`` (one local tier, ``async_save=True``): the time it blocks.
+
+Per case: median seconds, GB/s of the state, blocked time over one memory copy, CPU core-seconds
+(process time) and the peak host memory above the state (``VmHWM`` reset through ``clear_refs``
+before the case).  Raw numbers: bench_results/gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from benchmarks.common import adam_state, machine_line, md_table, minilm_weights, nbytes, repeated_state, save_results, write_section
+
+SECTION = "gpu"
+
+
+def host_status(field: str) -> int:
+    """A ``/proc/self/status`` size field (``VmRSS``, ``VmHWM``) in bytes; 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) << 10 for line in f if line.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
+def reset_peak() -> int:
+    """Start the peak resident set again from now (Linux ``clear_refs``); the resident set now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return host_status("VmRSS")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], Any], device: torch.device, repeat: int) -> dict[str, float]:
+    """Median wall seconds, median CPU seconds and the largest peak host memory above the start, of ``fn``.
+
+    ``fn`` returns None, or a float: the part of its time that blocked the caller (async saves)."""
+    walls, cpus, blocked, peaks = [], [], [], []
+    for _ in range(repeat):
+        sync(device)
+        base = reset_peak()
+        c0, t0 = time.process_time(), time.perf_counter()
+        part = fn()
+        sync(device)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+        blocked.append(part if isinstance(part, float) else walls[-1])
+        peaks.append(max(0, host_status("VmHWM") - base))
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
+            "blocked_s": statistics.median(blocked), "peak_host_bytes": max(peaks)}
+
+
+def build_state(mib: int, device: torch.device) -> dict[str, torch.Tensor]:
+    weights = minilm_weights()
+    base = {**weights, **adam_state(weights, steps=2)}
+    return {k: v.to(device) for k, v in repeated_state(base, mib << 20, clone=True).items()}
+
+
+def run_size(mib: int, device: torch.device, repeat: int, root: Path) -> dict[str, Any]:
+    """Every case at one state size; the numbers of each, by name."""
+    from dcp_tiered import CompressedWriter, Tier, TieredCheckpointer
+
+    state = build_state(mib, device)
+    size = nbytes(state)
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=device.type == "cuda") for k, v in state.items()}
+    out: dict[str, Any] = {"mib": mib, "bytes": size}
+    counter = iter(range(1 << 30))
+
+    def target(kind: str) -> str:
+        d = root / f"{kind}_{next(counter)}"
+        shutil.rmtree(d, ignore_errors=True)
+        return str(d)
+
+    def writer(kind: str) -> Any:
+        if kind == "stock":
+            return dcp.FileSystemWriter(target(kind), thread_count=2)
+        return CompressedWriter(target(kind), codec="zstd:1")
+
+    out["copy"] = measure(lambda: [pinned[k].copy_(v, non_blocking=False) for k, v in state.items()] and None,
+                          device, repeat)
+    for kind in ("stock", "ours"):
+        out[f"sync_{kind}"] = measure(lambda kind=kind: dcp.save(state, storage_writer=writer(kind), no_dist=True)
+                                      and None, device, repeat)
+        stager = DefaultStager(StagingOptions(device.type == "cuda", False, False, False))
+
+        def run_async(kind: str = kind, stager: DefaultStager = stager) -> float:
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, storage_writer=writer(kind), async_stager=stager, no_dist=True)
+            blocked = time.perf_counter() - t0
+            fut.result()
+            return blocked
+
+        out[f"async_{kind}"] = measure(run_async, device, repeat)
+        stager.close()
+    with TieredCheckpointer([Tier("local", target("tiered"), keep=1, codec="zstd:1")], async_save=True) as ck:
+        steps = iter(range(1, 1 << 30))
+
+        def run_tiered() -> float:
+            t0 = time.perf_counter()
+            ck.maybe_save(next(steps), state, force=True)
+            blocked = time.perf_counter() - t0
+            ck.wait()
+            return blocked
+
+        out["tiered_async"] = measure(run_tiered, device, repeat)
+    return out
+
+
+CASES = (("sync_stock", "sync dcp.save, stock FileSystemWriter"), ("sync_ours", "sync dcp.save, CompressedWriter zstd:1"),
+         ("async_stock", "dcp.async_save, stock, reused pinned stager"), ("async_ours", "dcp.async_save, ours, reused pinned stager"),
+         ("tiered_async", "TieredCheckpointer async maybe_save"))
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in results:
+        copy = r["copy"]["wall_s"]
+        for key, label in CASES:
+            m = r[key]
+            rows.append([r["mib"], label, f"{m['blocked_s']:.3f}", f"{m['blocked_s'] / copy:.2f}" if copy else "-",
+                         f"{m['wall_s']:.3f}", f"{r['bytes'] / m['wall_s'] / 1e9:.2f}", f"{m['cpu_s']:.2f}",
+                         f"{m['peak_host_bytes'] >> 20}"])
+        rows.append([r["mib"], "one device -> pinned copy", f"{copy:.3f}", "1.00", f"{copy:.3f}",
+                     f"{r['bytes'] / copy / 1e9:.2f}" if copy else "-", f"{r['copy']['cpu_s']:.2f}",
+                     f"{r['copy']['peak_host_bytes'] >> 20}"])
+    return md_table(["MiB", "case", "blocked s", "blocked / copy", "total s", "GB/s", "CPU s", "peak host MiB"], rows)
+
+
+def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes-mib", default="256,1024")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    ap.add_argument("--quick", action="store_true", help="16 MiB, one repeat: a smoke run")
+    ap.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md (GPU runs only)")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    if args.write and device.type != "cuda":
+        raise SystemExit("--write records GPU results: run it where torch.cuda.is_available()")
+    sizes = [16] if args.quick else [int(s) for s in args.sizes_mib.split(",")]
+    repeat = 1 if args.quick else args.repeat
+    root = Path(tempfile.mkdtemp(prefix="bench_gpu_", dir=args.dir))
+    try:
+        results = [run_size(mib, device, repeat, root) for mib in sizes]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = table(results)
+    print(text)
+    if args.write:
+        save_results(SECTION, results)
+        gpu = torch.cuda.get_device_name(device)
+        write_section(SECTION, f"## CUDA state ({gpu})\n\n{machine_line()}\n\n"
+                               f"`.venv/bin/python -m benchmarks.bench_gpu --sizes-mib {args.sizes_mib} "
+                               f"--repeat {args.repeat} --write`\n\n{text}\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
