@@ -26,7 +26,7 @@ from dcp_tiered.cli.output import (
     table,
     unwrap_error,
 )
-from dcp_tiered.errors import CheckpointExistsError, CodecError
+from dcp_tiered.errors import CheckpointExistsError, CodecError, DcpTieredError
 
 INSPECT_EXAMPLES = """\
 examples:
@@ -162,9 +162,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return code
 
 
+def _export_lightning(args: argparse.Namespace) -> "int | None":
+    """A Lightning plugin checkpoint converted to a ``.ckpt`` (or ``.pt``) file becomes a normal Lightning
+    checkpoint (``export_checkpoint``), not the plugin's inner layout: the bytes written, or None when
+    ``convert`` does not concern one (or Lightning is not installed)."""
+    if not ckpt.is_torch_save_path(args.dst) or ckpt.is_torch_save_path(args.src):
+        return None
+    try:
+        sdm = ckpt.open_reader(args.src, storage_options_for(args.src, args)).read_metadata().state_dict_metadata
+    except DcpTieredError:
+        return None  # convert says what is wrong with it
+    try:
+        from dcp_tiered.integrations import lightning_io
+    except ImportError:
+        return None
+    if not lightning_io.is_plugin_checkpoint(sdm):
+        return None
+    if args.dtype != "fp32" or args.codec not in ("zstd", ckpt.STOCK):
+        raise CliError(f"{args.src} is a Lightning checkpoint of CompressedCheckpointIO: it converts to a normal "
+                       "Lightning .ckpt as it is (no --dtype or --codec)")
+    try:
+        return lightning_io.export_checkpoint(args.src, args.dst, storage_options=storage_options_for(args.dst, args),
+                                              overwrite=args.overwrite)
+    except CheckpointExistsError as exc:
+        raise CliError(f"{args.dst} already exists; pass --overwrite to replace it, or convert to a new path") from exc
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from dcp_tiered.codecs import get_codec
 
+    exported = _export_lightning(args)
+    if exported is not None:
+        if args.json:
+            print_json({"src": args.src, "dst": args.dst, "format": "lightning", "dst_bytes": exported})
+        else:
+            print(f"converted {args.src} -> {args.dst} (a Lightning checkpoint, torch.save): {human_bytes(exported)}")
+        return EXIT_OK
     if args.codec != ckpt.STOCK:
         try:
             args.codec = str(get_codec(args.codec))

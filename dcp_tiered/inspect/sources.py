@@ -13,8 +13,10 @@ TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def is_torch_save_path(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names a single ``torch.save`` file (by its ending) rather than a checkpoint directory."""
-    return str(path).endswith(TORCH_SAVE_SUFFIXES)
+    """Whether ``path`` names a single ``torch.save`` file (by its ending) rather than a checkpoint directory
+    (a local directory is one whatever its name: the Lightning plugin's ``last.ckpt``)."""
+    text = os.fspath(path)
+    return text.endswith(TORCH_SAVE_SUFFIXES) and not ("://" not in text and os.path.isdir(text))
 
 
 def open_reader(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, verify: bool = True,

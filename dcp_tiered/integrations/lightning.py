@@ -258,7 +258,8 @@ class TieredCheckpointCallback(pl.Callback):
 from dcp_tiered.integrations.lightning_io import (  # noqa: E402
     AsyncCompressedCheckpointIO,
     CompressedCheckpointIO,
+    export_checkpoint,
     load_from_checkpoint,
 )
 
-__all__ += ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
+__all__ += ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "export_checkpoint", "load_from_checkpoint"]

@@ -58,14 +58,15 @@ from dcp_tiered.dcp.format import MAX_OBJECT_BYTES, is_native_record, record_vie
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import set_leaf
 from dcp_tiered.dcp.writer import CompressedWriter, uncommit
-from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedFormatError
+from dcp_tiered.errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                               UnsupportedFormatError)
 from dcp_tiered.integrations import _lightning_files as _files
 from dcp_tiered.integrations._common import CheckpointerSource, build_checkpointer, from_one_object, one_object
 from dcp_tiered.storage import Storage
 from dcp_tiered.storage.base import storage_errors
 from dcp_tiered.tiers.events import root_cause
 
-__all__ = ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "load_from_checkpoint"]
+__all__ = ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "export_checkpoint", "load_from_checkpoint"]
 
 SKELETON = "skeleton"
 _FORMAT = "dcp_tiered.lightning/1"
@@ -500,6 +501,43 @@ class AsyncCompressedCheckpointIO(AsyncCheckpointIO):
     def remove_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         self._drain()
         super().remove_checkpoint(*args, **kwargs)
+
+
+def is_plugin_checkpoint(state_dict_metadata: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint directory's items (its ``.metadata``'s ``state_dict_metadata``) are the
+    layout :class:`CompressedCheckpointIO` writes (tensors ``t.{n}`` and one ``skeleton``)."""
+    return SKELETON in state_dict_metadata and all(k == SKELETON or k.startswith("t.") for k in state_dict_metadata)
+
+
+def export_checkpoint(path: Any, dst: Any, *, storage_options: dict[str, Any] | None = None,
+                      overwrite: bool = False) -> int:
+    """Write the plugin checkpoint ``path`` as one normal Lightning ``.ckpt`` file at ``dst`` (``torch.save``
+    of the checkpoint dict), which ``Model.load_from_checkpoint``, ``trainer.fit(ckpt_path=...)`` and
+    ``torch.load`` tooling read without the plugin.  Local files are written to a temporary name and
+    renamed.  Returns the bytes written; raises :class:`CheckpointExistsError` for an existing ``dst``
+    unless ``overwrite``."""
+    ckpt = CompressedCheckpointIO(storage_options=storage_options).load_checkpoint(path)
+    dst = os.fspath(dst)
+    fs, target = fsspec.core.url_to_fs(dst, **(storage_options or {}))
+    if fs.exists(target) and not overwrite:
+        raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    data = buf.getvalue()
+    with storage_errors(dst, "write the Lightning checkpoint"):
+        if _local(dst):
+            parent = os.path.dirname(os.path.abspath(dst))
+            os.makedirs(parent, exist_ok=True)
+            tmp = _files.hidden(dst, "partial")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dst)
+            _files.fsync_dir(parent)
+        else:
+            fs.pipe_file(target, data)
+    return len(data)
 
 
 def load_from_checkpoint(cls: Any, path: Any, *, checkpoint_io: CompressedCheckpointIO | None = None,
