@@ -125,3 +125,28 @@ def test_summary_rows_for_the_save_speed_targets() -> None:
     cpu = [r for r in storage_rows({"data": {"sets": sets}}, None) if r[0].startswith("CPU core-seconds")]
     assert cpu == [["CPU core-seconds per GB saved ≤ stock + DCP zstd's: s", "3.00 vs 2.00 core-s/GB", "1.50",
                     "**missed by 50%**"]]
+
+
+def test_scale_bench_quick_writes_its_tables_with_positive_finite_ratios(tmp_path: Path, monkeypatch) -> None:
+    """bench_scale --quick (Llama-70B's one-layer slice at N=8 and 16, in this process): the section is
+    written, and every ours ÷ stock ratio of CPU and of bytes is a positive finite number."""
+    import math
+
+    from benchmarks import bench_scale, common
+
+    monkeypatch.setattr(common, "DOC", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "bench_results")
+    out = bench_scale.main(["--quick", "--models", "70b"])
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "<!-- bench:scale:start -->" in text and "`.venv/bin/python -m benchmarks.bench_scale --quick --models 70b`" in text
+    assert list(out["models"]) == ["Llama-70B"]
+    for name, model in out["models"].items():
+        assert f"### {name}: 1 of " in text
+        rows = model["rows"]
+        assert [r["N"] for r in rows] == [8, 16] and rows[1]["records"] > rows[0]["records"] > 0
+        for row in rows:
+            assert row["refused"] is None and row["restore_decodes"] >= 1 and row["budget_answer"] == "fits", row
+            ratios = [bench_scale.ratio(row, ours, stock) for _c, ours, stock, _b in bench_scale.CPU_STEPS if stock]
+            ratios += [row[f"ours.{k}"] / row[f"stock.{k}"] for k in ("gather_bytes", "bcast_bytes", "file_bytes")]
+            assert all(r is not None and math.isfinite(r) and r > 0 for r in ratios), (name, row["N"], ratios)
+        assert all(math.isfinite(e["overall"]) for e in model["exponents"].values())
