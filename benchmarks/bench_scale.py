@@ -254,10 +254,10 @@ def gathered(per_rank: Iterable[list[WriteResult]]) -> tuple[list[list[WriteResu
     timed) and unpickled (timed).  Returns the results, the unpickling CPU seconds and the bytes sent."""
     out, cpu, sent = [], 0.0, 0
     gc.collect()
-    gc.freeze()  # as in cpu(): the collections of what the gather itself makes, not of the benchmark's heap
     for results in per_rank:
         blob = pickle.dumps(results)
         sent += len(blob)
+        gc.freeze()  # as in cpu(): each rank's unpickling pays the collections of its own objects
         t0 = time.process_time()
         out.append(pickle.loads(blob))
         cpu += time.process_time() - t0
@@ -560,7 +560,7 @@ def bars(model: Model, rows: list[dict], exps: dict[str, dict]) -> list[list[str
         e = exps.get(ours)
         if e is not None:
             top = e["successive"][-1] if e["successive"] else math.nan
-            verdict = "met" if e["overall"] <= EXPONENT_BAR else f"**missed: N^{e['overall']:.2f}**"
+            verdict = "met" if e["overall"] <= EXPONENT_BAR else f"**missed: N^{e['overall']:.3f}**"
             measured = f"N^{e['overall']:.2f} overall, N^{top:.2f} at the top"
             out.append([model.name, f"{col}: growth ≤ N^{EXPONENT_BAR}", measured, verdict])
         if bar is not None:
