@@ -605,7 +605,8 @@ def model_section(model: Model, layers: int, rows: list[dict], exps: dict[str, d
     cpu_rows.append(["exponent (overall)", "", *(overall(s) for s in ours_steps)])
     cpu_rows.append(["stock's exponent", "", "", *(overall(s) if s else "—" for s in stock_steps[1:])])
     ns = [r["N"] for r in rows]
-    growth_rows = []
+    succ, total = slopes(ns, [r["records"] for r in rows])
+    growth_rows = [["records (of the slice)", *(f"{x:.2f}" for x in succ), f"{total:.2f}"]]
     for (col, ours, stock, _b) in (("DCP planning (DCP's)", "dcp_plan", None, None), *CPU_STEPS):
         for who, step in (("ours", ours), ("stock", stock)):
             e = exps.get(step) if step else None
@@ -626,7 +627,8 @@ def model_section(model: Model, layers: int, rows: list[dict], exps: dict[str, d
         "least-squares slopes of log(CPU) over log(N):\n\n"
         + md_table(["N", "records", "DCP planning (DCP's)", *(c for c, *_ in CPU_STEPS)], cpu_rows)
         + "\n\nGrowth exponent between each N and the one before it (slope of log(CPU) over log(N)), and over "
-        "all N:\n\n"
+        "all N; the first row is the records' own (they grow like N until N passes a tensor's rows, then "
+        "slower):\n\n"
         + md_table(["step", *(f"→{n}" for n in ns[1:]), "overall"], growth_rows)
         + "\n\nBytes per record, ours / stock (ours ÷ stock): the write results the ranks send the coordinator, "
         "the `Metadata` DCP broadcasts to every rank after `finish`, the committed `.metadata`; decodes of "
@@ -662,8 +664,9 @@ def write_doc(cmd: str, models: list[tuple[Model, list[dict], dict]], layers: in
         "One process plays the coordinator of an FSDP2 job (each parameter and Adam's two moments `Shard(0)` "
         "over N ranks, a replicated `step` per parameter, the param group's values as BYTE_IO items on every "
         "rank), with DCP's own plan types, and runs this library's coordinator code next to stock DCP's on the "
-        "same plans: CPU seconds (`time.process_time`, best of up to 5 runs where short), ratios from one "
-        "process. DCP's own global planning (`create_global_plan` with dedup) is DCP's, shown apart; the budget "
+        "same plans: CPU seconds (`time.process_time`, best of up to 5 runs where short; each step starts after "
+        "a collection, with older objects frozen out of the collector, so it pays the collections of its own "
+        "objects only), ratios from one process. DCP's own global planning (`create_global_plan` with dedup) is DCP's, shown apart; the budget "
         "decision runs it once more inside, which its column leaves out (its whole cost adds the planning column). "
         "Frames are `DEFAULT_FRAME_SIZE`, stored at 0.8x raw. The records "
         "are the slice's; the last columns count the full model's. See `benchmarks/bench_scale.py` for each "
