@@ -350,7 +350,7 @@ class _Objects:
 def runs_for(records: int, quick: bool) -> int:
     if quick:
         return 1
-    return 5 if records < 2_000 else 3 if records < 20_000 else 1
+    return 5 if records < 2_000 else 3 if records < 20_000 else 2 if records < 100_000 else 1
 
 
 # -- one N ------------------------------------------------------------------------------------------
