@@ -142,3 +142,27 @@ def test_gpu_bench_runs_its_cases_on_cpu_tensors_and_refuses_to_record_them(tmp_
     if not __import__("torch").cuda.is_available():
         with pytest.raises(SystemExit, match="GPU"):
             bench_gpu.main(["--device", "cpu", "--quick", "--dir", str(tmp_path), "--write"])
+
+def test_scale_bench_quick_writes_its_tables_with_positive_finite_ratios(tmp_path: Path, monkeypatch) -> None:
+    """bench_scale --quick (Llama-70B's one-layer slice at N=8 and 16, in this process): the section is
+    written, and every ours ÷ stock ratio of CPU and of bytes is a positive finite number."""
+    import math
+
+    from benchmarks import bench_scale, common
+
+    monkeypatch.setattr(common, "DOC", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "bench_results")
+    out = bench_scale.main(["--quick", "--models", "70b"])
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "<!-- bench:scale:start -->" in text and "`.venv/bin/python -m benchmarks.bench_scale --quick --models 70b`" in text
+    assert list(out["models"]) == ["Llama-70B"]
+    for name, model in out["models"].items():
+        assert f"### {name}: 1 of " in text
+        rows = model["rows"]
+        assert [r["N"] for r in rows] == [8, 16] and rows[1]["records"] > rows[0]["records"] > 0
+        for row in rows:
+            assert row["refused"] is None and row["restore_decodes"] >= 1 and row["budget_answer"] == "fits", row
+            ratios = [bench_scale.ratio(row, ours, stock) for _c, ours, stock, _b in bench_scale.CPU_STEPS if stock]
+            ratios += [row[f"ours.{k}"] / row[f"stock.{k}"] for k in ("gather_bytes", "bcast_bytes", "file_bytes")]
+            assert all(r is not None and math.isfinite(r) and r > 0 for r in ratios), (name, row["N"], ratios)
+        assert all(math.isfinite(e["overall"]) for e in model["exponents"].values())
