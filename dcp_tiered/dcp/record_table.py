@@ -63,7 +63,9 @@ def _uint(v: Any) -> bool:
 
 
 def _uints(values: Any) -> bool:
-    return type(values) is tuple and all(type(v) is int and 0 <= v < _U64 for v in values)
+    """A tuple of exact ints in ``[0, 2**64)`` (C-speed checks: frame tables can be long)."""
+    return type(values) is tuple and (not values or (set(map(type, values)) == {int} and min(values) >= 0
+                                                      and max(values) < _U64))
 
 
 class _Packer:
@@ -75,6 +77,7 @@ class _Packer:
         self.rows: list[tuple] = []
         self.frames: list[int] = []
         self.sums: list[int] = []
+        self._ids: dict[tuple, "tuple[int, ...] | None"] = {}  # the name fields of a record -> their ids
 
     def _chunk(self, fqn: str, entry: Any, offset: Any) -> "int | None":
         table = self.chunks.get(fqn)
@@ -97,7 +100,9 @@ class _Packer:
         frames, sums, kind = rec["frames"], rec["sums"], rec["kind"]
         if item is None or kind not in _KINDS or not (_uints(frames) and _uints(sums) and len(frames) == len(sums)):
             return False
-        if not all(_uint(rec[f]) for f in _INTS) or rec["fmt"] not in (1, TABLE_VERSION) or rec["length"] != sum(frames):
+        fmt, offset, raw, itemsize, frame = (rec[f] for f in _INTS)
+        if not (_uint(fmt) and _uint(offset) and _uint(raw) and _uint(itemsize) and _uint(frame)) \
+                or fmt not in (1, TABLE_VERSION) or rec["length"] != sum(frames):
             return False
         if kind == "tensor":
             if type(entry) is not TensorStorageMetadata or index.offset is None:
@@ -112,11 +117,17 @@ class _Packer:
         hint = index.index
         if not (hint is None or (type(hint) is int and 0 <= hint < _U64 - 1)):
             return False
-        names = [self._name(rec.get(f)) for f in _NAMES]
-        if None in names:
+        key = tuple(map(rec.get, _NAMES))  # records share their strings: their ids are looked up once
+        if not all(v is None or type(v) is str for v in key):
+            return False
+        names = self._ids.get(key, ())
+        if names == ():
+            ids = [self._name(v) for v in key]
+            names = self._ids[key] = None if None in ids else tuple(ids)
+        if names is None:
             return False
         self.rows.append((item, chunk, 0 if hint is None else hint + 1, _KINDS.index(kind), len(frames),
-                          *(rec[f] for f in _INTS), *names))
+                          fmt, offset, raw, itemsize, frame, *names))
         self.frames.extend(frames)
         self.sums.extend(sums)
         return True
