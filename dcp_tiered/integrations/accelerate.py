@@ -44,8 +44,9 @@ Importing this module imports ``accelerate``; ``import dcp_tiered`` never does.
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
+import math
 import os
 import re
 import weakref
@@ -57,25 +58,36 @@ import fsspec
 import torch
 
 from dcp_tiered.dcp.reader import CompressedReader
-from dcp_tiered.errors import ConfigError
+from dcp_tiered.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    DcpTieredError,
+    RestoreError,
+)
 from dcp_tiered.integrations._common import (
     OptimizerSnapshot,
     apply_model_state,
     apply_optimizer_state,
     build_checkpointer,
     call_restore,
+    check_rng_state,
+    conform,
+    fill,
+    from_json,
     from_one_object,
     model_state,
     one_object,
     optimizer_state,
     rng_state,
     set_rng_state,
+    staged,
     to_json,
 )
-from dcp_tiered.tiers.topology import tier_storage
 from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 from dcp_tiered.tiers.config import Tier
+from dcp_tiered.tiers.events import describe_error, root_cause
 from dcp_tiered.tiers.layout import step_name
+from dcp_tiered.tiers.topology import tier_storage
 
 __all__ = ["save_state", "load_state", "state_dict", "project_checkpointer", "TieredAccelerator"]
 
@@ -244,71 +256,209 @@ class _RestoreWatch:
         return tier, (_step_url(self.ck, tier, step) if tier is not None else None)
 
 
-def _restore_rng(accelerator: Any, tier: Any, url: str | None, step: int) -> None:
-    """This process's random states and the GradScaler's state from checkpoint ``url`` (read by this
-    process alone); a warning when it has none (saved by fewer processes, or before they were saved)."""
-    if url is None:
-        log.warning("step %d restored, but not from a tier this integration can see: random states (and the "
-                    "GradScaler's) not restored", step)
-        return
-    key = _rng_key(accelerator)
-    keys = CompressedReader(url, storage_options=tier.storage_options).read_metadata().state_dict_metadata
-    saved = sorted(int(m.group(1)) for k in keys if (m := _RNG_KEY.fullmatch(k)))
-    _restore_scaler(accelerator, tier, url, _SCALER in keys)
-    now = accelerator.num_processes
-    if not saved:
-        log.warning("checkpoint %s holds no random states (saved without them, e.g. by an earlier version): "
-                    "random states are left as they are", url)
-        return
-    if key not in {f"rng_{i}" for i in saved}:
-        log.warning("checkpoint %s holds no random state for process %d (saved by %d process(es), restored on %d): "
-                    "this process's random states are left as they are", url, accelerator.process_index,
-                    len(saved), now)
-        return
-    if len(saved) != now and accelerator.is_main_process:
-        log.warning("checkpoint %s was saved by %d process(es) and is restored on %d: the random states of "
-                    "processes %s are restored, the others left as they are", url, len(saved), now,
-                    [i for i in saved if i < now])
-    state = dict(_read_objects(tier, url, [key])[key])
-    if "step" in state:
-        accelerator.step = int(state.pop("step"))
-    set_rng_state(state)
+def _part_file(url: str, md: Any, key: str) -> str:
+    """The data file of checkpoint ``url`` that holds item ``key`` (``url`` itself when unknown)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    record = md.storage_data.get(MetadataIndex(key)) if md is not None else None
+    name = record.get("file") if isinstance(record, dict) else getattr(record, "relative_path", None)
+    return f"{url.rstrip('/')}/{name}" if isinstance(name, str) else url
 
 
 def _read_objects(tier: Any, url: str, keys: list[str]) -> dict[str, Any]:
     """The objects saved under ``keys`` in checkpoint ``url``, read by this process alone."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     sd: dict[str, Any] = {k: one_object(None) for k in keys}
-    dcp.load(sd, storage_reader=CompressedReader(url, storage_options=tier.storage_options), no_dist=True)
-    return {k: from_one_object(v) for k, v in sd.items()}
+    try:
+        dcp.load(sd, storage_reader=CompressedReader(url, storage_options=tier.storage_options), no_dist=True)
+    except CheckpointException as exc:  # DCP's wrapper of the reader's error (a BaseException)
+        cause = root_cause(exc)
+        if isinstance(cause, DcpTieredError):
+            raise cause from exc
+        raise CorruptCheckpointError(f"{url}: {keys} could not be read ({describe_error(exc)}); nothing was "
+                                     "restored (restore another step)") from exc
+    out = {}
+    for k, v in sd.items():
+        try:
+            out[k] = from_one_object(v)
+        except ConfigError as exc:
+            raise CorruptCheckpointError(f"{url}: {k!r} is not an object saved by this integration ({exc}); "
+                                         "nothing was restored (restore another step)") from None
+    return out
 
 
-def _restore_scaler(accelerator: Any, tier: Any, url: str, saved: bool) -> None:
-    scaler = getattr(accelerator, "scaler", None)
-    if scaler is None:
+class _Parts:
+    """The non-tensor parts of one restored checkpoint, decoded and checked against the live objects
+    they go into before any of those changes: the LR scheduler states, this process's random states,
+    the GradScaler's state, and the optimizers' values that are not tensors."""
+
+    def __init__(self, accelerator: Any, tier: Any, url: str | None, step: int, sd: dict[str, Any],
+                 live: dict[str, Any]) -> None:
+        self.accelerator, self.tier, self.url, self.step = accelerator, tier, url, step
+        self.md = CompressedReader(url, storage_options=tier.storage_options).read_metadata() if url else None
+        self.schedulers = self._schedulers(sd)
+        if "optim" in sd:
+            sd["optim"] = conform(sd["optim"], live["optim"], lambda path: f"{self.where('optim' + path)}: optim{path}")
+        self.scaler = self._scaler() if self.md is not None else None
+        self.rng = self._rng() if self.md is not None else None
+
+    def where(self, key: str) -> str:
+        """The file holding item ``key``: named by every error about it."""
+        return f"step {self.step}" if self.url is None else _part_file(self.url, self.md, key)
+
+    def _schedulers(self, sd: dict[str, Any]) -> list[Any]:
+        schedulers = _schedulers(self.accelerator)
+        if not schedulers or "scheduler" not in sd:
+            return []
+        where = f"{self.where('scheduler')}: the LR scheduler states ('scheduler')"
+        states = from_json(sd["scheduler"], where)
+        if not isinstance(states, list) or len(states) != len(schedulers):
+            what = f"{len(states)} states" if isinstance(states, list) else f"a {type(states).__name__}"
+            raise CorruptCheckpointError(f"{where}: {what}, not a list of {len(schedulers)} (one per scheduler "
+                                         "prepared); nothing was restored (restore another step)")
+        out = []
+        for i, (s, state) in enumerate(zip(schedulers, states)):
+            here = f"{where}, scheduler {i} ({type(s).__name__})"
+            state = conform(state, s.state_dict(), here)
+            if not isinstance(state, dict):
+                raise CorruptCheckpointError(f"{here}: not a dict; nothing was restored (restore another step)")
+            _try_scheduler(s, state, here)
+            out.append(state)
+        return out
+
+    def _scaler(self) -> dict[str, Any] | None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None:
+            return None
+        if _SCALER not in self.md.state_dict_metadata:
+            log.warning("checkpoint %s holds no GradScaler state (saved without a scaler, or by an earlier version): "
+                        "the loss scale starts from its initial value", self.url)
+            return None
+        where = f"{self.where(_SCALER)}: the GradScaler state ('{_SCALER}')"
+        state, live = _read_objects(self.tier, self.url, [_SCALER])[_SCALER], scaler.state_dict()
+        if not live:  # a disabled scaler loads nothing
+            return None
+        if isinstance(state, dict) and not state:
+            log.warning("%s was saved from a disabled GradScaler: the loss scale starts from its initial value", where)
+            return None
+        missing = sorted(set(live) - set(state)) if isinstance(state, dict) else []
+        if missing:
+            raise CorruptCheckpointError(f"{where}: lacks {missing}; nothing was restored (restore another step)")
+        state = conform(state, live, where)
+        scale = state.get("scale")
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise CorruptCheckpointError(f"{where}: the loss scale is {scale!r}, not a positive number; "
+                                         "nothing was restored (restore another step)")
+        return state
+
+    def _rng(self) -> dict[str, Any] | None:
+        """This process's random states (read by this process alone); a warning when the checkpoint has
+        none for it (saved by fewer processes, or before they were saved)."""
+        accelerator, url = self.accelerator, self.url
+        key = _rng_key(accelerator)
+        saved = sorted(int(m.group(1)) for k in self.md.state_dict_metadata if (m := _RNG_KEY.fullmatch(k)))
+        now = accelerator.num_processes
+        if not saved:
+            log.warning("checkpoint %s holds no random states (saved without them, e.g. by an earlier version): "
+                        "random states are left as they are", url)
+            return None
+        if key not in {f"rng_{i}" for i in saved}:
+            log.warning("checkpoint %s holds no random state for process %d (saved by %d process(es), restored on "
+                        "%d): this process's random states are left as they are", url, accelerator.process_index,
+                        len(saved), now)
+            return None
+        if len(saved) != now and accelerator.is_main_process:
+            log.warning("checkpoint %s was saved by %d process(es) and is restored on %d: the random states of "
+                        "processes %s are restored, the others left as they are", url, len(saved), now,
+                        [i for i in saved if i < now])
+        state = _read_objects(self.tier, url, [key])[key]
+        return check_rng_state(state, f"{self.where(key)}: this process's random states ('{key}')")
+
+    def apply(self) -> None:
+        """Put the checked parts into the live objects (nothing here can fail on their values)."""
+        for s, state in zip(_schedulers(self.accelerator), self.schedulers):
+            s.load_state_dict(state)
+        if self.scaler is not None:
+            self.accelerator.scaler.load_state_dict(self.scaler)
+        if self.rng is not None:
+            rng = dict(self.rng)
+            if "step" in rng:
+                self.accelerator.step = rng.pop("step")
+            set_rng_state(rng)
+        elif self.url is None:
+            log.warning("step %d restored, but not from a tier this integration can see: random states (and the "
+                        "GradScaler's) not restored", self.step)
+
+
+def _try_scheduler(scheduler: Any, state: dict[str, Any], where: str) -> None:
+    """``scheduler.load_state_dict(state)`` on a copy of it (sharing its optimizer), so that a state it
+    refuses fails before any live object changes."""
+    memo = {id(o): o for o in [getattr(scheduler, "optimizer", None)] if o is not None}
+    try:
+        trial = copy.deepcopy(scheduler, memo)
+    except Exception:  # noqa: BLE001 - a scheduler that cannot be copied: the kinds were checked, apply as is
         return
-    if not saved:
-        log.warning("checkpoint %s holds no GradScaler state (saved without a scaler, or by an earlier version): "
-                    "the loss scale starts from its initial value", url)
-        return
-    scaler.load_state_dict(_read_objects(tier, url, [_SCALER])[_SCALER])
+    try:
+        trial.load_state_dict(copy.deepcopy(state))
+    except Exception as exc:  # noqa: BLE001 - the scheduler's refusal of an untrusted state
+        raise CorruptCheckpointError(f"{where}: the scheduler refuses it ({type(exc).__name__}: {str(exc)[:200]}); "
+                                     "nothing was restored (restore another step)") from None
 
 
 def _apply_rest(accelerator: Any, models: list[torch.nn.Module], sd: dict[str, Any], extra: dict[str, Any] | None) -> None:
-    """Optimizers, schedulers, registered objects and ``extra`` from a restored ``sd``."""
+    """Optimizers and ``extra`` from a restored ``sd``."""
     optimizers = _optimizers(accelerator)
     if optimizers:
         holder = _all_params(models)
         for i, o in enumerate(optimizers):
             apply_optimizer_state(holder, o, sd["optim"][str(i)])
-    if "scheduler" in sd:
-        for s, st in zip(_schedulers(accelerator), json.loads(sd["scheduler"])):
-            s.load_state_dict(st)
-    for i, obj in enumerate(accelerator._custom_objects):
-        obj.load_state_dict(sd["custom"][str(i)])
     if extra is not None and "extra" in sd:
-        extra.update(sd["extra"])
+        fill(extra, sd["extra"])
+
+
+def _custom_objects(accelerator: Any, sd: dict[str, Any], where: str) -> None:
+    """The registered objects' ``load_state_dict``, first: one that refuses its state leaves the rest untouched."""
+    for i, obj in enumerate(accelerator._custom_objects):
+        try:
+            obj.load_state_dict(sd["custom"][str(i)])
+        except Exception as exc:  # user code: reported as the restore's failure, naming the object
+            raise RestoreError(f"{where}: registered object {i} ({type(obj).__name__}) refused its saved state "
+                               f"({type(exc).__name__}: {str(exc)[:200]}); the model, optimizers, schedulers and "
+                               "random states were not restored") from exc
+
+
+def _load(accelerator: Any, ck: Any, models: list[torch.nn.Module], step: int | None, extra: dict[str, Any] | None,
+          broadcast: Any) -> int | None:
+    live = state_dict(accelerator, extra)
+    hooks = list(accelerator._load_model_state_pre_hook.values())
+    if hooks:
+        for i in range(len(models)):
+            live.pop(_model_key(i))
+    sd = staged(live)  # restored into copies: the live objects change only once every part is checked
+    with _RestoreWatch(ck) as watch:
+        restored = call_restore(ck, sd, step, broadcast)
+    if restored is None:
+        return None
+    tier, input_dir = watch.url(restored)
+    parts = _Parts(accelerator, tier, input_dir, restored, sd, live)
+    loading = models
+    if hooks:
+        listed = list(accelerator._models)
+        for hook in hooks:
+            hook(listed, input_dir)
+        loading = [accelerator.unwrap_model(m) for m in listed]
+        weights = {_model_key(i): staged(model_state(m)) for i, m in enumerate(loading)}
+        if weights:
+            call_restore(ck, weights, restored, broadcast)
+        sd.update(weights)
+    _custom_objects(accelerator, sd, input_dir or f"step {restored}")
+    for i, m in enumerate(loading):
+        apply_model_state(m, sd[_model_key(i)])
+    _apply_rest(accelerator, models, sd, extra)
+    parts.apply()
+    return restored
 
 
 def load_state(accelerator: Any, checkpointer: Any = None, *, step: int | None = None,
@@ -316,41 +466,30 @@ def load_state(accelerator: Any, checkpointer: Any = None, *, step: int | None =
     """Restore the newest good checkpoint (or ``step``) into the prepared objects, and this
     process's random states; returns the step restored, or None (nothing is changed then).
 
+    The checkpoint is read into copies, and every part that is not a tensor (LR scheduler and
+    GradScaler states, random states, optimizer hyper-parameters) decoded and checked against the
+    object it goes into, before any live object changes: a damaged checkpoint raises a
+    :class:`~dcp_tiered.errors.DcpTieredError` naming the part and its file, and leaves the model,
+    optimizers, schedulers and random states as they were.  The copies need memory for one more
+    model and optimizer state on their devices while loading.
+
     ``extra``: a template dict of your own values saved with :func:`save_state` (filled in
     place).  ``broadcast``: passed to ``TieredCheckpointer.restore`` (one reader per group,
     replicated state).  ``checkpointer=None``: :func:`project_checkpointer`.  Load hooks run
-    once the checkpoint is chosen, before any model is loaded (the models they leave are then
-    read from the same step).  ``ProjectConfiguration.iteration`` becomes the step + 1.
+    once the checkpoint is chosen and checked, before any model is loaded (the models they leave
+    are then read from the same step).  ``ProjectConfiguration.iteration`` becomes the step + 1.
     Call it on every process.
     """
     ck = _checkpointer(accelerator, checkpointer)
-    models = _models(accelerator)
-    snapshot = OptimizerSnapshot(_optimizers(accelerator))
-    sd = state_dict(accelerator, extra)
-    hooks = list(accelerator._load_model_state_pre_hook.values())
-    if hooks:
-        for i in range(len(models)):
-            sd.pop(_model_key(i))
-    with _RestoreWatch(ck) as watch:
-        restored = call_restore(ck, sd, step, broadcast)
+    snapshot = OptimizerSnapshot(_optimizers(accelerator))  # the template's state init, undone unless restored
+    try:
+        restored = _load(accelerator, ck, _models(accelerator), step, extra, broadcast)
+    except BaseException:
+        snapshot.undo()
+        raise
     if restored is None:
         snapshot.undo()
         return None
-    tier, input_dir = watch.url(restored)
-    loading = models
-    if hooks:
-        listed = list(accelerator._models)
-        for hook in hooks:
-            hook(listed, input_dir)
-        loading = [accelerator.unwrap_model(m) for m in listed]
-        weights = {_model_key(i): model_state(m) for i, m in enumerate(loading)}
-        if weights:
-            call_restore(ck, weights, restored, broadcast)
-        sd.update(weights)
-    for i, m in enumerate(loading):
-        apply_model_state(m, sd[_model_key(i)])
-    _apply_rest(accelerator, models, sd, extra)
-    _restore_rng(accelerator, tier, input_dir, restored)
     accelerator.project_configuration.iteration = restored + 1
     return restored
 

@@ -256,15 +256,26 @@ class Storage:
         returns False (and changes nothing) when ``name`` already holds other bytes.  A refusal is
         read back: when ``name`` holds exactly ``data``, it is this commit's own earlier attempt (a
         request applied whose response was lost, so the client's retry was refused) and the commit
-        succeeded.  Callers make ``data`` unique to the commit (a save id in it) for that to hold.
+        succeeded.  A commit that fails is read back too: a lost response reported as an error (a
+        closed connection, a 5xx) to a request that applied is a success, not a failure.  Callers
+        make ``data`` unique to the commit (a save id in it) for that to hold.
         """
         with storage_errors(self.url_of(name), "commit"):
-            if self._commit(name, data, exclusive):
-                return True
             try:
-                return self._size(name) == len(data) and self._read_all(name) == data
-            except FileNotFoundError:
-                return False
+                committed = self._commit(name, data, exclusive)
+            except Exception:
+                with contextlib.suppress(Exception):  # the commit's own error is the one to report
+                    if self._holds(name, data):
+                        return True
+                raise
+            return committed or self._holds(name, data)
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        """Whether ``name`` holds exactly ``data`` now (False when it does not exist)."""
+        try:
+            return self._size(name) == len(data) and self._read_all(name) == data
+        except FileNotFoundError:
+            return False
 
     def try_lock(self, name: str) -> FileLock | None:
         """Take an exclusive lock on the file ``name`` without waiting; None when another writer holds it.
