@@ -81,6 +81,8 @@ def claim_checkpoint(storage: Storage, overwrite: bool) -> "tuple[FileLock, bool
     committed checkpoint is being replaced; raises :class:`CheckpointExistsError` when one is
     committed and ``overwrite`` is off, or when another save holds the lock.
     """
+    if not overwrite and storage.exists(METADATA_FILE):
+        raise exists_error(storage.url)  # refused before a lock file is made: a committed checkpoint keeps none
     lock = storage.try_lock(LOCK_FILE)
     if lock is None:
         raise exists_error(storage.url, busy=True)
