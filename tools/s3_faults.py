@@ -350,13 +350,15 @@ class Tally:
         self.counts: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()  # library error types raised, by name
         self.problems: list[str] = []  # builtin errors, lost saves, wrong loads: what and where
-        self.failed_paths: set[str] = set()  # this trial's CompressedWriter saves whose first attempt failed
-        self.failed_steps: set[int] = set()  # this trial's steps whose maybe_save failed
+        self.failed_paths: dict[str, str] = {}  # this trial's failed CompressedWriter saves: path -> last error
+        self.failed_steps: dict[int, str] = {}  # this trial's failed maybe_save calls: step -> error
+        self.notes: list[str] = []  # saves reported failed whose commit applied: what they raised
 
-    def failure(self, exc: BaseException, where: str) -> None:
-        """Count a raised error: a library error (by its root cause inside DCP's wrapper) or a builtin one."""
+    def failure(self, exc: BaseException, where: str) -> str:
+        """Count a raised error: a library error (by its root cause inside DCP's wrapper) or a builtin one;
+        returns it in one line."""
         from dcp_tiered.errors import DcpTieredError
-        from dcp_tiered.tiers.events import root_cause
+        from dcp_tiered.tiers.events import describe_error, root_cause
 
         cause = root_cause(exc)
         if isinstance(cause, DcpTieredError):
@@ -365,6 +367,7 @@ class Tally:
         else:
             self.counts["builtin_errors"] += 1
             self.problem(f"{where}: builtin {type(cause).__name__}: {str(cause)[:300]}")
+        return describe_error(exc)
 
     def problem(self, text: str) -> None:
         if len(self.problems) < 50:
@@ -375,6 +378,7 @@ class Tally:
         self.errors.update(other.errors)
         for p in other.problems:
             self.problem(p)
+        self.notes += other.notes[: max(0, 20 - len(self.notes))]
 
 
 def _load(path: str, options: dict[str, Any], n: int) -> dict[str, Any]:
@@ -420,8 +424,7 @@ def _writer_flow(t: Tally, seed: int, url: str, faulty: dict[str, Any], n: int, 
                 if isinstance(exc, KeyboardInterrupt):
                     raise
                 t.counts["saves_failed"] += 1
-                t.failure(exc, f"CompressedWriter save {path} (attempt {attempt})")
-                t.failed_paths.add(path)
+                t.failed_paths[path] = t.failure(exc, f"CompressedWriter save {path} (attempt {attempt})")
                 continue
             t.counts["saves_returned"] += 1
             returned[path] = tag
@@ -455,7 +458,7 @@ def _guard(t: Tally, where: str, fn: Callable[[], Any]) -> Any:
     except BaseException as exc:  # every failure is classified
         if isinstance(exc, KeyboardInterrupt):
             raise
-        t.failure(exc, where)
+        exc.described = t.failure(exc, where)  # type: ignore[attr-defined]
         return exc
 
 
@@ -498,7 +501,7 @@ def _checkpointer_flow(t: Tally, seed: int, url: str, local: str, faulty: dict[s
                 returned.add(step)
             else:
                 t.counts["saves_failed"] += 1
-                t.failed_steps.add(step)
+                t.failed_steps[step] = getattr(report, "described", None) or f"report.ok is False: {report.error}"
         _guard(t, "wait()", ck.wait)
         got = _restore(t, ck, n, "restore (faults on)", seed)
         if got is not None and got >= 0 and returned and got < max(returned):
@@ -523,6 +526,7 @@ def _verify(t: Tally, seed: int, url: str, local: str, clean: dict[str, Any], n:
         i = int(path.rsplit("_", 1)[1])
         if f"s3://{path}" in t.failed_paths and f"s3://{path}" not in cw_returned:
             t.counts["failed_but_committed"] += 1  # every attempt reported failed, yet one's commit applied
+            t.notes.append(f"seed {seed}: s3://{path}: {t.failed_paths[f's3://{path}']}")
         got = _guard(t, f"load s3://{path}", lambda p=path: _load(f"s3://{p}", clean, n))
         t.counts["committed_checked"] += 1
         if isinstance(got, BaseException) or not _equal(got, state_for(seed * 1000 + 500 + i, n)):
@@ -554,9 +558,10 @@ def _verify(t: Tally, seed: int, url: str, local: str, clean: dict[str, Any], n:
                 t.problem(f"seed {seed}: committed {where} does not load exactly")
             else:
                 good[tier.name].add(entry.step)
-    for step in t.failed_steps:
+    for step, error in t.failed_steps.items():
         if any(step in g for g in good.values()):
             t.counts["failed_but_committed"] += 1
+            t.notes.append(f"seed {seed}: step {step} (tiers every {every}): {error}")
     keep = {tier.name: tier.keep for tier in tiers}
     for step in ck_returned:
         if any(step in g for g in good.values()):
@@ -652,7 +657,8 @@ def summary(t: Tally) -> dict[str, Any]:
             "loads_with_faults", "loads_failed", "restores", "restores_failed", "restores_older", "library_errors",
             "builtin_errors", "hangs", "harness_errors")
     return {**{k: c[k] for k in keys}, "faults": faults, "faults_by_method": by_method,
-            "library_error_types": dict(t.errors.most_common()), "problems": t.problems}
+            "library_error_types": dict(t.errors.most_common()), "problems": t.problems,
+            "failed_but_committed_notes": t.notes}
 
 
 def main(argv: list[str] | None = None) -> int:
