@@ -37,7 +37,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from benchmarks.common import adam_state, machine_line, md_table, minilm_weights, nbytes, repeated_state, save_results, write_section
+from benchmarks.common import (adam_state, machine_line, md_table, minilm_weights, nbytes, random_normal, repeated_state,
+                               save_results, write_section)
 
 SECTION = "gpu"
 
@@ -85,17 +86,20 @@ def measure(fn: Callable[[], Any], device: torch.device, repeat: int) -> dict[st
             "blocked_s": statistics.median(blocked), "peak_host_bytes": max(peaks)}
 
 
-def build_state(mib: int, device: torch.device) -> dict[str, torch.Tensor]:
+def build_state(mib: int, device: torch.device, quick: bool = False) -> dict[str, torch.Tensor]:
+    """Real weights and Adam moments of ``mib`` MiB on ``device`` (``quick``: normal values, for smoke runs)."""
+    if quick:
+        return {k: v.to(device) for k, v in random_normal(mib << 20).items()}
     weights = minilm_weights()
     base = {**weights, **adam_state(weights, steps=2)}
     return {k: v.to(device) for k, v in repeated_state(base, mib << 20, clone=True).items()}
 
 
-def run_size(mib: int, device: torch.device, repeat: int, root: Path) -> dict[str, Any]:
+def run_size(mib: int, device: torch.device, repeat: int, root: Path, quick: bool = False) -> dict[str, Any]:
     """Every case at one state size; the numbers of each, by name."""
     from dcp_tiered import CompressedWriter, Tier, TieredCheckpointer
 
-    state = build_state(mib, device)
+    state = build_state(mib, device, quick)
     size = nbytes(state)
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=device.type == "cuda") for k, v in state.items()}
     out: dict[str, Any] = {"mib": mib, "bytes": size}
@@ -167,7 +171,7 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
-    ap.add_argument("--quick", action="store_true", help="16 MiB, one repeat: a smoke run")
+    ap.add_argument("--quick", action="store_true", help="16 MiB of normal values, one repeat: a smoke run")
     ap.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md (GPU runs only)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -178,7 +182,7 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     repeat = 1 if args.quick else args.repeat
     root = Path(tempfile.mkdtemp(prefix="bench_gpu_", dir=args.dir))
     try:
-        results = [run_size(mib, device, repeat, root) for mib in sizes]
+        results = [run_size(mib, device, repeat, root, args.quick) for mib in sizes]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = table(results)
