@@ -687,7 +687,15 @@ def run_fuzz(n: int, root: "str | Path", *, seed: int = 0, log=print) -> dict[st
 #   negative, huge, nested, None), re-pickled;
 # * ``intent``: a valid promotion intent (``.promote-0.json``) mutated as JSON (wrong types,
 #   ``[]``, nesting, target == source, missing or extra fields), then a ``TieredCheckpointer``
-#   is built (resuming promotions), waited for, restored and listed.
+#   is built (resuming promotions), waited for, restored and listed;
+# * ``table``, ``paths``, ``marker``, ``lightning_ref``, ``accelerate``, ``deepdir``: format-2
+#   tables of tensors in 600-1,100 chunks, planner paths through ``convert``, replica markers
+#   through ``dcp-tiered ls --replicas``/``gc`` and retention, the Lightning plugin's references,
+#   Accelerate's ``save_state``/``load_state``, trees 1,100+ deep in a tier (tools/hostile_classes.py).
+#
+# ``hostile_kind`` draws each case's class from ``HOSTILE_WEIGHTS`` by its seed and number; every
+# outcome counts as one of ``CATEGORIES`` (``outcome_category``).  A case running past
+# ``case_timeout`` is interrupted by SIGALRM, counted as a hang, and its child replaced.
 #
 # The mutated pickle is written with a correct integrity trailer or none (stock style), so
 # the checksum does not hide the loader.  Every exception must be a ``DcpTieredError``.
@@ -942,17 +950,42 @@ def _from_dcp_planner(err: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.endswith(os.path.join("torch", "distributed", "checkpoint", "default_planner.py"))
 
 
-def _hostile_case(fx: dict, seed: int, i: int) -> str:
-    """Run case ``i``; return its outcome: ``kind:detected``, ``kind:loaded``, or ``kind:FAIL ...``."""
+#: Share of each case class in a run (the ``.metadata`` pickle classes first, then tools/hostile_classes.py's).
+HOSTILE_WEIGHTS = {"opcode": 0.22, "record": 0.09, "bytes": 0.05, "intent": 0.06, "table": 0.18, "paths": 0.11,
+                   "marker": 0.08, "lightning_ref": 0.06, "accelerate": 0.10, "deepdir": 0.05}
+
+
+def hostile_kind(seed: int, i: int, kinds: tuple[str, ...] | None = None) -> str:
+    """The class of case ``i`` of a run with ``seed`` (deterministic; ``kinds`` restricts the classes)."""
+    weights = {k: w for k, w in HOSTILE_WEIGHTS.items() if kinds is None or k in kinds}
+    roll = random.Random(f"{seed}:{i}:kind").random() * sum(weights.values())
+    for kind, w in weights.items():
+        roll -= w
+        if roll < 0:
+            return kind
+    return kind
+
+
+def _hostile_case(fx: dict, seed: int, i: int, kinds: tuple[str, ...] | None = None) -> str:
+    """Run case ``i``; return its outcome ``kind:outcome`` (see ``outcome_category``)."""
+    kind = hostile_kind(seed, i, kinds)
+    rng = random.Random(f"{seed}:{i}")
+    if kind == "intent":
+        return "intent:" + _intent_case(fx, rng)
+    if kind not in ("opcode", "record", "bytes"):
+        from tools import hostile_classes
+
+        hostile_classes.NOTE.clear()
+        hostile_classes.NOTE["case"] = i
+        return f"{kind}:" + getattr(hostile_classes, f"{kind}_case")(fx["classes"], rng)
+    return f"{kind}:" + _metadata_case(fx, kind, rng)
+
+
+def _metadata_case(fx: dict, kind: str, rng: random.Random) -> str:
     import pickle as _pickle
 
     from dcp_tiered.codecs import checksum as _checksum
 
-    rng = random.Random(f"{seed}:{i}")
-    roll = rng.random()
-    kind = "intent" if roll < 0.1 else "record" if roll < 0.3 else "bytes" if roll < 0.4 else "opcode"
-    if kind == "intent":
-        return "intent:" + _intent_case(fx, rng)
     base = rng.choice(_HOSTILE_BASES)
     path, raw, body = fx["bases"][base]
     if kind == "record":
@@ -961,7 +994,7 @@ def _hostile_case(fx: dict, seed: int, i: int) -> str:
         try:
             new = _pickle.dumps(md, protocol=rng.choice((2, 4, 5)))
         except Exception:  # noqa: BLE001 - an unpicklable value: nothing to test
-            return "record:skipped"
+            return "skipped"
     elif kind == "bytes":
         new = bytes(_mutate(bytearray(body), rng))
     else:
@@ -976,16 +1009,16 @@ def _hostile_case(fx: dict, seed: int, i: int) -> str:
         except BaseException as exc:  # noqa: BLE001
             err = _error_of(exc)
             if isinstance(err, DcpTieredError):
-                return f"{kind}:detected"
+                return "detected"
             if _from_dcp_planner(err):
                 # a well-formed checkpoint of another state dict: DCP's planner compares it with
                 # the caller's state dict before any reader code runs
-                return f"{kind}:KNOWN_dcp_planner_mismatch"
-            return f"{kind}:FAIL foreign {type(err).__name__}: {str(err)[:160]}"
+                return "KNOWN_dcp_planner_mismatch"
+            return f"FAIL builtin {type(err).__name__}: {str(err)[:160]}"
         if _same(out, fx["sd"]):
-            return f"{kind}:loaded"
+            return "loaded"
         # stock checkpoints carry no checksums: a changed offset can select other valid bytes
-        return f"{kind}:KNOWN_stock_loaded_other_values" if base.startswith("stock") else f"{kind}:FAIL loaded other values ({base})"
+        return "KNOWN_stock_loaded_other_values" if base.startswith("stock") else f"FAIL wrong: loaded other values ({base})"
     finally:
         (path / ".metadata").write_bytes(raw)
 
@@ -1015,20 +1048,20 @@ def _intent_case(fx: dict, rng: random.Random) -> str:
         ck.close()
     except BaseException as exc:  # noqa: BLE001
         if not isinstance(exc, DcpTieredError):
-            return f"FAIL foreign {type(exc).__name__}: {str(exc)[:160]}"
+            return f"FAIL builtin {type(exc).__name__}: {str(exc)[:160]}"
         outcome = "detected"
     else:
         if step is None or not _same(out, fx["sd"]):
-            return f"FAIL restore gave {step}"
+            return f"FAIL wrong: restore gave {step}"
     for tier in ("local", "durable"):  # the committed step 1 must survive on both tiers
         back = _zeros(fx["sd"])
         try:
             dcp.load(back, storage_reader=CompressedReader(root / tier / "step_000000001", threads=1), no_dist=True)
         except BaseException as exc:  # noqa: BLE001
-            return f"FAIL committed step 1 on {tier} damaged: {type(_error_of(exc)).__name__}"
+            return f"FAIL wrong: committed step 1 on {tier} damaged: {type(_error_of(exc)).__name__}"
         if not _same(back, fx["sd"]):
-            return f"FAIL committed step 1 on {tier} has other values"
-    return outcome
+            return f"FAIL wrong: committed step 1 on {tier} has other values"
+    return "loaded" if outcome == "ok" else outcome
 
 
 def _poisoned(work: Path, n: int) -> str | None:
@@ -1046,31 +1079,69 @@ def _poisoned(work: Path, n: int) -> str | None:
     return None if torch.equal(back["x"], sd["x"]) and back["m"] == sd["m"] else "other values"
 
 
-def hostile_child(work: str, seed: int, cases: list[int], journal: str) -> None:
-    """Child entry point: run ``cases``, journal one JSON line per case (before and after)."""
+#: Exit status of a child that stopped after a case ran past its time (the parent starts a fresh one).
+_EXIT_TIMED_OUT = 75
+
+
+class _CaseTimeout(BaseException):
+    """Raised by SIGALRM in a case that ran past ``case_timeout``."""
+
+
+def hostile_child(work: str, seed: int, cases: list[int], journal: str, case_timeout: float = 8.0,
+                  kinds: tuple[str, ...] | None = None) -> None:
+    """Child entry point: run ``cases``, journal one JSON line per case (before and after).
+
+    A case still running after ``case_timeout`` seconds is interrupted (SIGALRM), journaled as a hang,
+    and the child exits: what the interrupted code left behind must not count against the next cases."""
     logging.disable(logging.CRITICAL)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     w = Path(work)
-    shutil.rmtree(w, ignore_errors=True)
+    from tools.hostile_classes import Fixtures, remove_deep
+
+    remove_deep(w)
     fx = _hostile_fixtures(w)
+    fx["classes"] = Fixtures(w / "classes")
     # A resumed intent whose metadata commit waits for other ranks' fragments would wait an
     # hour (metadata_timeout); 3 s here, so such a case is counted, not a stalled child.
     from dcp_tiered.tiers.promote.promoter import Promoter
 
     Promoter.__init__.__kwdefaults__["metadata_timeout"] = 3.0
+    late = []
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        late.append(True)  # the case may catch the exception (DCP wraps it): the flag decides
+        raise _CaseTimeout(f"over {case_timeout} s")
+
+    signal.signal(signal.SIGALRM, on_alarm)
     with open(journal, "a") as j:
         for i in cases:
             j.write(json.dumps({"start": i}) + "\n")
             j.flush()
-            outcome = _hostile_case(fx, seed, i)
-            poison = _poisoned(w, i)
-            j.write(json.dumps({"case": i, "outcome": outcome, "poisoned": poison}) + "\n")
+            t0 = time.monotonic()
+            signal.setitimer(signal.ITIMER_REAL, case_timeout)
+            try:
+                outcome = _hostile_case(fx, seed, i, kinds)
+            except _CaseTimeout:
+                outcome = ""
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            if late:
+                from tools.hostile_classes import NOTE
+
+                outcome = (f"{hostile_kind(seed, i, kinds)}:FAIL hang: still running after {case_timeout} s, interrupted"
+                           + (f" [{NOTE['how']}]" if NOTE.get("case") == i else ""))
+            seconds = round(time.monotonic() - t0, 3)
+            poison = None if late else _poisoned(w, i)
+            j.write(json.dumps({"case": i, "outcome": outcome, "poisoned": poison, "s": seconds}) + "\n")
             j.flush()
+            if late:
+                os._exit(_EXIT_TIMED_OUT)
 
 
 def _run_hostile_batch(work: Path, seed: int, cases: list[int], timeout: float, memory_mb: int,
-                       stall_s: float = 90.0) -> tuple[dict[int, dict], int | None, str]:
+                       stall_s: float = 90.0, case_timeout: float = 8.0,
+                       kinds: tuple[str, ...] | None = None) -> tuple[dict[int, dict], int | None, str]:
     """Run ``cases`` in one child; return per-case results, the case it died in (or None) and how."""
     import subprocess
 
@@ -1078,7 +1149,7 @@ def _run_hostile_batch(work: Path, seed: int, cases: list[int], timeout: float, 
     journal.unlink(missing_ok=True)
     code = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({memory_mb << 20}, {memory_mb << 20}))\n"
             f"from tools.crash_harness import hostile_child\n"
-            f"hostile_child({str(work / 'child')!r}, {seed}, {cases!r}, {str(journal)!r})\n")
+            f"hostile_child({str(work / 'child')!r}, {seed}, {cases!r}, {str(journal)!r}, {case_timeout!r}, {kinds!r})\n")
     errfile = work / f"stderr-{cases[0]}.txt"
     with open(errfile, "wb") as errf:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parent.parent),
@@ -1099,7 +1170,7 @@ def _run_hostile_batch(work: Path, seed: int, cases: list[int], timeout: float, 
             how = "hang"
             break
     proc.wait()
-    if not how and proc.returncode:
+    if not how and proc.returncode not in (0, _EXIT_TIMED_OUT):
         how = f"crash (exit {proc.returncode}): {errfile.read_text(errors='replace')[-300:]}"
     done: dict[int, dict] = {}
     started = None
@@ -1114,51 +1185,110 @@ def _run_hostile_batch(work: Path, seed: int, cases: list[int], timeout: float, 
     return done, died_in, how
 
 
+#: The columns of the per-class summary, as ``outcome_category`` names them.
+CATEGORIES = ("refused", "verified", "known", "skipped", "crash", "hang", "builtin", "wrong", "poisoned")
+
+
+def outcome_category(outcome: str) -> str:
+    """What a case's outcome counts as: ``refused`` (a ``DcpTieredError`` or a documented exit code),
+    ``verified`` (it succeeded and what it gave was checked exactly), ``known`` (a known limit or filed bug),
+    ``skipped``, or the failures ``hang``, ``builtin`` (an error that is no ``DcpTieredError``, or exit 70)
+    and ``wrong`` (succeeded with other values, or lost or changed something)."""
+    if outcome.startswith("FAIL hang"):
+        return "hang"
+    if outcome.startswith(("FAIL builtin", "FAIL foreign")):
+        return "builtin"
+    if outcome.startswith("FAIL"):
+        return "wrong"
+    if outcome.startswith("KNOWN"):
+        return "known"
+    if outcome.startswith("skipped"):
+        return "skipped"
+    return "verified" if outcome == "loaded" else "refused"
+
+
 def run_hostile(n: int, root: "str | Path", *, seed: int = 0, batch: int = 250, per_case_s: float = 6.0,
-                memory_mb: int = 6144, log=print) -> dict[str, Any]:
+                memory_mb: int = 6144, case_timeout: float = 8.0, kinds: tuple[str, ...] | None = None,
+                log=print) -> dict[str, Any]:
     """``n`` hostile-input cases in isolated children (see the section comment); return the counters."""
+    from tools.hostile_classes import remove_deep  # trees deeper than shutil.rmtree can delete
+
     root = Path(root)
-    shutil.rmtree(root, ignore_errors=True)
+    remove_deep(root)
     root.mkdir(parents=True)
     totals: Counter = Counter()
+    per_class: dict[str, Counter] = {}
+    outcomes: dict[str, Counter] = {}  # class -> outcome (known reasons, refusals, failure kinds)
     failures: list[dict] = []
     pending = list(range(n))
     t0 = time.monotonic()
+
+    def count(i: int, kind: str, category: str, outcome: str, extra: "dict | None" = None) -> None:
+        c = per_class.setdefault(kind, Counter())
+        c["cases"] += 1
+        c[category] += 1
+        totals["cases"] += 1
+        if category in ("crash", "hang", "builtin", "wrong"):
+            totals[f"FAIL_{category}"] += 1
+            failures.append({"case": i, "class": kind, "outcome": outcome, **(extra or {})})
+            log(f"  case {i} ({kind}): {outcome[:300]}")
+        if category in ("known", "crash", "hang", "builtin", "wrong"):
+            outcomes.setdefault(kind, Counter())[_outcome_key(category, outcome)] += 1
+
     while pending:
         cases, pending = pending[:batch], pending[batch:]
-        done, died_in, how = _run_hostile_batch(root, seed, cases, 60 + per_case_s * len(cases), memory_mb)
-        if how and died_in is None and len(done) < len(cases):
+        done, died_in, how = _run_hostile_batch(root, seed, cases, 60 + per_case_s * len(cases), memory_mb,
+                                                case_timeout=case_timeout, kinds=kinds)
+        if how and died_in is None and not done:
             failures.append({"case": None, "how": how})
             totals["FAIL_child_setup"] += 1
             log(f"  child failed before its first case: {how}")
             break
-        for i, rec in done.items():
+        for i, rec in sorted(done.items()):
             kind, _, outcome = rec["outcome"].partition(":")
-            totals["cases"] += 1
-            totals[f"{kind}:{outcome.split(' ')[0] if outcome.startswith('FAIL') else outcome}"] += 1
-            if outcome.startswith("FAIL"):
-                totals[f"FAIL_{'intent' if kind == 'intent' else 'metadata'}_error"] += 1
-                failures.append({"case": i, "outcome": rec["outcome"]})
-                log(f"  case {i}: {rec['outcome']}")
+            count(i, kind, outcome_category(outcome), outcome, {"seconds": rec.get("s")})
             if rec["poisoned"]:
+                per_class[kind]["poisoned"] += 1
                 totals["FAIL_poisoned"] += 1
-                failures.append({"case": i, "poisoned": rec["poisoned"]})
-                log(f"  case {i} poisoned the process: {rec['poisoned']}")
+                failures.append({"case": i, "class": kind, "poisoned": rec["poisoned"]})
+                log(f"  case {i} ({kind}) poisoned the process: {rec['poisoned']}")
         if died_in is not None:
             # pin it: rerun that case alone in a fresh child
-            alone, died_alone, how_alone = _run_hostile_batch(root, seed, [died_in], 60 + 10 * per_case_s, memory_mb)
+            alone, _, how_alone = _run_hostile_batch(root, seed, [died_in], 60 + 10 * per_case_s, memory_mb,
+                                                     case_timeout=case_timeout, kinds=kinds)
             label = "hang" if how == "hang" else "crash"
-            totals["cases"] += 1
-            totals[f"FAIL_{label}"] += 1
-            failures.append({"case": died_in, "how": how, "alone": how_alone or alone.get(died_in)})
-            log(f"  case {died_in}: {how[:200]} (alone: {how_alone[:100] or alone.get(died_in)})")
-            rest = [c for c in cases if c not in done and c != died_in]
-            pending = rest + pending
+            count(died_in, hostile_kind(seed, died_in, kinds), label, f"FAIL {label}: {how[:200]}",
+                  {"alone": how_alone or alone.get(died_in)})
+        pending = [c for c in cases if c not in done and c != died_in] + pending
         log(f"[{totals['cases']}/{n}] {time.monotonic() - t0:.0f}s "
             + " ".join(f"{k}={v}" for k, v in sorted(totals.items()) if k != "cases"))
     totals["seconds"] = round(time.monotonic() - t0)
-    shutil.rmtree(root, ignore_errors=True)
-    return {"totals": dict(totals), "failures": failures[:200]}
+    remove_deep(root)
+    return {"totals": dict(totals), "per_class": {k: dict(v) for k, v in sorted(per_class.items())},
+            "outcomes": {k: dict(v.most_common()) for k, v in sorted(outcomes.items())}, "failures": failures[:500]}
+
+
+def _outcome_key(category: str, outcome: str) -> str:
+    """An outcome without its particulars (values, paths), to count alike ones together: the known reason,
+    or the failure's kind, error type and the mutation that caused it (the ``[...]`` a case appends)."""
+    if category == "known":
+        return outcome.split(" (")[0]
+    head, _, tag = outcome.rpartition(" [") if outcome.endswith("]") else (outcome, "", "")
+    words = head.replace(":", " ").split()
+    key = " ".join(words[:3] if category == "builtin" else words[:5])
+    return f"{key} [{tag.split()[0].rstrip(']:')}]" if tag else key
+
+
+def hostile_table(summary: dict[str, Any]) -> str:
+    """The per-class counts of a ``run_hostile`` summary as a Markdown table."""
+    cols = ("cases", *CATEGORIES)
+    rows = ["| class | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    per = summary["per_class"]
+    order = [k for k in HOSTILE_WEIGHTS if k in per] + sorted(set(per) - set(HOSTILE_WEIGHTS))
+    for kind in order + ["all"]:
+        c = per.get(kind) or Counter({col: sum(p.get(col, 0) for p in per.values()) for col in cols})
+        rows.append(f"| {kind} | " + " | ".join(str(c.get(col, 0)) for col in cols) + " |")
+    return "\n".join(rows)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -1170,8 +1300,14 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--corruptions", type=int, default=0, help="corruption + restore-fallback trials")
     ap.add_argument("--fuzz", type=int, default=0, help="mutated-checkpoint load cases")
     ap.add_argument("--hostile", type=int, default=0,
-                    help="hostile-input cases (opcode-level .metadata, records, bytes, intents), each in an isolated child")
+                    help="hostile-input cases (opcode-level .metadata, records, bytes, intents, format-2 tables, planner "
+                         "paths, replica markers, Lightning references, Accelerate state, deep directories), in isolated "
+                         "children")
     ap.add_argument("--batch", type=int, default=250, help="hostile cases per child process")
+    ap.add_argument("--classes", default=None,
+                    help=f"comma-separated hostile case classes (default all: {','.join(HOSTILE_WEIGHTS)})")
+    ap.add_argument("--case-timeout", type=float, default=8.0, help="seconds a hostile case may run before it is a hang")
+    ap.add_argument("--memory-mb", type=int, default=6144, help="address-space limit of a hostile child (MiB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chain", type=int, default=8, help="kills per configuration before starting on fresh directories")
     ap.add_argument("--max-delay", type=float, default=1.2, help="longest run of a child before the kill (s)")
@@ -1196,8 +1332,14 @@ def main(argv: "list[str] | None" = None) -> int:
         summary["fuzz"] = run_fuzz(args.fuzz, root / "fuzz", seed=args.seed)
         print(json.dumps(summary["fuzz"]["totals"], indent=1, sort_keys=True))
     if args.hostile:
-        summary["hostile"] = run_hostile(args.hostile, root / "hostile", seed=args.seed, batch=args.batch)
+        kinds = tuple(args.classes.split(",")) if args.classes else None
+        if kinds and set(kinds) - set(HOSTILE_WEIGHTS):
+            ap.error(f"unknown hostile classes {sorted(set(kinds) - set(HOSTILE_WEIGHTS))}; known: {', '.join(HOSTILE_WEIGHTS)}")
+        summary["hostile"] = run_hostile(args.hostile, root / "hostile", seed=args.seed, batch=args.batch,
+                                         memory_mb=args.memory_mb, case_timeout=args.case_timeout, kinds=kinds)
         print(json.dumps(summary["hostile"]["totals"], indent=1, sort_keys=True))
+        print(hostile_table(summary["hostile"]))
+        print(json.dumps(summary["hostile"]["outcomes"], indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, sort_keys=True))
     failed = any(k.startswith("FAIL") for part in ("kills", "corruptions", "fuzz", "hostile") if part in summary
