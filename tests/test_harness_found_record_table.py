@@ -36,9 +36,7 @@ def _head(path):
     return md, next(iter(md.storage_data.values()))
 
 
-@pytest.mark.xfail(strict=True, reason="record_table._last_lo: a row's raw size of 2**64-1 (codec none) makes "
-                                       "stored_frame_bounds return a bound above 2**64, stored into a uint64 array: "
-                                       "builtin OverflowError from CompressedReader()")
+# found by crash_harness --hostile, fixed: record_table._last_lo: a row's raw size of 2**64-1 (codec none) makes stored_frame_bounds return a bound above 2**64, stored into a uint64 array: builtin OverflowError from CompressedReader()
 def test_a_raw_size_near_2_64_in_the_record_table_is_refused(tmp_path):
     path = tmp_path / "ckpt"
     _save(path, {"w": torch.ones(8), "v": torch.zeros(4)})
@@ -52,9 +50,7 @@ def test_a_raw_size_near_2_64_in_the_record_table_is_refused(tmp_path):
         CompressedReader(path)
 
 
-@pytest.mark.xfail(strict=True, reason="the item table's TensorProperties dtype is never compared with the records' "
-                                       "dtype: load_any/convert build the tensor in the dtype the properties say and "
-                                       "DCP casts the stored float32 values into it (int64: truncated), no error")
+# found by crash_harness --hostile, fixed: the item table's TensorProperties dtype is never compared with the records' dtype: load_any/convert build the tensor in the dtype the properties say and DCP casts the stored float32 values into it (int64: truncated), no error
 def test_tensor_properties_that_disagree_with_the_records_dtype_are_refused(tmp_path):
     path = tmp_path / "ckpt"
     w = torch.tensor([0.25, 1.5, -2.75])
@@ -70,9 +66,7 @@ def test_tensor_properties_that_disagree_with_the_records_dtype_are_refused(tmp_
     assert isinstance(root_cause(info.value), CorruptCheckpointError), repr(root_cause(info.value))
 
 
-@pytest.mark.xfail(strict=True, reason="two records naming the same bytes of a data file (b's record a copy of a's, "
-                                       "under b's index) are accepted: a's values load as b, every checksum valid "
-                                       "(the harness found it as one chunk's record copied onto another chunk's)")
+# found by crash_harness --hostile, fixed: two records naming the same bytes of a data file (b's record a copy of a's, under b's index) are accepted: a's values load as b, every checksum valid (the harness found it as one chunk's record copied onto another chunk's)
 def test_two_records_on_the_same_bytes_are_refused(tmp_path):
     path = tmp_path / "ckpt"
     sd = {"a": torch.arange(8, dtype=torch.float32), "b": -torch.arange(8, dtype=torch.float32)}

@@ -408,6 +408,10 @@ def test_the_table_row_checks_refuse_what_the_record_checks_refuse(recs: list, d
         for row in rows:
             _check_one(row, sdm, "ckpt", None)
             check_against_chunks(row[1], row[0], chunk_sizes(sdm), "ckpt")
+        spans = sorted((r["file"], r["offset"], r["offset"] + r["length"]) for _i, r in rows if r["length"])
+        for (f1, _s1, e1), (f2, s2, _e2) in zip(spans, spans[1:]):  # no two records on the same bytes
+            if f1 == f2 and s2 < e1:
+                raise CorruptCheckpointError("records share bytes")
         slow = None
     except (CorruptCheckpointError, UnsupportedFormatError) as exc:
         slow = str(exc)

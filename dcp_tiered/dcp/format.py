@@ -408,6 +408,17 @@ def chunk_sizes(state_dict_metadata: dict) -> dict[tuple[str, tuple[int, ...]], 
     return out
 
 
+def check_against_properties(record: dict, entry: Any, key: str, checkpoint: str) -> None:
+    """A tensor record's dtype (its original one, for a downcast record) must be the one DCP's tensor
+    table gives: else the load would build the tensor in that dtype and cast the stored values into it."""
+    if record["kind"] != KIND_TENSOR or type(entry) is not TensorStorageMetadata:
+        return
+    saved, declared = record.get("orig_dtype") or record.get("dtype"), dtype_name(entry.properties.dtype)
+    if saved != declared:
+        raise CorruptCheckpointError(f"record of {key!r} in {checkpoint} holds {saved} values, but the checkpoint's "
+                                     f"tensor table says {declared}: the metadata is inconsistent")
+
+
 def check_against_chunks(record: dict, index: Any, sizes: dict, checkpoint: str) -> None:
     """A tensor record's shape must be the chunk DCP's metadata says it is."""
     if record["kind"] != KIND_TENSOR:

@@ -41,6 +41,7 @@ from dcp_tiered.dcp.format import (
     MAX_METADATA_RECORDS,
     METADATA_FILE,
     check_against_chunks,
+    check_against_properties,
     check_record,
     chunk_sizes,
     is_native_record,
@@ -442,6 +443,7 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
             if (record["kind"] == "bytes") != (type(entry) is BytesStorageMetadata):
                 raise _bad(source, f"record of {fqn!r} is a {record['kind']} item, but state_dict_metadata says otherwise")
             check_against_chunks(record, index, sizes, checkpoint)
+            check_against_properties(record, entry, fqn, checkpoint)
         elif type(record) is _StorageInfo:
             _check_stock(fqn, record, source, type(entry) is BytesStorageMetadata, max_object_bytes)
         else:

@@ -31,7 +31,7 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
-from dcp_tiered.dcp.format import check_record
+from dcp_tiered.dcp.format import check_against_properties, check_record, dtype_name
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import safe_relative_name
 
@@ -324,7 +324,10 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
     raw, offset, itemsize, nframes = (cols[c].astype(np.uint64) for c in ("raw", "offset", "itemsize", "nframes"))
     kind, item, chunk = cols["kind"], cols["item"].astype(np.int64), cols["chunk"].astype(np.int64)
     step = steps[combo]
-    bad = (offset >= _BIG) | (raw >= _BIG) | (raw % itemsize != 0) | (nframes != (raw + step - 1) // step)
+    bad = (offset >= _BIG) | (raw >= _BIG)
+    if bad.any():  # refused before any arithmetic on them (which would wrap)
+        _refuse(records, bad, sdm, checkpoint, max_object_bytes)
+    bad |= (raw % itemsize != 0) | (nframes != (raw + step - 1) // step)
     entries = list(sdm.values())
     is_bytes = np.array([type(e) is BytesStorageMetadata for e in entries], dtype=bool)
     bad |= (kind == 1) != is_bytes[item]
@@ -335,6 +338,7 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
         base, numels = _chunk_numels(entries)
         at = base[item[tensor]] + chunk[tensor] - 1
         bad[tensor] |= numels[at] != raw[tensor] // itemsize[tensor]
+        bad[tensor] |= _dtype_ids(entries, names)[item[tensor]] != _row_dtype(cols)[tensor]
     if len(frames):
         row = np.repeat(np.arange(n), nframes.astype(np.int64))
         last = np.zeros(len(frames), dtype=bool)
@@ -349,11 +353,53 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
             length = np.add.reduceat(frames, np.flatnonzero(np.r_[True, row[1:] != row[:-1]])) if not over.any() else None
         if length is not None:
             bad[nframes > 0] |= length >= _BIG
+    if not bad.any():
+        bad = _shared_bytes(cols, frames, nframes)
     if bad.any():
-        r = int(np.flatnonzero(bad)[0])
-        _check_one(records[r], sdm, checkpoint, max_object_bytes)
-        raise CorruptCheckpointError(f"record of {records[r][0].fqn!r} in {checkpoint} has sizes or a frame table "
-                                     "that are impossible for its codec and shape (the sizes are damaged or crafted)")
+        _refuse(records, bad, sdm, checkpoint, max_object_bytes)
+
+
+def _refuse(records: list, bad: np.ndarray, sdm: dict, checkpoint: str, max_object_bytes: "int | None") -> None:
+    """Raise for the first row ``bad`` marks: the per-record checks' own error where they refuse it."""
+    r = int(np.flatnonzero(bad)[0])
+    _check_one(records[r], sdm, checkpoint, max_object_bytes)
+    raise CorruptCheckpointError(f"record of {records[r][0].fqn!r} in {checkpoint} has sizes, a dtype or a place in "
+                                 "its data file that are impossible for its codec, shape and the other records (the "
+                                 "metadata is damaged or crafted)")
+
+
+def _dtype_ids(entries: list, names: tuple) -> np.ndarray:
+    """Per item, the name id of the dtype its tensor properties give (-1: not a name of the table)."""
+    ids = {name: i for i, name in enumerate(names) if name is not None}
+    out = np.full(len(entries), -1, dtype=np.int64)
+    for i, entry in enumerate(entries):
+        if type(entry) is TensorStorageMetadata:
+            out[i] = ids.get(dtype_name(entry.properties.dtype), -1)
+    return out
+
+
+def _row_dtype(cols: dict) -> np.ndarray:
+    """Per row, the name id of the dtype its tensor was saved as: the original dtype, else the stored one."""
+    orig, dtype = cols["orig_dtype"].astype(np.int64), cols["dtype"].astype(np.int64)
+    return np.where(orig != 0, orig, dtype)
+
+
+def _shared_bytes(cols: dict, frames: np.ndarray, nframes: np.ndarray) -> np.ndarray:
+    """Rows whose stored bytes overlap another row's in the same data file (a record copied onto another
+    index would load the same values into both, every checksum valid)."""
+    n = len(nframes)
+    lengths = np.zeros(n, dtype=np.uint64)
+    has = nframes > 0
+    if has.any():
+        starts = np.concatenate(([0], np.cumsum(nframes.astype(np.int64))[:-1]))[has]
+        lengths[has] = np.add.reduceat(frames.astype(np.uint64), starts)
+    file, offset = cols["file"].astype(np.int64), cols["offset"].astype(np.uint64)
+    order = np.lexsort((offset, file))
+    f, o, e = file[order], offset[order], offset[order] + lengths[order]
+    clash = (f[1:] == f[:-1]) & (o[1:] < e[:-1]) & (lengths[order][1:] > 0)
+    bad = np.zeros(n, dtype=bool)
+    bad[order[1:][clash]] = True
+    return bad
 
 
 def _check_one(row: tuple, sdm: dict, checkpoint: str, max_object_bytes: "int | None") -> dict:
@@ -366,6 +412,7 @@ def _check_one(row: tuple, sdm: dict, checkpoint: str, max_object_bytes: "int | 
     if (rec["kind"] == "bytes") != (type(sdm[fqn]) is BytesStorageMetadata):
         raise CorruptCheckpointError(f"{checkpoint}: record of {fqn!r} is a {rec['kind']} item, but "
                                      "state_dict_metadata says otherwise")
+    check_against_properties(rec, sdm[fqn], fqn, checkpoint)
     # no check_against_chunks: a row's shape and offsets are its chunk's, by unpack_storage
     return rec
 
