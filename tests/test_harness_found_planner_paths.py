@@ -21,7 +21,7 @@ from dcp_tiered.tiers.events import root_cause
 
 def _crafted(tmp_path, edit):
     path = tmp_path / "ckpt"
-    dcp.save({"a": {"w": torch.ones(3)}, "l": [torch.zeros(2), torch.ones(2)], "n": 5},
+    dcp.save({"a": {"w": torch.ones(3)}, "l": [torch.zeros(2), torch.arange(2)], "n": 5},
              storage_writer=CompressedWriter(path, sync_files=False), no_dist=True)
     md = unpack_metadata((path / ".metadata").read_bytes())
     edit(md)
@@ -46,14 +46,16 @@ def _convert_refused(path, tmp_path) -> None:
 
 @pytest.mark.xfail(strict=True, reason="_check_planner_data accepts a path that does not spell its key or holds a "
                                        "negative index: convert raises builtin errors (RuntimeError 'Missing key', "
-                                       "ValueError, TypeError, IndexError) or drops l.1 (path ('l', -1)) silently")
+                                       "ValueError, TypeError, IndexError), drops l.1 (path ('l', -1)) or gives two "
+                                       "items each other's dtype (paths swapped) silently")
 @pytest.mark.parametrize("edit", [
     lambda md: md.planner_data.update({"a.w": ("b", "x")}),  # RuntimeError: Missing key in checkpoint state_dict: b.x
     lambda md: md.planner_data.update({"l.1": ("l", 3)}),  # ValueError: Invalid checkpoint metadata for l.1
     lambda md: md.planner_data.update({"l.1": ("l", "1")}),  # TypeError: list indices must be integers
     lambda md: md.planner_data.update({"l.1": ("l", -1)}),  # converts, without l.1
     lambda md: md.planner_data.update({"l.0": ("l", -2)}),  # IndexError: list assignment index out of range
-], ids=["other-name", "gap", "str-index", "negative-drops-a-tensor", "negative-index-error"])
+    lambda md: md.planner_data.update({"l.0": ("l", 1), "l.1": ("l", 0)}),  # converts, l.0 int64 and l.1 float32
+], ids=["other-name", "gap", "str-index", "negative-drops-a-tensor", "negative-index-error", "swap-changes-dtypes"])
 def test_a_path_that_does_not_spell_its_key_is_refused(tmp_path, edit):
     path = _crafted(tmp_path, edit)
     _convert_refused(path, tmp_path)
