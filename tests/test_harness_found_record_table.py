@@ -79,3 +79,19 @@ def test_two_records_on_the_same_bytes_are_refused(tmp_path):
     with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
         dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)  # loads a's values into b
     assert isinstance(root_cause(info.value), CorruptCheckpointError), repr(root_cause(info.value))
+
+
+def test_records_on_the_same_bytes_are_refused_with_an_empty_record_between(tmp_path):
+    """Found by the Hypothesis test of the column checks: an empty record sorted between two that overlap
+    hid the overlap from a check of neighbours only."""
+    path = tmp_path / "ckpt"
+    sd = {"a": torch.arange(8, dtype=torch.float32), "e": torch.zeros(0), "b": -torch.arange(8, dtype=torch.float32)}
+    _save(path, sd)
+    md = unpack_metadata((path / ".metadata").read_bytes())
+    index = {i.fqn: i for i in md.storage_data}
+    a = md.storage_data[index["a"]]
+    md.storage_data[index["e"]] = {**md.storage_data[index["e"]], "offset": a["offset"]}
+    md.storage_data[index["b"]] = {**a, "offset": a["offset"] + 1, "frames": a["frames"], "length": a["length"]}
+    _write(path, _packed(md))
+    with pytest.raises(CorruptCheckpointError):
+        CompressedReader(path)

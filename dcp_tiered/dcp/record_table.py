@@ -394,9 +394,10 @@ def _shared_bytes(cols: dict, frames: np.ndarray, nframes: np.ndarray) -> np.nda
         starts = np.concatenate(([0], np.cumsum(nframes.astype(np.int64))[:-1]))[has]
         lengths[has] = np.add.reduceat(frames.astype(np.uint64), starts)
     file, offset = cols["file"].astype(np.int64), cols["offset"].astype(np.uint64)
-    order = np.lexsort((offset, file))
+    stored = np.flatnonzero(lengths > 0)  # without empty records, an overlap shows between neighbours
+    order = stored[np.lexsort((offset[stored], file[stored]))]
     f, o, e = file[order], offset[order], offset[order] + lengths[order]
-    clash = (f[1:] == f[:-1]) & (o[1:] < e[:-1]) & (lengths[order][1:] > 0)
+    clash = (f[1:] == f[:-1]) & (o[1:] < e[:-1])
     bad = np.zeros(n, dtype=bool)
     bad[order[1:][clash]] = True
     return bad
