@@ -35,13 +35,14 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from tools.s3_faults import moto_server
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT / "tests"), str(ROOT)):  # tests/: gloo_ranks and test_replication (flow B)
@@ -136,29 +137,6 @@ def _disk_tmp() -> str:
     return tempfile.mkdtemp(prefix="flow-files-", dir=base)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_moto(port: int) -> subprocess.Popen:
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError("moto server exited at start")
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("moto server did not start within 60 s")
-
-
 def _state(step: int) -> dict:
     import torch
 
@@ -176,9 +154,7 @@ def flow_a(tracer: Tracer, work: Path) -> dict:
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    port = _free_port()
-    moto = _start_moto(port)
-    try:
+    with moto_server() as port:  # the fault tool's server: a free loopback port, stopped on exit
         options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
                    "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
         import boto3  # as tests/conftest.py does (s3fs's mkdir sends a location constraint moto refuses)
@@ -199,12 +175,6 @@ def flow_a(tracer: Tracer, work: Path) -> dict:
         finally:
             ckpt.close()
         objects = sorted(p.split("/", 2)[-1] for p in s3fs.S3FileSystem(**options).find("flow-a/run"))
-    finally:
-        moto.terminate()
-        try:
-            moto.wait(10)
-        except subprocess.TimeoutExpired:
-            moto.kill()
     committed = ("durable", 2, True) in listed and any(o.endswith("/.metadata") for o in objects)
     if not committed:
         raise RuntimeError(f"flow A: step 2 is not committed on S3: {listed} {objects}")
