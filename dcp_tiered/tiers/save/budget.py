@@ -15,7 +15,6 @@ frame headers, non-tensor values by their size; the codec is not counted).
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import io
 import logging
@@ -37,7 +36,7 @@ from dcp_tiered.tiers.catalog import list_tier
 from dcp_tiered.tiers.config import existing_parent
 from dcp_tiered.tiers.policy import retention_victims
 from dcp_tiered.tiers.retention import checkpoint_facts, newest_replicated
-from dcp_tiered.tiers.save.node_commit import copies_node_local, place_replicated
+from dcp_tiered.tiers.save.node_commit import copies_node_local, place_replicated, with_copies
 from dcp_tiered.tiers.topology import check_replication, dir_leaders, node_of
 
 log = logging.getLogger(__name__)
@@ -371,7 +370,7 @@ def _coordinator_answer(tier: Any, gathered: list, checkpoint: str, *, planner: 
             local = [p.items for p, _s, _w in gathered]
             plans, copies = place_replicated(plans, [[it.index for it in items] for items in local],
                                              dir_leaders(tier, world))
-            plans = [dataclasses.replace(p, items=p.items + c) if c else p for p, c in zip(plans, copies)]
+            plans = with_copies(plans, copies)
         by_index = [dict(s) for _p, s, _w in gathered]
         per_rank = node_save_bytes(plans, lambda r: r, frame_size, sizes=by_index, tier_dtype=tier.dtype)
         per_node = replicated_node_bytes(tier, per_rank, world)

@@ -201,6 +201,12 @@ def copies_node_local(tier: Any) -> bool:
     return tier.node_local and tier.replicas <= 1
 
 
+def with_copies(plans: Sequence[SavePlan], copies: Sequence[Sequence[WriteItem]]) -> list[SavePlan]:
+    """Each rank's plan with the node copies it writes (:func:`place_replicated`): what the save stores,
+    for the memory budget."""
+    return [dataclasses.replace(p, items=[*p.items, *c]) if c else p for p, c in zip(plans, copies)]
+
+
 def split_node_copies(results: Sequence[Sequence[WriteResult]]
                       ) -> tuple[list[list[WriteResult]], list[tuple[MetadataIndex, dict]]]:
     """Every rank's write results without its node copies, and the node copies' ``(index, record)``."""

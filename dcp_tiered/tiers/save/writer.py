@@ -36,6 +36,7 @@ from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.save.budget import check_save_fits
 from dcp_tiered.tiers.save.node_commit import (
     NODE_COPIES, HeldItems, NodeCommit, NodeCopy, commit_node, copies_node_local, place_replicated, split_node_copies,
+    with_copies,
 )
 from dcp_tiered.tiers.topology import dir_leaders, node_of, shares_coordinator_dir, step_dir
 from dcp_tiered.tiers.promote.promoter import Promoter
@@ -222,8 +223,7 @@ class TieredWriter(StorageWriter):
             plans, copies = place_replicated(plans, [p.storage_data.indexes for p in plans],
                                              dir_leaders(primary, len(plans)))
         # A memory tier refuses a save that would not fit before anything (even the claim) is written.
-        sized = [dataclasses.replace(p, items=p.items + c) if c else p for p, c in zip(plans, copies)]
-        check_save_fits(primary, sized, self.name, rank=self.rank, frame_size=self.frame_size)
+        check_save_fits(primary, with_copies(plans, copies), self.name, rank=self.rank, frame_size=self.frame_size)
         target = self._target(self.by_name[tiers[0]])
         # Claimed before any rank writes: of two concurrent saves to one path exactly one goes on.
         self._release()
