@@ -349,12 +349,12 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
         lo = np.where(last, _last_lo(cols, names, combo, first, last_raw, nframes)[row], full_lo[c])
         over = (frames < lo) | (frames > hi)
         bad[row[over]] = True
-        with np.errstate(over="ignore"):  # each frame is at most its bound here, so the sums are exact
-            length = np.add.reduceat(frames, np.flatnonzero(np.r_[True, row[1:] != row[:-1]])) if not over.any() else None
-        if length is not None:
-            bad[nframes > 0] |= length >= _BIG
-    if not bad.any():
-        bad = _shared_bytes(cols, frames, nframes)
+    if bad.any():
+        _refuse(records, bad, sdm, checkpoint, max_object_bytes)
+    lengths = np.zeros(n, dtype=np.uint64)  # each frame is within its bound here, so the sums are exact
+    if len(frames):
+        lengths[nframes > 0] = np.add.reduceat(frames.astype(np.uint64), np.flatnonzero(np.r_[True, row[1:] != row[:-1]]))
+    bad = (lengths >= _BIG) | _shared_bytes(cols, lengths)
     if bad.any():
         _refuse(records, bad, sdm, checkpoint, max_object_bytes)
 
@@ -384,15 +384,10 @@ def _row_dtype(cols: dict) -> np.ndarray:
     return np.where(orig != 0, orig, dtype)
 
 
-def _shared_bytes(cols: dict, frames: np.ndarray, nframes: np.ndarray) -> np.ndarray:
-    """Rows whose stored bytes overlap another row's in the same data file (a record copied onto another
-    index would load the same values into both, every checksum valid)."""
-    n = len(nframes)
-    lengths = np.zeros(n, dtype=np.uint64)
-    has = nframes > 0
-    if has.any():
-        starts = np.concatenate(([0], np.cumsum(nframes.astype(np.int64))[:-1]))[has]
-        lengths[has] = np.add.reduceat(frames.astype(np.uint64), starts)
+def _shared_bytes(cols: dict, lengths: np.ndarray) -> np.ndarray:
+    """Rows whose stored bytes (``lengths``: each row's) overlap another row's in the same data file (a
+    record copied onto another index would load the same values into both, every checksum valid)."""
+    n = len(lengths)
     file, offset = cols["file"].astype(np.int64), cols["offset"].astype(np.uint64)
     stored = np.flatnonzero(lengths > 0)  # without empty records, an overlap shows between neighbours
     order = stored[np.lexsort((offset[stored], file[stored]))]
