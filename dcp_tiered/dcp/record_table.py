@@ -157,16 +157,18 @@ class PackedRecords(collections.abc.Mapping):
     read as the record dicts, which are unpacked on first use.
 
     ``dcp.save`` returns it on every rank; :func:`~dcp_tiered.dcp.metadata_io.encode_metadata` stores
-    its table as is.  Only a save of this job builds one: it is never read from storage."""
+    its table as is.  Only a save of this job builds one: it is never read from storage.  ``stats`` (the
+    save's ``SaveStats``, computed once by the coordinator's writer) travel with it, so no other rank
+    unpacks every record to count the save's bytes."""
 
-    __slots__ = ("_sdm", "packed", "_records")
+    __slots__ = ("_sdm", "packed", "_records", "stats")
 
-    def __init__(self, sdm: dict, packed: dict, records: "dict | None" = None) -> None:
-        self._sdm, self.packed, self._records = sdm, packed, records
+    def __init__(self, sdm: dict, packed: dict, records: "dict | None" = None, stats: Any = None) -> None:
+        self._sdm, self.packed, self._records, self.stats = sdm, packed, records, stats
 
     @classmethod
-    def of(cls, sdm: dict, storage: dict) -> "PackedRecords":
-        return cls(sdm, pack_storage(sdm, storage), storage)
+    def of(cls, sdm: dict, storage: dict, stats: Any = None) -> "PackedRecords":
+        return cls(sdm, pack_storage(sdm, storage), storage, stats)
 
     def _unpacked(self) -> dict:
         if self._records is None:
@@ -188,7 +190,7 @@ class PackedRecords(collections.abc.Mapping):
         return index in self._unpacked()
 
     def __reduce__(self) -> tuple:
-        return PackedRecords, (self._sdm, self.packed)
+        return PackedRecords, (self._sdm, self.packed, None, self.stats)
 
 
 def _bad(source: str, what: str) -> CorruptCheckpointError:

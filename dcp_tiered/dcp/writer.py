@@ -315,7 +315,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 storage_md[wr.index] = wr.storage_data
                 views[wr.index] = record_view(wr.storage_data)
         expected = expected_sizes(views.values())  # each rank checked its own files (write_data)
-        metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md)
+        stats = stats_from_records((i.fqn, r) for i, r in views.items())
+        metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md, stats)
         metadata.storage_meta = self.storage_meta()
         committed = False
         try:
@@ -325,7 +326,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             # The lock file goes only after a commit: a save that failed leaves it (unlocked) so
             # that a save which opened it meanwhile and one that would create it again never both run.
             self._release(committed=committed)
-        self.last_stats = stats_from_records((i.fqn, r) for i, r in views.items())
+        self.last_stats = stats
         if self._replacing:
             for name in self.storage.listdir():
                 if name.endswith(DATA_SUFFIX) and name not in expected:

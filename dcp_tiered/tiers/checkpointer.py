@@ -598,7 +598,11 @@ def state_bytes(state_dict: Mapping[str, Any]) -> int:
 def committed_stats(writer_stats: Any, metadata: Any) -> Any:
     """Sizes of a committed save: the coordinator's writer computed them at commit; every other
     rank reads them from the committed ``Metadata`` that ``dcp.save`` returns everywhere (so a
-    save's raw/stored bytes are the same on every rank, for its report and the metrics)."""
+    save's raw/stored bytes are the same on every rank, for its report and the metrics): the
+    coordinator's, carried with the records, or counted from the records."""
     if writer_stats is not None or not getattr(metadata, "storage_data", None):
         return writer_stats
+    carried = getattr(metadata.storage_data, "stats", None)
+    if carried is not None:
+        return carried
     return stats_from_records((getattr(k, "fqn", k), r) for k, r in metadata.storage_data.items())
