@@ -190,22 +190,26 @@ def _free(path: str) -> bool:
     return True
 
 
-def swap_in(new: str, path: str) -> None:
-    """Put ``new`` (a committed directory or a file) at ``path``; what was there is deleted."""
+def swap_in(new: str, path: str, *, keep_old: bool = False) -> "str | None":
+    """Put ``new`` (a committed directory or a file) at ``path``; what was there is deleted, or with
+    ``keep_old`` left under a hidden name that is returned (None if nothing was there), for the caller
+    to :func:`discard` once it no longer holds ``new`` locked (a load waiting on it goes on first)."""
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.lexists(path):
         os.rename(new, path)
         fsync_dir(parent)
-        return
+        return None
     if exchange(new, path):
-        fsync_dir(parent)
-        discard(new)  # now the previous checkpoint
-        return
-    old = hidden(path, "old")  # no atomic exchange here: recover() repairs a kill between the two renames
-    os.rename(path, old)
-    os.rename(new, path)
+        old = new  # now the previous checkpoint
+    else:
+        old = hidden(path, "old")  # no atomic exchange here: recover() repairs a kill between the two renames
+        os.rename(path, old)
+        os.rename(new, path)
     fsync_dir(parent)
+    if keep_old:
+        return old
     discard(old)
+    return None
 
 
 def recover(path: str) -> None:

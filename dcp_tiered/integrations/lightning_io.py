@@ -313,7 +313,10 @@ class CompressedCheckpointIO(CheckpointIO):
             # Swap the committed directory in: the previous checkpoint at the path (last.ckpt is re-saved) stays
             # whole until then, and the swap is atomic, so a save killed at any point leaves the old one or the new.
             with storage_errors(path, f"move the committed checkpoint {tmp} to its name"):
-                _files.swap_in(tmp, path)
+                old = _files.swap_in(tmp, path, keep_old=True)
+        if old is not None:  # deleted once this save's lock is gone: a load of the new one need not wait for it
+            with storage_errors(path, f"delete the previous checkpoint {old}"):
+                _files.discard(old)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
