@@ -1,5 +1,5 @@
-"""``planner_data`` paths are checked like every other table: no empty path, no two items on one path,
-no item inside another, no key that is not an item (a crafted table made ``convert`` exit 70 on an
+"""``planner_data`` paths are checked like every other table: no empty path, none that does not spell
+its key, no item inside another, no key that is not an item (a crafted table made ``convert`` exit 70 on an
 empty path and silently drop a tensor on colliding paths)."""
 
 from __future__ import annotations
@@ -20,16 +20,22 @@ def _saved(path):
     return unpack_metadata((path / ".metadata").read_bytes())
 
 
+def _inside_a_leaf(md):
+    """``n.x`` listed as a second item, with its path under the leaf ``n``."""
+    md.state_dict_metadata["n.x"] = md.state_dict_metadata["n"]
+    md.planner_data["n.x"] = ("n", "x")
+
+
 @pytest.mark.parametrize("edit, needle", [
-    (lambda pd: pd.update({"a.w": ()}), "not a path"),
-    (lambda pd: pd.update({"a.w": pd["a.v"]}), "the same path"),
-    (lambda pd: pd.update({"a.w": (*pd["n"], "x")}), "inside"),
-    (lambda pd: pd.update({"ghost": ("g",)}), "does not list"),
-    (lambda pd: pd.update({"a.w": ("a",) * 65}), "at most 64"),
+    (lambda md: md.planner_data.update({"a.w": ()}), "not a path"),
+    (lambda md: md.planner_data.update({"a.w": md.planner_data["a.v"]}), "does not spell"),
+    (_inside_a_leaf, "inside"),
+    (lambda md: md.planner_data.update({"ghost": ("g",)}), "does not list"),
+    (lambda md: md.planner_data.update({"a.w": ("a",) * 65}), "at most 64"),
 ])
 def test_crafted_planner_paths_are_refused(tmp_path, edit, needle):
     md = _saved(tmp_path / "ckpt")
-    edit(md.planner_data)
+    edit(md)
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CorruptCheckpointError, match=needle):
         CompressedReader(tmp_path / "ckpt")
@@ -39,3 +45,16 @@ def test_real_planner_paths_pass(tmp_path):
     md = _saved(tmp_path / "ckpt")
     assert md.planner_data and all(md.planner_data.values())
     CompressedReader(tmp_path / "ckpt")
+
+
+def test_sparse_integer_keys_convert(tmp_path):
+    """An optimizer's raw state keyed by parameter id may skip ids (parameters without state): DCP makes
+    mapping keys names, so only lists carry indices, and those have no gaps; such a checkpoint converts."""
+    from dcp_tiered.inspect import convert, load_any
+
+    path = tmp_path / "ckpt"
+    state = {"state": {0: {"m": torch.ones(2)}, 2: {"m": torch.full((2,), 3.0)}}, "l": [torch.zeros(1), 4]}
+    dcp.save(state, storage_writer=CompressedWriter(path, sync_files=False), no_dist=True)
+    convert(path, tmp_path / "out.pt")
+    loaded = load_any(tmp_path / "out.pt")
+    assert torch.equal(loaded["state"]["2"]["m"], torch.full((2,), 3.0)) and loaded["l"][1] == 4

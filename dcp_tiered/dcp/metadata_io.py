@@ -356,27 +356,36 @@ MAX_PATH_PARTS = 64
 
 def _check_planner_data(pd: Any, source: str, sdm: dict) -> None:
     """``planner_data`` maps each flattened key to its path in the state dict, which ``convert`` and the
-    CLI rebuild nested dicts from: every key an item, every path non-empty and of names and indices, no
-    two paths the same, none inside another (a leaf where a container is), so no item is dropped
-    silently.  Integers stay unbounded here (they are also dict keys); rebuilding never allocates by them."""
+    CLI rebuild nested dicts from (DCP's ``set_element``).  Each path must be what DCP's flattening makes:
+    non-empty names and indices that spell their key (so no two share one), a name under the root, in
+    each container only names (a dict: DCP makes every mapping key a name) or only the indices
+    ``0..n-1`` (a list), none inside another.  So rebuilding drops nothing, swaps nothing and allocates
+    only by the item count."""
     if pd is None:
         return
     if type(pd) is not dict:
         raise _bad(source, f"planner_data is a {type(pd).__name__}, not a dict")
-    seen: dict[tuple, Any] = {}
+    children: dict[tuple, set] = {}  # each container's path: the names or indices directly inside it
+    leaves: dict[tuple, str] = {}
     for key, path in pd.items():
         if type(key) is not str or key not in sdm:
             raise _bad(source, f"planner_data names {str(key)[:80]!r}, which state_dict_metadata does not list")
         if type(path) not in (tuple, list) or not 0 < len(path) <= MAX_PATH_PARTS or not set(map(type, path)) <= {str, int}:
             raise _bad(source, f"planner_data of {key!r} is not a path of at most {MAX_PATH_PARTS} names and indices")
         path = tuple(path)
-        if path in seen:
-            raise _bad(source, f"planner_data gives {key!r} and {seen[path]!r} the same path")
-        seen[path] = key
-    for path, key in seen.items():
-        for n in range(1, len(path)):
-            if path[:n] in seen:
-                raise _bad(source, f"planner_data puts {key!r} inside {seen[path[:n]]!r}, which is a leaf")
+        if ".".join(map(str, path)) != key:
+            raise _bad(source, f"planner_data gives {key!r} the path {str(path)[:80]}, which does not spell it")
+        leaves[path] = key
+        for n in range(len(path)):
+            children.setdefault(path[:n], set()).add(path[n])
+    for prefix, inside in children.items():
+        if prefix in leaves:
+            raise _bad(source, f"planner_data puts items inside {leaves[prefix]!r}, which is a leaf")
+        kinds = set(map(type, inside))
+        if kinds != {str} and (prefix == () or len(kinds) > 1 or min(inside) < 0 or max(inside) != len(inside) - 1):
+            name = ".".join(map(str, prefix)) or "the root"
+            raise _bad(source, f"planner_data makes {name[:80]!r} a list with gaps or negative indices, or a mix "
+                               "of a list and a dict")
 
 
 def _check_storage_meta(meta: Any, source: str) -> None:
