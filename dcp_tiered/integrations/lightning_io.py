@@ -228,26 +228,40 @@ def _local(path: "str | os.PathLike[str]") -> bool:
 
 REF_KEY = "dcp_tiered_tier_ref"
 
-def parse_ref(head: bytes, path: str = "") -> dict[str, Any] | None:
-    """The reference in a file's first bytes, or None for anything else (a stock ``.ckpt``).
+#: The most bytes a reference file may hold (one is written well under 100).
+MAX_REF_BYTES = 64 * 1024
 
-    Untrusted: a reference whose step is not a non-negative integer, or JSON nested too deep to
-    read, is a :class:`CorruptCheckpointError` naming the file."""
-    if not head.startswith(b"{"):
+
+def parse_ref(head: bytes, path: str = "") -> dict[str, Any] | None:
+    """The reference in a file's first ``MAX_REF_BYTES + 1`` bytes, or None for anything else (a stock
+    ``.ckpt``, which ``torch.save`` starts with a zip or pickle header, never with ``{``).
+
+    Untrusted: a file that starts like JSON (after white space or a byte order mark) but is not a
+    reference of marker 1 to a non-negative integer step, is too long, or nests too deep to read, is a
+    :class:`CorruptCheckpointError` naming the file."""
+    text = head.removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")
+    if not text.startswith(b"{"):
         return None
+
+    def damaged(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: not a torch.save checkpoint, and a damaged dcp-tiered reference "
+                                      f"({why}); restore another checkpoint")
+
+    if len(head) > MAX_REF_BYTES:
+        raise damaged(f"over {MAX_REF_BYTES} bytes")
     try:
-        ref = json.loads(head)
+        ref = json.loads(text)
     except (ValueError, RecursionError):
-        if head.lstrip(b"{[ \t\r\n").startswith(b'"' + REF_KEY.encode()) or REF_KEY.encode() in head[:4096]:
-            raise CorruptCheckpointError(f"{path}: a damaged dcp-tiered reference; restore another checkpoint") from None
-        return None
-    if not (isinstance(ref, dict) and ref.get(REF_KEY) == 1):
-        return None
+        raise damaged("not JSON, or nested too deep") from None
+    if not isinstance(ref, dict) or REF_KEY not in ref:
+        raise damaged(f"no {REF_KEY!r} key")
+    if ref[REF_KEY] != 1 or type(ref[REF_KEY]) is not int:
+        raise damaged(f"marker {str(ref[REF_KEY])[:20]!r}, not 1: written by another version of dcp-tiered?")
     step = ref.get("step")
     if type(step) is not int or step < 0:
-        raise CorruptCheckpointError(f"{path}: a dcp-tiered reference whose step is {str(step)[:40]!r}, not a step "
-                                     "number; restore another checkpoint")
+        raise damaged(f"step {str(step)[:40]!r}, not a step number")
     return ref
+
 
 def write_ref(path: str, step: int) -> None:
     """Atomically put a reference to ``step`` at local ``path`` (whatever was there is replaced)."""
@@ -376,7 +390,7 @@ class CompressedCheckpointIO(CheckpointIO):
 
     def _load_file(self, f: Any, path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         """A regular file: a reference into the tiers, or a stock ``torch.save`` checkpoint."""
-        ref = parse_ref(f.read(4096), path)
+        ref = parse_ref(f.read(MAX_REF_BYTES + 1), path)
         if ref is not None:
             return _map(self._load_routed(ref, path), map_location)
         f.seek(0)
