@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.bench_broadcast import CountingFS
-from benchmarks.common import dir_bytes, machine_line, md_table, minilm_weights, random_normal, repeated_state, \
+from benchmarks.common import machine_line, md_table, minilm_weights, random_normal, repeated_state, \
     save_results, write_section
 
 WORLD, LOCAL = 4, 2

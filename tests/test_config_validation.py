@@ -6,6 +6,7 @@ types of writer and checkpointer options.  Every error is a short ConfigError na
 from __future__ import annotations
 
 import os
+import pathlib
 import time
 import uuid
 
@@ -14,12 +15,12 @@ from speed import scaled
 
 from dcp_tiered import CompressedWriter, ConfigError, StorageError
 from dcp_tiered.dcp.writer import MAX_FRAME_SIZE, MIN_FRAME_SIZE
+from dcp_tiered.storage.paths import location
 from dcp_tiered.tiers.config import CheckpointerOptions
 from dcp_tiered.tiers.config import (
     Tier,
     check_step,
     check_str_list,
-    tier_location,
     validate_tiers,
 )
 from dcp_tiered.tiers.save.writer import TieredWriter
@@ -61,7 +62,7 @@ def test_sibling_directories_with_a_common_prefix_are_fine(tmp_path):
 
 def test_object_store_places_compare_without_protocol_and_slash_but_per_endpoint():
     ep = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
-    assert tier_location("s3://b/run/", ep) == tier_location("s3a://b/run", ep)
+    assert location("s3://b/run/", ep) == location("s3a://b/run", ep)
     msg = config_error(validate_tiers, [Tier("a", "s3://b/run/", storage_options=ep), Tier("b", "s3://b/run", storage_options=ep)],
                        probe=False)
     assert "same place" in msg
@@ -269,7 +270,7 @@ def test_a_tier_url_with_a_control_character_is_refused(bad: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["ls", "gc", "promote"])
-def test_cli_tier_commands_refuse_a_regular_file_as_tier(tmp_path: Path, command: str) -> None:
+def test_cli_tier_commands_refuse_a_regular_file_as_tier(tmp_path: pathlib.Path, command: str) -> None:
     import subprocess
     import sys
 

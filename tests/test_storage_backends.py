@@ -287,8 +287,6 @@ def test_a_registered_backend_is_picked_for_its_filesystem() -> None:
         storage_base._BACKENDS.remove(ToyStorage)
 
 
-@pytest.mark.xfail(strict=True, reason="same_place ignores the endpoint: validate_tiers accepts one bucket path on two "
-                   "endpoints as two tiers, and the promoter then skips every promotion between them as 'onto itself'")
 def test_same_place_agrees_with_validate_tiers_on_endpoints() -> None:
     from dcp_tiered.tiers.config import Tier, validate_tiers
 

@@ -21,7 +21,7 @@ from dcp_tiered.dcp import frame_pipeline
 from dcp_tiered.errors import StorageError
 from dcp_tiered.storage import Storage
 from dcp_tiered.storage import writeback
-from dcp_tiered.storage.writeback import RawFile, WritebackFile, writev_all
+from dcp_tiered.storage.writeback import RawFile, WritebackFile
 from tests.failures import failure_of
 
 DATA = "__0_0.distcp"

@@ -28,7 +28,7 @@ import fsspec
 
 from dcp_tiered.errors import ConfigError, CorruptCheckpointError, DcpTieredError, MissingFileError, StorageError
 from dcp_tiered.storage.lock import FileLock
-from dcp_tiered.storage.paths import safe_relative_name
+from dcp_tiered.storage.paths import location, safe_relative_name
 
 _TEMP_FILE = re.compile(r".+\.[0-9a-f]{8}\.tmp")
 
@@ -143,8 +143,9 @@ class Storage:
         return type(self)(self.url.rstrip("/") + "/" + sub, self.storage_options)
 
     def same_place(self, other: "Storage") -> bool:
-        """Whether ``other`` is this directory (trailing slashes ignored)."""
-        return type(self.fs) is type(other.fs) and self.root.rstrip("/") == other.root.rstrip("/")
+        """Whether ``other`` is this directory: the same :func:`~dcp_tiered.storage.paths.location`
+        (filesystem, endpoint, path; links resolved, trailing slashes ignored)."""
+        return location(self.url, self.storage_options) == location(other.url, other.storage_options)
 
     def path(self, name: str) -> str:
         """The filesystem path of ``name`` inside the root (containment checked)."""

@@ -71,12 +71,6 @@ class LocalStorage(Storage):
         child._anchor, child._inside = self._anchor, self._inside + tuple(safe_relative_name(name, self.url).split("/"))
         return child
 
-    def same_place(self, other: Storage) -> bool:
-        """Whether ``other`` is this directory (symbolic links resolved)."""
-        if other.is_local:
-            return os.path.realpath(self.root) == os.path.realpath(other.root)
-        return super().same_place(other)
-
     def _refresh(self, path: str | None = None) -> None:
         pass  # nothing is cached
 

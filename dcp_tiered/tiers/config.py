@@ -30,6 +30,7 @@ from dcp_tiered.codecs import get_codec
 from dcp_tiered.errors import CodecError, ConfigError, StorageError
 from dcp_tiered.ranks import default_threads
 from dcp_tiered.storage import MissingFileError, Storage
+from dcp_tiered.storage.paths import location
 
 # One "number unit" part of a duration; longer unit names first so "ms" is not read as "m".
 # ASCII only: Python's \s also matches control characters such as \x1f, which float() refuses.
@@ -277,27 +278,6 @@ class Tier:
         return cls(**dict(data))
 
 
-def tier_location(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, str, str]:
-    """``(filesystem, endpoint, path)`` naming the directory ``url`` points at, for comparing tiers.
-
-    The protocol is stripped, local paths are made absolute with links resolved (``/x``,
-    ``/x/``, ``file:///x`` and a link to ``/x`` are one place), and object-store keys lose
-    their trailing ``/``; two URLs on different endpoints are different places.
-    """
-    protocol, path = fsspec.core.split_protocol(url)
-    if protocol in (None, "file", "local"):
-        return "file", "", os.path.realpath(os.path.expanduser(path))
-    try:
-        cls = fsspec.get_filesystem_class(protocol)
-        family = cls.protocol if isinstance(cls.protocol, str) else cls.protocol[0]
-        path = cls._strip_protocol(url)
-    except (ValueError, ImportError):  # unknown or chained protocol: compare the text
-        family = protocol
-    options = storage_options or {}
-    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url") or ""
-    return str(family), str(endpoint), str(path).rstrip("/") or "/"
-
-
 def _nested(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
@@ -331,7 +311,7 @@ def validate_tiers(tiers: Sequence[Tier], *, probe: bool = True, rank: int = 0, 
     """Check a tier list (fastest first) and return it as a list.
 
     Always: non-empty, only :class:`Tier` objects, unique names, and no two tiers at the same
-    or nested places (URLs are compared after :func:`tier_location`, so ``/x`` and ``/x/`` are
+    or nested places (URLs are compared after :func:`~dcp_tiered.storage.paths.location`, so ``/x`` and ``/x/`` are
     one path); a local tier path that exists must be a directory.
 
     With ``probe`` (the default) each tier is also reached, as seen by ``rank`` on ``node``:
@@ -353,7 +333,7 @@ def validate_tiers(tiers: Sequence[Tier], *, probe: bool = True, rank: int = 0, 
         raise ConfigError(f"tier names must be unique; repeated: {dup}")
     # Compare the templates and what they resolve to here: '/a/{rank}' and '/a/{node}' meet at '/a/0'.
     for resolve in (False, True):
-        places = [tier_location(t.resolved_url(rank, node) if resolve else t.url, t.storage_options) for t in tiers]
+        places = [location(t.resolved_url(rank, node) if resolve else t.url, t.storage_options) for t in tiers]
         for i, a in enumerate(places):
             for j, b in enumerate(places):
                 if i != j and a[:2] == b[:2] and _nested(b[2], a[2]):
@@ -364,7 +344,7 @@ def validate_tiers(tiers: Sequence[Tier], *, probe: bool = True, rank: int = 0, 
                     )
     for t in tiers:
         url = t.resolved_url(rank, node)
-        family, _, path = tier_location(url, t.storage_options)
+        family, _, path = location(url, t.storage_options)
         if family == "file":
             _check_local_dir(t, path, probe)
         elif probe:
