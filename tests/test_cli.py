@@ -710,3 +710,25 @@ def test_missing_tiers_file_is_a_configuration_error_as_documented(tmp_path: Pat
     docs = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     usage_row = next(ln for ln in docs.splitlines() if ln.startswith("| 2 |"))
     assert "--tiers" in usage_row
+
+
+@pytest.mark.parametrize("copied", ["data", "data+fragment"])
+def test_ls_labels_a_half_finished_promotion_one_way(tmp_path: Path, copied: str) -> None:
+    """A promotion a crash cut short, whether its target holds only copied data or a fragment too: the
+    source says where it is pending, the target that it is incoming from the source, never "also on"."""
+    from dcp_tiered.tiers.layout import FRAGMENT_SUFFIX
+
+    tiers = [Tier("local", str(tmp_path / "local"), codec="lz4", keep=2), Tier("shared", str(tmp_path / "shared"), keep=2)]
+    writer = TieredWriter(tiers, due=["local", "shared"], promoter=_CrashedPromoter(tiers))
+    dcp.save(_state(), storage_writer=writer, checkpoint_id="step_000000004", no_dist=True)
+    src, dst = tmp_path / "local" / "step_000000004", tmp_path / "shared" / "step_000000004"
+    dst.mkdir(parents=True)
+    for f in src.glob("*.distcp"):
+        (dst / f.name).write_bytes(f.read_bytes())
+    if copied == "data+fragment":
+        (dst / f"__0{FRAGMENT_SUFFIX}").write_text("{}")
+    out = ok(cli("ls", "--local-path", tiers[0].url, "--shared-path", tiers[1].url, "--json")).stdout
+    rows = {r["tier"]: r for r in json.loads(out)}
+    assert rows["local"]["promotion"] == "pending -> shared"
+    assert rows["shared"]["state"] == "uncommitted"
+    assert rows["shared"]["promotion"] == "incoming from local (promotion not committed yet)"

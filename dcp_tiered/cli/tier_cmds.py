@@ -180,13 +180,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for i in infos:
         if i.committed:
             committed_on.setdefault(i.step, []).append(i.tier)
+    incoming = {(t, i.step): i.tier for i in infos for t in i.pending_promotions}  # target -> its source
     rows = []
     for i in infos:
         optim = None if i.keys is None else i.has_prefix(optim_keys)
+        source = incoming.get((i.tier, i.step))
         if i.pending_promotions:
             promo = "pending -> " + ",".join(i.pending_promotions)
-        elif not i.committed and any(f.endswith(FRAGMENT_SUFFIX) for f in i.files):
-            promo = "incoming (promotion not committed yet)"
+        elif not i.committed and (source or any(f.endswith(FRAGMENT_SUFFIX) for f in i.files)):
+            promo = f"incoming{f' from {source}' if source else ''} (promotion not committed yet)"
+        elif not i.committed:
+            promo = ""
         else:
             others = [t for t in committed_on.get(i.step, []) if t != i.tier]
             promo = ("also on " + ",".join(others)) if others else ""
