@@ -6,8 +6,14 @@ known and :func:`get_codec` builds one from a spec string (``"zstd:3"``), a conf
 record stores in its ``codec`` field: ``"<id>"`` or ``"<id>:<arg>"``, where the class maps
 its argument to and from its config (:meth:`Codec.config_from_arg`, :meth:`Codec.spec_arg`).
 
-Records are untrusted input, so a spec string is looked up only among registered ids,
-never imported or resolved as a class name, and its length is bounded.
+Codecs of other packages are found by entry point (group ``dcp_tiered.codecs``, named by
+``codec_id``; :mod:`dcp_tiered.plugins`): an id that is not registered is looked up there, and
+the class found is registered, so a reader finds the codec a checkpoint names without code of its
+own.  Built-in ids are never looked up there: a plugin cannot replace them.
+
+Records are untrusted input, so a spec string is looked up only among registered ids and the
+installed distributions' entry points of exactly that id, never imported or resolved as a class
+name, and its length is bounded.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from dcp_tiered.errors import CodecError, CorruptCheckpointError
+from dcp_tiered.plugins import CODEC_GROUP, Plugin, load_plugin
 
 #: Longest spec string accepted (records are untrusted; real specs are a few characters).
 MAX_SPEC_LEN = 64
@@ -181,22 +188,29 @@ def valid_specs() -> str:
 def get_codec(spec: str | Mapping[str, Any] | Codec) -> Codec:
     """Return the codec for a spec string, a config dict with ``"id"``, or a codec instance.
 
-    Raises :class:`CodecError` (a ``ValueError``) for an unknown id, a bad parameter, or an
-    instance of a class that is not registered (a checkpoint written with it could not be read).
+    An id that is not registered is looked up among the installed plugins (entry point group
+    ``dcp_tiered.codecs``).  Raises :class:`CodecError` (a ``ValueError``) for an unknown id, a bad
+    parameter, a plugin that fails to load, or an instance of a class that is not registered (a
+    checkpoint written with it could not be read).
     """
     if isinstance(spec, Codec):
-        if _registry().get(spec.codec_id) is not type(spec):
+        if _lookup(spec.codec_id) is not type(spec):
             raise CodecError(f"codec {spec!r} is not registered: call register_codec({type(spec).__name__}) first")
         return spec
     if isinstance(spec, str):
         return _from_spec(spec)
     if isinstance(spec, Mapping):
         cid = spec.get("id")
-        cls = _registry().get(cid) if isinstance(cid, str) else None
+        cls = _lookup(cid)
         if cls is None:
-            raise CodecError(f"unknown codec id {cid!r} in config {dict(spec)!r}; valid: {valid_specs()}")
+            raise CodecError(f"unknown codec id {cid!r} in config {dict(spec)!r}; {_how_to_add(cid)}")
         return _build(cls, spec, f"config {dict(spec)!r}")
     raise CodecError(f"codec must be a string such as 'zstd:3', got {spec!r}; valid: {valid_specs()}")
+
+
+def _how_to_add(cid: object) -> str:
+    return (f"valid: {valid_specs()}. A codec of another package is found by entry point: install the package "
+            f"that provides {cid!r} in entry point group {CODEC_GROUP!r} (or call register_codec in this process)")
 
 
 @functools.lru_cache(maxsize=256)
@@ -206,15 +220,50 @@ def _from_spec(spec: str) -> Codec:
     if len(spec) > MAX_SPEC_LEN:
         raise CodecError(f"codec spec of {len(spec)} characters is too long (at most {MAX_SPEC_LEN}); valid: {valid_specs()}")
     cid, sep, arg = spec.strip().lower().partition(":")
-    cls = _registry().get(cid)
+    cls = _lookup(cid)
     if cls is None:
-        raise CodecError(f"unknown codec {spec!r}; valid: {valid_specs()} "
-                         "(a codec from another package must be registered with register_codec first)")
+        raise CodecError(f"unknown codec {spec!r}; {_how_to_add(cid)}")
     try:
         config = cls.config_from_arg(arg if sep else None)
     except (ValueError, TypeError) as exc:
         raise CodecError(f"invalid codec {spec!r}: {exc}; valid: {valid_specs()}") from exc
     return _build(cls, {"id": cid, **config}, repr(spec))
+
+
+def _lookup(cid: object) -> type[Codec] | None:
+    """The class registered under ``cid``, else the one an installed plugin declares for it (registered
+    on first use), else None."""
+    if not isinstance(cid, str):
+        return None
+    cls = _REGISTRY.get(cid)
+    if cls is not None or not _ID.fullmatch(cid):
+        return cls
+    # Loaded without holding _LOCK: a plugin's module may register codecs while it is imported.
+    plugin = load_plugin(CODEC_GROUP, cid, CodecError, _BUILTIN_IDS, f"codec {cid!r}")
+    if plugin is None:
+        return None
+    with _LOCK:
+        return _register_plugin(cid, plugin)
+
+
+def _register_plugin(cid: str, plugin: Plugin) -> type[Codec]:
+    cls = plugin.obj
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise CodecError(f"{plugin.where} names {cls!r}, which is not a Codec subclass: the entry point must name "
+                         "the codec class; report it to the plugin's authors, or uninstall it")
+    if cls.codec_id in _BUILTIN_IDS:
+        raise CodecError(f"{plugin.where} names {cls.__qualname__}, whose codec_id {cls.codec_id!r} is built in: a "
+                         "plugin cannot replace a built-in codec; report it to the plugin's authors, or uninstall it")
+    if cls.codec_id != cid:
+        raise CodecError(f"{plugin.where} names {cls.__qualname__}, whose codec_id is {cls.codec_id!r}: a codec's "
+                         "entry point must be named by its codec_id; report it to the plugin's authors, or uninstall it")
+    if _REGISTRY.get(cid) is not cls:  # (its module may have registered it when imported)
+        try:
+            _add(cls)
+        except CodecError as exc:
+            raise CodecError(f"{plugin.where}: {exc}") from exc
+        _from_spec.cache_clear()
+    return cls
 
 
 def _build(cls: type[Codec], config: Mapping[str, Any], what: str) -> Codec:

@@ -3,7 +3,10 @@
 ``Storage(url, storage_options)`` returns the backend that serves the URL's filesystem, as
 ``pathlib.Path`` does: :class:`~dcp_tiered.storage.local.LocalStorage` for local paths,
 :class:`~dcp_tiered.storage.object_store.ObjectStoreStorage` for S3, GCS, Azure, ... and
-:class:`~dcp_tiered.storage.generic.FsspecStorage` for any other fsspec filesystem.
+:class:`~dcp_tiered.storage.generic.FsspecStorage` for any other fsspec filesystem.  A URL whose
+protocol no registered backend declares in :attr:`Storage.protocols` is first looked up among the
+installed plugins (entry point group ``dcp_tiered.storage``, named by the protocol;
+:mod:`dcp_tiered.plugins`), before its filesystem is opened, so a plugin may bring its filesystem.
 
 A backend implements the primitives ``_open_write`` (write, durable on clean exit),
 ``_commit`` (publish a small file atomically), ``_size``, ``_read_range``, ``_read_all`` and
@@ -27,6 +30,7 @@ from typing import Any, BinaryIO, ClassVar
 import fsspec
 
 from dcp_tiered.errors import ConfigError, CorruptCheckpointError, DcpTieredError, MissingFileError, StorageError
+from dcp_tiered.plugins import STORAGE_GROUP, load_plugin
 from dcp_tiered.storage.lock import FileLock
 from dcp_tiered.storage.paths import location, safe_relative_name
 
@@ -85,14 +89,48 @@ _BACKENDS: list[type["Storage"]] = []
 
 
 def register_backend(cls: type["Storage"]) -> type["Storage"]:
-    """Class decorator: ``Storage(url)`` asks ``cls.handles(fs)`` before the backends registered earlier."""
+    """Class decorator: ``Storage(url)`` asks ``cls.handles(fs)`` before the backends registered earlier
+    (a storage plugin needs no registration: its entry point names it)."""
     _BACKENDS.append(cls)
     return cls
 
 
+def _protocol(url: str) -> str | None:
+    """The protocol of ``url`` (the outermost of a chained URL), None for a plain path."""
+    protocol = fsspec.core.split_protocol(url)[0]
+    return protocol.split("::")[0] if protocol else None
+
+
+def _plugin_backend(url: str) -> "tuple[type[Storage], str] | None":
+    """The backend an installed plugin declares for ``url``'s protocol, with the plugin's description;
+    None when a registered backend declares the protocol or no plugin does."""
+    protocol = _protocol(url)
+    served = set().union(*(b.protocols for b in _BACKENDS))
+    if protocol is None or protocol in served:
+        return None
+    plugin = load_plugin(STORAGE_GROUP, protocol, ConfigError, served, f"the storage backend of {protocol}:// URLs")
+    if plugin is None:
+        return None
+    if not (isinstance(plugin.obj, type) and issubclass(plugin.obj, Storage)):
+        raise ConfigError(f"{plugin.where} names {plugin.obj!r}, which is not a Storage subclass: the entry point must "
+                          "name the backend class; report it to the plugin's authors, or uninstall it")
+    return plugin.obj, plugin.where
+
+
 def _open_fs(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
     with storage_errors(url, "open filesystem"):
-        return fsspec.core.url_to_fs(url, **storage_options)
+        try:
+            return fsspec.core.url_to_fs(url, **storage_options)
+        except ValueError:
+            for protocol in (fsspec.core.split_protocol(url)[0] or "").split("::"):
+                try:
+                    fsspec.get_filesystem_class(protocol)
+                except ValueError as exc:  # fsspec's "Protocol not known"
+                    raise ConfigError(f"no filesystem serves {url}: its protocol {protocol!r} is known neither to "
+                                      "fsspec nor to an installed plugin. Install the package that provides it: a "
+                                      f"dcp-tiered storage plugin (entry point group {STORAGE_GROUP!r}) or an "
+                                      "fsspec filesystem (group 'fsspec.specs')") from exc
+            raise
 
 
 class Storage:
@@ -102,12 +140,22 @@ class Storage:
     is_local: ClassVar[bool] = False
     #: No directories, no locks, no rename; a single PUT is atomic.
     is_object_store: ClassVar[bool] = False
+    #: URL protocols this backend serves, once registered, whatever plugins are installed: a storage
+    #: plugin is looked up only for a protocol that no registered backend declares.
+    protocols: ClassVar[frozenset[str]] = frozenset()
 
     def __new__(cls, url: "str | os.PathLike[str]" = "", storage_options: dict[str, Any] | None = None) -> "Storage":
         if cls is not Storage:  # a backend named directly, or unpickling
             return super().__new__(cls)
+        plugin = _plugin_backend(os.fspath(url))
         fs, root = _open_fs(os.fspath(url), dict(storage_options or {}))
-        backend = next((b for b in reversed(_BACKENDS) if b.handles(fs)), None)
+        if plugin is not None:
+            backend, where = plugin
+            if not backend.handles(fs):
+                raise ConfigError(f"{where} names {backend.__name__}, which does not serve {os.fspath(url)} "
+                                  f"({type(fs).__name__}); report it to the plugin's authors")
+        else:
+            backend = next((b for b in reversed(_BACKENDS) if b.handles(fs)), None)
         if backend is None:
             raise ConfigError(f"no storage backend serves {os.fspath(url)} ({type(fs).__name__})")
         self = super().__new__(backend)

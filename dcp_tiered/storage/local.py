@@ -43,12 +43,13 @@ class LocalStorage(Storage):
     """A local directory: regular files only, never through a link; fsync + rename commits; ``flock``."""
 
     is_local = True
+    protocols = frozenset({"file", "local"})
 
     @classmethod
     def handles(cls, fs: fsspec.AbstractFileSystem) -> bool:
         # A subclass of the local filesystem with its own protocol (e.g. a fault injector) is
         # served by the generic backend, so that every access goes through it.
-        return isinstance(fs, LocalFileSystem) and bool(protocols_of(fs) & {"file", "local"})
+        return isinstance(fs, LocalFileSystem) and bool(protocols_of(fs) & cls.protocols)
 
     def __init__(self, url: "str | os.PathLike[str]", storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)

@@ -23,6 +23,7 @@ class ObjectStoreStorage(FsspecStorage):
     """A prefix in an object store bucket: commit by one PUT, exclusive commit by a conditional PUT."""
 
     is_object_store = True
+    protocols = OBJECT_STORES
 
     @classmethod
     def handles(cls, fs: fsspec.AbstractFileSystem) -> bool:
