@@ -261,5 +261,7 @@ from dcp_tiered.integrations.lightning_io import (  # noqa: E402
     export_checkpoint,
     load_from_checkpoint,
 )
+from dcp_tiered.integrations.lightning_loader import read_plugin_checkpoints  # noqa: E402
 
-__all__ += ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "export_checkpoint", "load_from_checkpoint"]
+__all__ += ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "export_checkpoint", "load_from_checkpoint",
+            "read_plugin_checkpoints"]

@@ -24,7 +24,7 @@ Regular files (checkpoints of the stock ``TorchCheckpointIO``) still load throug
 locally and on fsspec URLs.  Local saves are swapped in atomically (``_lightning_files``).
 Lightning calls save and remove on global rank 0 only, so the save is ``dcp.save(no_dist=True)``;
 every rank loads.  ``LightningModule.load_from_checkpoint`` does not use the plugin: use
-:func:`load_from_checkpoint` here.
+:func:`load_from_checkpoint` here, or opt in with ``lightning_loader.read_plugin_checkpoints``.
 """
 
 from __future__ import annotations
