@@ -120,6 +120,19 @@ def test_an_import_is_the_first_checkpoint_a_training_run_restores(tmp_path: Pat
     _same(model, minilm)
 
 
+def test_every_dtype_and_a_scalar_round_trip_from_stock_dcp(tmp_path: Path) -> None:
+    """A stock DCP checkpoint exported, imported and exported again: dtypes, 0-dim and empty tensors as they were."""
+    state = {"model": {"s": torch.tensor(3.5), "e": torch.zeros(0, 4), "b": torch.ones(2, 3, dtype=torch.bfloat16),
+                       "h": torch.randn(5).half(), "d": torch.randn(3, dtype=torch.float64), "i8": torch.arange(-3, 3, dtype=torch.int8),
+                       "u8": torch.arange(7, dtype=torch.uint8), "m": torch.tensor([True, False]), "l": torch.arange(4)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    export_safetensors(tmp_path / "stock", tmp_path / "hf", prefix="model.")
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
+    import_safetensors(tmp_path / "hf" / WEIGHTS_NAME, tmp_path / "ck", prefix="model.")
+    export_safetensors(tmp_path / "ck", tmp_path / "again", prefix="model.")
+    _same(load_file(str(tmp_path / "again" / WEIGHTS_NAME)), state["model"])
+
+
 def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     state = {"model": {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(10), "h": torch.randn(8, generator=g).half(),
@@ -245,6 +258,8 @@ def test_the_commands_export_and_import(tmp_path: Path, minilm: dict) -> None:
                  "--dtype", "bf16")
     assert latest.returncode == 0 and "bf16" in latest.stdout, latest.stderr
     assert load_file(str(tmp_path / "bf16" / WEIGHTS_NAME))["embeddings.word_embeddings.weight"].dtype == torch.bfloat16
+    bad_size = cli("export", "5", tmp_path / "x", "--local-path", tmp_path / "local", "--max-shard-size", "lots")
+    assert bad_size.returncode == 2 and "--max-shard-size" in bad_size.stderr
     missing = cli("export", "6", tmp_path / "x", "--local-path", tmp_path / "local")
     assert missing.returncode == 3 and "[5]" in missing.stderr
     imported = cli("import", tmp_path / "hf", tmp_path / "ck", "--prefix", "model.", "--codec", "zstd:3")

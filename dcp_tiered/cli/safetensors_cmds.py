@@ -22,7 +22,7 @@ from dcp_tiered.cli.args import (
     tiers_from_args,
 )
 from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, print_json, progress_for, unwrap_error
-from dcp_tiered.errors import CheckpointExistsError, CodecError
+from dcp_tiered.errors import CheckpointExistsError, CodecError, ConfigError
 
 EXPORT_EXAMPLES = """\
 examples:
@@ -118,6 +118,13 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from dcp_tiered.inspect.safetensors_files import max_shard_bytes
+
+    try:
+        max_shard_bytes(args.max_shard_size)
+    except ConfigError as exc:
+        raise CliError(f"--max-shard-size: cannot read {args.max_shard_size!r} as a size; use bytes or e.g. 500MB, "
+                       "5GB, 2GiB") from exc
     src, options = resolve_source(args)
     try:
         res = ckpt.export_safetensors(
