@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from dcp_tiered import __version__
 from dcp_tiered.checks import INSTALL_TORCH, is_missing_torch, torch_available
-from dcp_tiered.cli import bench, checkpoint_cmds, tier_cmds, train
+from dcp_tiered.cli import bench, checkpoint_cmds, safetensors_cmds, tier_cmds, train
 from dcp_tiered.cli.output import (
     EXIT_CODES_HELP,
     EXIT_INTERRUPTED,
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="dcp-tiered")
     train.add_parsers(sub)
     checkpoint_cmds.add_parsers(sub)
+    safetensors_cmds.add_parsers(sub)
     tier_cmds.add_parsers(sub)
     bench.add_parsers(sub)
     for p in sub.choices.values():

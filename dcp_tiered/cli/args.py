@@ -57,11 +57,25 @@ def add_codec_dtype_args(p: Any, *, codec_help: str, codec_default: str | None, 
                          dtype_default: str | None = "fp32", dtype_choices: Any = DTYPES) -> None:
     """``--codec`` and ``--dtype``, with every old spelling of :data:`ALIASES` hidden: the one builder of
     these flags, so every command that has the concept accepts the same spellings."""
-    flags = {"--codec": p.add_argument("--codec", default=codec_default, metavar="CODEC", help=codec_help),
-             "--dtype": p.add_argument("--dtype", choices=dtype_choices, default=dtype_default,
-                                       metavar=None if dtype_choices else "DTYPE", help=dtype_help)}
+    add_codec_arg(p, codec_help=codec_help, codec_default=codec_default)
+    add_dtype_arg(p, dtype_help=dtype_help, dtype_default=dtype_default, dtype_choices=dtype_choices)
+
+
+def add_codec_arg(p: Any, *, codec_help: str, codec_default: str | None) -> None:
+    """``--codec`` alone (with its old spellings hidden), for a command without ``--dtype``."""
+    _with_aliases(p, p.add_argument("--codec", default=codec_default, metavar="CODEC", help=codec_help))
+
+
+def add_dtype_arg(p: Any, *, dtype_help: str, dtype_default: str | None = "fp32", dtype_choices: Any = DTYPES) -> None:
+    """``--dtype`` alone (with its old spellings hidden), for a command without ``--codec``."""
+    _with_aliases(p, p.add_argument("--dtype", choices=dtype_choices, default=dtype_default,
+                                    metavar=None if dtype_choices else "DTYPE", help=dtype_help))
+
+
+def _with_aliases(p: Any, action: argparse.Action) -> None:
     for old, new in ALIASES.items():
-        add_alias(p, old, flags[new])
+        if new in action.option_strings:
+            add_alias(p, old, action)
 
 
 def add_tier_location_args(p: argparse.ArgumentParser, keep: bool = True) -> None:

@@ -81,6 +81,20 @@ def fp16_range_problem(tensor: torch.Tensor, underflow_tolerance: float) -> str 
     return None
 
 
+def narrows(src: torch.dtype) -> bool:
+    """Whether the downcast applies to tensors of dtype ``src``: floating and wider than 16 bits (the one rule
+    of :class:`DowncastSavePlanner`, ``convert --dtype`` and ``export --dtype``)."""
+    return src.is_floating_point and src.itemsize > 2
+
+
+def downcast_problem(tensor: torch.Tensor, dtype: torch.dtype, underflow_tolerance: float = 1e-3) -> str | None:
+    """Why ``tensor`` (of a dtype that :func:`narrows`) must keep its own dtype rather than become ``dtype``,
+    or None when the downcast is safe: float16 only, its range (:func:`fp16_range_problem`)."""
+    if dtype not in _TARGETS:
+        raise ConfigError(f"downcast dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    return fp16_range_problem(tensor, underflow_tolerance) if dtype == torch.float16 else None
+
+
 class DowncastSavePlanner(DefaultSavePlanner):
     """A ``DefaultSavePlanner`` that stores selected floating tensors as bfloat16 or float16.
 
@@ -137,10 +151,9 @@ class DowncastSavePlanner(DefaultSavePlanner):
             src = item.tensor_data.properties.dtype
             if not self._selected(key, used):
                 continue
-            if not src.is_floating_point or src.itemsize <= 2:
+            if not narrows(src):
                 continue
-            tensor = self.lookup_object(item.index)
-            problem = fp16_range_problem(tensor, self.underflow_tolerance) if self.dtype == torch.float16 else None
+            problem = downcast_problem(self.lookup_object(item.index), self.dtype, self.underflow_tolerance)
             if problem:
                 self.report.kept[key] = problem
                 continue

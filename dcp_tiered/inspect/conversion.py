@@ -142,11 +142,13 @@ def _save_torch_file(sd: dict[str, Any], dst: str, dtype: Any, storage_options: 
 def _cast_floats(sd: Any, dtype: Any) -> Any:
     import torch
 
+    from dcp_tiered.dcp.planners import narrows
+
     if isinstance(sd, dict):
         return {k: _cast_floats(v, dtype) for k, v in sd.items()}
     if isinstance(sd, list):
         return [_cast_floats(v, dtype) for v in sd]
-    if isinstance(sd, torch.Tensor) and sd.is_floating_point() and sd.element_size() > 2:
+    if isinstance(sd, torch.Tensor) and narrows(sd.dtype):
         return sd.to(dtype)
     return sd
 

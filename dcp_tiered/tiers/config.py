@@ -25,7 +25,7 @@ from typing import Any
 
 import fsspec
 
-from dcp_tiered.checks import check_count, check_frame_size
+from dcp_tiered.checks import check_count, check_frame_size, parse_bytes
 from dcp_tiered.codecs import get_codec
 from dcp_tiered.errors import CodecError, ConfigError, StorageError
 from dcp_tiered.ranks import default_threads
@@ -50,28 +50,6 @@ MEMORY_FSTYPES = frozenset({"tmpfs", "ramfs"})
 SHM_DIR = "/dev/shm"
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)
-
-
-def parse_bytes(value: "int | str | None", where: str = "size") -> int | None:
-    """``"8GiB"`` -> 8589934592, ``"512MiB"``, ``"1.5GB"`` (decimal), or a positive int of bytes; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected bytes or a size such as '8GiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)) and m.group(2).lower() in _UNITS:
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise ConfigError(f"{where}: cannot read {value!r} as a size; use bytes or e.g. '512MiB', '8GiB', '2GB'")
-    if n < 1:
-        raise ConfigError(f"{where}: must be at least 1 byte, got {value!r}")
-    return n
 
 
 def mount_fstype(mounts: str, path: str) -> str | None:

@@ -1,0 +1,247 @@
+"""``export_safetensors``: the model part of a checkpoint as a Hugging Face safetensors checkpoint, shard by shard.
+
+The tensors of one output shard at a time are loaded through DCP (a partial state dict of just
+those keys, at the sizes and dtypes the checkpoint's metadata describes, resharded into whole
+tensors), written with the ``safetensors`` library and dropped: memory stays bounded by one output
+shard plus one load group (:data:`LOAD_GROUP_BYTES`), whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import posixpath
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dcp_tiered.errors import CheckpointExistsError, ConfigError
+from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
+from dcp_tiered.inspect.safetensors_files import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    SHARD_METADATA,
+    WEIGHTS_NAME,
+    index_document,
+    max_shard_bytes,
+    plan_shards,
+    shard_name,
+)
+from dcp_tiered.inspect.sources import reader_for
+
+if TYPE_CHECKING:
+    import torch
+
+    from dcp_tiered.dcp.reader import CompressedReader
+    from dcp_tiered.storage import Storage
+
+#: Source bytes loaded by one ``dcp.load`` call: with ``dtype``, each group is cast and its wide copy dropped
+#: before the next group loads, so a downcast shard never holds the whole shard twice.
+LOAD_GROUP_BYTES = 64 << 20
+
+
+def normalize_prefix(prefix: str) -> str:
+    """``"model"`` and ``"model."`` both name the keys under ``model``; ``""`` names every key."""
+    if not isinstance(prefix, str):
+        raise ConfigError(f"prefix must be a string such as 'model.', got {prefix!r}")
+    prefix = prefix.strip()
+    if prefix and not prefix.endswith("."):
+        prefix += "."
+    if prefix and "" in prefix[:-1].split("."):
+        raise ConfigError(f"prefix {prefix!r} has an empty component; write it as the keys spell it, e.g. 'app.model.'")
+    return prefix
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_safetensors` wrote: the files (name -> tensors), the tensors' bytes, what was left out."""
+
+    src: str
+    dst: str
+    files: dict[str, list[str]]
+    total_size: int
+    seconds: float
+    dtype: str | None = None
+    downcast: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(keys) for keys in self.files.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``export --json`` document."""
+        return {"src": self.src, "dst": self.dst, "format": "safetensors", "files": {f: len(k) for f, k in self.files.items()},
+                "index": INDEX_NAME if len(self.files) > 1 else None, "tensors": self.tensors,
+                "total_size": self.total_size, "dtype": self.dtype, "downcast": len(self.downcast), "kept": self.kept,
+                "skipped": self.skipped, "seconds": round(self.seconds, 3)}
+
+
+def _selected(md: Any, prefix: str, include: Sequence[str], exclude: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """(checkpoint key -> its TensorStorageMetadata for the keys exported, non-tensor keys left out)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    chosen: dict[str, Any] = {}
+    skipped: list[str] = []
+    for key, item in md.state_dict_metadata.items():
+        if not key.startswith(prefix) or len(key) == len(prefix):
+            continue
+        if not any(fnmatch.fnmatchcase(key, p) for p in include) or any(fnmatch.fnmatchcase(key, p) for p in exclude):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            skipped.append(key)
+            continue
+        if item.properties.dtype.is_complex:
+            raise ConfigError(f"tensor {key!r} is {item.properties.dtype}, which safetensors cannot store; "
+                              "leave it out with exclude=[...] (--exclude)")
+        chosen[key] = item
+    return chosen, skipped
+
+
+def _no_keys_error(src: str, md: Any, prefix: str) -> ConfigError:
+    tops = sorted({k.split(".")[0] for k in md.state_dict_metadata})[:12]
+    return ConfigError(f"no tensor of {src} matches prefix {prefix!r} and the include/exclude patterns; its keys start "
+                       f"with {tops}: give prefix= (--prefix) as the model's keys start, e.g. '{tops[0] if tops else 'model'}.'")
+
+
+def export_safetensors(
+    src: str | os.PathLike[str] | CompressedReader, dst: str | os.PathLike[str], *, prefix: str = "",
+    include: Sequence[str] = ("*",), exclude: Sequence[str] | None = None, dtype: torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, src_options: dict[str, Any] | None = None,
+    dst_options: dict[str, Any] | None = None, overwrite: bool = False, underflow_tolerance: float = 1e-3,
+    progress: ProgressFactory | None = None,
+) -> ExportResult:
+    """Write the tensors of ``src`` whose keys start with ``prefix`` to the directory ``dst`` as a Hugging Face
+    safetensors checkpoint, ``prefix`` stripped from their names.
+
+    ``src``: a checkpoint directory or URL (this package's or stock DCP), or an open reader.
+    ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` defaults to
+    optimizer state (:data:`~dcp_tiered.dcp.planners.DEFAULT_EXCLUDE`).  Non-tensor items are left out
+    (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
+    :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` (floats wider than 16 bits; a tensor float16
+    cannot hold keeps its dtype, in ``kept``, and may take its shard past ``max_shard_size``).
+    ``max_shard_size``: bytes or ``"5GB"``/``"500MB"``; one file ``model.safetensors`` when everything
+    fits, else numbered shards and ``model.safetensors.index.json``, written last.  Refuses a ``dst``
+    that holds an export unless ``overwrite`` (:class:`CheckpointExistsError`).
+    """
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from dcp_tiered.dcp.planners import DEFAULT_EXCLUDE, downcast_problem, narrows
+    from dcp_tiered.storage import Storage
+
+    t0 = time.perf_counter()
+    prefix = normalize_prefix(prefix)
+    if isinstance(include, str) or isinstance(exclude, str):
+        raise ConfigError("include/exclude take a list of glob patterns, not a single string")
+    if dtype is not None:
+        downcast_problem(torch.zeros(0), dtype)  # the dtype is checked before anything is read
+    limit = max_shard_bytes(max_shard_size)
+    src_text = src if isinstance(src, str) else os.fspath(src) if isinstance(src, os.PathLike) else src.storage.url
+    reader = reader_for(src, src_options)
+    md = reader.read_metadata()
+    chosen, skipped = _selected(md, prefix, tuple(include), tuple(DEFAULT_EXCLUDE if exclude is None else exclude))
+    if not chosen:
+        raise _no_keys_error(src_text, md, prefix)
+    out_dtype = {k: dtype if dtype is not None and narrows(m.properties.dtype) else m.properties.dtype for k, m in chosen.items()}
+    numel = {k: int(torch.Size(m.size).numel()) for k, m in chosen.items()}
+    shards = plan_shards(((k, numel[k] * out_dtype[k].itemsize) for k in chosen), limit)
+    names = [shard_name(i + 1, len(shards)) for i in range(len(shards))]
+    dst_text = os.fspath(dst)
+    out = Storage(dst_text, dst_options)
+    _claim(out, names, overwrite)
+    result = ExportResult(src_text, dst_text, {}, 0, 0.0, str(dtype).removeprefix("torch.") if dtype is not None else None,
+                          skipped=skipped)
+    source_bytes = {k: numel[k] * chosen[k].properties.dtype.itemsize for k in chosen}
+    with progress_bar(progress, len(chosen), "export") as counter, tempfile.TemporaryDirectory(prefix="dcp-tiered-export-") as tmp:
+        for keys, name in zip(shards, names):
+            tensors: dict[str, torch.Tensor] = {}
+            for group in plan_shards(((k, source_bytes[k]) for k in keys), min(limit, LOAD_GROUP_BYTES)):
+                sd = {k: torch.empty(chosen[k].size, dtype=chosen[k].properties.dtype) for k in group}
+                _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+                for k in group:
+                    t = sd.pop(k)
+                    if out_dtype[k] != t.dtype:
+                        problem = downcast_problem(t, out_dtype[k], underflow_tolerance)
+                        if problem:
+                            result.kept[k[len(prefix):]] = problem
+                        else:
+                            t = t.to(out_dtype[k])
+                            result.downcast.append(k[len(prefix):])
+                    tensors[k[len(prefix):]] = t
+                    result.total_size += t.numel() * t.element_size()
+                counter.update(len(group))
+            _write_shard(out, name, tensors, tmp)
+            result.files[name] = list(tensors)
+            del tensors
+        if len(names) > 1:
+            weight_map = {k: f for f, ks in result.files.items() for k in ks}
+            out.commit_bytes(INDEX_NAME, index_document(weight_map, result.total_size))
+    _remove_stale(out, names)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _claim(out: Storage, names: list[str], overwrite: bool) -> None:
+    """Refuse a ``dst`` holding an export (unless ``overwrite``); create it."""
+    held = [n for n in out.listdir() if n in (WEIGHTS_NAME, INDEX_NAME) or _is_shard(n)] if out.exists() else []
+    if held and not overwrite:
+        raise CheckpointExistsError(f"{out.url} already holds a safetensors export ({held[0]}); pass overwrite=True "
+                                    "(--overwrite) to replace it, or export to a new directory")
+    if INDEX_NAME in held and names == [WEIGHTS_NAME]:
+        out.remove(INDEX_NAME)  # a one-file export must not leave an index naming the old shards
+    out.makedirs()
+
+
+def _is_shard(name: str) -> bool:
+    return name.startswith("model-") and "-of-" in name and name.endswith(".safetensors")
+
+
+def _remove_stale(out: Storage, names: list[str]) -> None:
+    """An overwrite leaves no shard of an earlier export that the new one does not name."""
+    for n in out.listdir():
+        if (_is_shard(n) or n == WEIGHTS_NAME) and n not in names:
+            out.remove(n)
+
+
+def _write_shard(out: Storage, name: str, tensors: dict[str, Any], tmp: str) -> None:
+    """Serialize one shard with ``safetensors`` (no copy of the tensors) next to its place, then move it in:
+    a rename locally, an upload elsewhere; a reader never sees a half-written shard."""
+    from safetensors.torch import save_file
+
+    from dcp_tiered.storage.base import storage_errors, temp_name
+
+    if out.is_local:
+        final = out.path(name)
+        partial = temp_name(final)
+        try:
+            save_file(tensors, partial, metadata=SHARD_METADATA)
+            _publishable(partial)
+            os.replace(partial, final)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+        return
+    staged = posixpath.join(tmp, name)
+    save_file(tensors, staged, metadata=SHARD_METADATA)
+    _publishable(staged)
+    try:
+        with storage_errors(out.url_of(name), "upload"):
+            out.fs.put_file(staged, out.path(name))
+    finally:
+        os.remove(staged)
+
+
+def _publishable(path: str) -> None:
+    """The mode a new file gets under the umask (``safetensors`` creates its files readable by the owner only)."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")), None)
+    except OSError:
+        return
+    if umask is not None:
+        os.chmod(path, 0o666 & ~umask)

@@ -1,0 +1,318 @@
+"""``export_safetensors``/``import_safetensors`` and the ``export``/``import`` commands, on the real MiniLM weights.
+
+The files written are read back with the ``safetensors`` library's own loader; indexes are the
+``transformers`` layout; hostile files (an index escaping its directory, a header length of 2**63)
+are refused with this package's errors; peak memory is measured in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from dcp_tiered import CompressedReader, CompressedWriter
+from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.inspect import INDEX_NAME, WEIGHTS_NAME, export_safetensors, import_safetensors, load_any
+from dcp_tiered.tiers import Tier, TieredCheckpointer
+from isolated import run_isolated
+from speed import scaled
+
+_SCRIPT = Path(sys.executable).with_name("dcp-tiered")
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "dcp_tiered.cli"]
+
+
+def cli(*args: object) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=scaled(180))
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(minilm_path / "model.safetensors"))
+
+
+def _training_state(weights: dict[str, torch.Tensor]) -> dict:
+    return {"model": dict(weights), "optim": {"step": torch.tensor(7.0), "exp_avg": torch.ones(16)},
+            "extra": {"epoch": 3}}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+
+
+def _read_export(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Every tensor of an export through ``safetensors.torch.load_file``, each shard checked against the index."""
+    if not (folder / INDEX_NAME).exists():
+        return load_file(str(folder / WEIGHTS_NAME)), None
+    index = json.loads((folder / INDEX_NAME).read_text())
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(set(index["weight_map"].values())):
+        shard = load_file(str(folder / file))
+        assert {k for k, f in index["weight_map"].items() if f == file} == set(shard), file
+        out.update(shard)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    return out, index
+
+
+def test_export_and_import_round_trip_minilm_bit_for_bit(tmp_path: Path, minilm: dict) -> None:
+    dcp.save(_training_state(minilm), storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    res = export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", max_shard_size="20MB")
+    assert len(res.files) > 2 and res.skipped == []  # optimizer state is left out, not skipped
+    back, index = _read_export(tmp_path / "hf")
+    _same(back, minilm)
+    assert index is not None and sorted(os.listdir(tmp_path / "hf")) == sorted([INDEX_NAME, *res.files])
+    assert list(res.files) == [f"model-{i:05d}-of-{len(res.files):05d}.safetensors" for i in range(1, len(res.files) + 1)]
+    for name in res.files:  # transformers' bound: a shard over 20 MB holds one tensor larger than that
+        held = [back[k].numel() * back[k].element_size() for k in res.files[name]]
+        assert sum(held) <= 20_000_000 or len(held) == 1, name
+
+    imported = import_safetensors(tmp_path / "hf", tmp_path / "ck2", prefix="model.", codec="lz4")
+    assert imported.tensors == len(minilm) and imported.saved["codec"] == "lz4"
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in minilm.items()}}
+    dcp.load(fresh, storage_reader=CompressedReader(tmp_path / "ck2"), no_dist=True)
+    _same(fresh["model"], minilm)
+
+    one = export_safetensors(tmp_path / "ck2", tmp_path / "one", prefix="model")  # 5GB: one file, no index
+    assert list(one.files) == [WEIGHTS_NAME] and os.listdir(tmp_path / "one") == [WEIGHTS_NAME]
+    _same(load_file(str(tmp_path / "one" / WEIGHTS_NAME)), minilm)
+    assert oct((tmp_path / "one" / WEIGHTS_NAME).stat().st_mode & 0o044) != "0o0"  # readable beyond the owner
+
+
+def test_import_reads_the_hugging_face_file_and_a_transformers_index(tmp_path: Path, minilm_path: Path, minilm: dict) -> None:
+    """The published MiniLM ``model.safetensors`` itself, and a ``transformers``-style index over shards of it."""
+    import_safetensors(minilm_path / WEIGHTS_NAME, tmp_path / "from_file")
+    _same(load_any(tmp_path / "from_file"), minilm)
+    keys = sorted(minilm)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    weight_map = {}
+    for i, part in enumerate((keys[:40], keys[40:])):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: minilm[k] for k in part}, str(hf / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    total = sum(t.numel() * t.element_size() for t in minilm.values())
+    (hf / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    for src in (hf, hf / INDEX_NAME):
+        res = import_safetensors(src, tmp_path / "ck" / src.name, prefix="app.model.")
+        assert sorted(res.files) == sorted(set(weight_map.values()))
+        sd = load_any(tmp_path / "ck" / src.name)
+        _same(sd["app"]["model"], minilm)
+
+
+def test_an_import_is_the_first_checkpoint_a_training_run_restores(tmp_path: Path, minilm: dict) -> None:
+    save_file(minilm, str(tmp_path / WEIGHTS_NAME))
+    tier = Tier("local", str(tmp_path / "local"))
+    import_safetensors(tmp_path / WEIGHTS_NAME, tmp_path / "local" / "step_000000000", prefix="model.")
+    model = {k: torch.zeros_like(v) for k, v in minilm.items()}
+    with TieredCheckpointer([tier]) as ckpt:
+        assert ckpt.restore({"model": model}) == 0
+    _same(model, minilm)
+
+
+def test_every_dtype_and_a_scalar_round_trip_from_stock_dcp(tmp_path: Path) -> None:
+    """A stock DCP checkpoint exported, imported and exported again: dtypes, 0-dim and empty tensors as they were."""
+    state = {"model": {"s": torch.tensor(3.5), "e": torch.zeros(0, 4), "b": torch.ones(2, 3, dtype=torch.bfloat16),
+                       "h": torch.randn(5).half(), "d": torch.randn(3, dtype=torch.float64), "i8": torch.arange(-3, 3, dtype=torch.int8),
+                       "u8": torch.arange(7, dtype=torch.uint8), "m": torch.tensor([True, False]), "l": torch.arange(4)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    export_safetensors(tmp_path / "stock", tmp_path / "hf", prefix="model.")
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
+    import_safetensors(tmp_path / "hf" / WEIGHTS_NAME, tmp_path / "ck", prefix="model.")
+    export_safetensors(tmp_path / "ck", tmp_path / "again", prefix="model.")
+    _same(load_file(str(tmp_path / "again" / WEIGHTS_NAME)), state["model"])
+
+
+def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(10), "h": torch.randn(8, generator=g).half(),
+                       "huge": torch.full((4,), 1e6)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    bf = export_safetensors(tmp_path / "ck", tmp_path / "bf16", prefix="model.", dtype=torch.bfloat16)
+    out = load_file(str(tmp_path / "bf16" / WEIGHTS_NAME))
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], state["model"]["w"].to(torch.bfloat16))
+    assert torch.equal(out["ids"], state["model"]["ids"]) and torch.equal(out["h"], state["model"]["h"])
+    assert sorted(bf.downcast) == ["huge", "w"] and bf.kept == {}
+    fp = export_safetensors(tmp_path / "ck", tmp_path / "fp16", prefix="model.", dtype=torch.float16)
+    out = load_file(str(tmp_path / "fp16" / WEIGHTS_NAME))
+    assert out["w"].dtype == torch.float16 and out["huge"].dtype == torch.float32  # 1e6 overflows float16
+    assert "overflow" in fp.kept["huge"] and torch.equal(out["huge"], state["model"]["huge"])
+    with pytest.raises(ConfigError):
+        export_safetensors(tmp_path / "ck", tmp_path / "int8", prefix="model.", dtype=torch.int8)
+
+
+def test_prefix_include_and_exclude_choose_the_model(tmp_path: Path) -> None:
+    state = {"app": {"model": {"enc.w": torch.ones(3), "enc.b": torch.zeros(3), "lora_a": torch.ones(2), "note": "x"},
+                     "ema": {"enc.w": torch.full((3,), 2.0)}},
+             "optim": {"exp_avg": torch.ones(3)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    res = export_safetensors(tmp_path / "ck", tmp_path / "m", prefix="app.model.", exclude=["*.lora_*"])
+    assert sorted(load_file(str(tmp_path / "m" / WEIGHTS_NAME))) == ["enc.b", "enc.w"]
+    assert res.skipped == ["app.model.note"]
+    export_safetensors(tmp_path / "ck", tmp_path / "ema", prefix="app.ema", include=["app.ema.enc.*"])
+    assert torch.equal(load_file(str(tmp_path / "ema" / WEIGHTS_NAME))["enc.w"], torch.full((3,), 2.0))
+    everything = export_safetensors(tmp_path / "ck", tmp_path / "all")  # no prefix: every key, optimizer left out
+    assert "optim.exp_avg" not in load_file(str(tmp_path / "all" / WEIGHTS_NAME)) and everything.tensors == 4
+    with pytest.raises(ConfigError, match="'model.'.*app"):
+        export_safetensors(tmp_path / "ck", tmp_path / "none", prefix="model.")
+    with pytest.raises(CheckpointExistsError):
+        export_safetensors(tmp_path / "ck", tmp_path / "m", prefix="app.model.")
+
+
+def test_an_overwrite_leaves_no_shard_of_the_old_export(tmp_path: Path) -> None:
+    state = {"model": {f"l{i}": torch.randn(1000) for i in range(4)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", max_shard_size=4000)
+    assert len(os.listdir(tmp_path / "hf")) == 5
+    export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", overwrite=True)
+    assert os.listdir(tmp_path / "hf") == [WEIGHTS_NAME]
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
+
+
+def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: dict) -> None:
+    bucket, opts = s3_bucket
+    dcp.save(_training_state(minilm), storage_writer=CompressedWriter(f"{bucket}/run/step_000000100", storage_options=opts),
+             no_dist=True)
+    export_safetensors(f"{bucket}/run/step_000000100", f"{bucket}/hf", prefix="model.", max_shard_size="40MB",
+                       src_options=opts, dst_options=opts)
+    import_safetensors(f"{bucket}/hf", tmp_path / "ck", prefix="model.", src_options=opts)
+    export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", max_shard_size="40MB")
+    back, index = _read_export(tmp_path / "hf")
+    _same(back, minilm)
+    assert index is not None
+
+
+def _shards(tmp_path: Path) -> Path:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.ones(4), "b": torch.zeros(2)}, str(hf / "model-00001-of-00001.safetensors"))
+    return hf
+
+
+def _index(hf: Path, weight_map: object) -> Path:
+    (hf / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hf / INDEX_NAME
+
+
+def test_hostile_indexes_are_refused_naming_the_file_and_key(tmp_path: Path) -> None:
+    hf = _shards(tmp_path)
+    (tmp_path / "x").write_bytes(b"outside")
+    for weight_map, error, words in (
+        ({"a": "../x"}, UnsafeCheckpointError, "'a'"),
+        ({"a": "/etc/passwd"}, UnsafeCheckpointError, "'a'"),
+        ({"a": "model-00001-of-00001.safetensors", "c": "model-00001-of-00001.safetensors"}, CorruptCheckpointError, "'c'"),
+        ({"a": 5}, CorruptCheckpointError, "'a'"),
+        ({"a\x00b": "model-00001-of-00001.safetensors"}, UnsafeCheckpointError, "tensor name"),
+        ([], CorruptCheckpointError, "weight_map"),
+    ):
+        index = _index(hf, weight_map)
+        with pytest.raises(error, match=words) as raised:
+            import_safetensors(index, tmp_path / "ck")
+        assert INDEX_NAME in str(raised.value)
+        assert not (tmp_path / "ck").exists()
+    index.write_text("[" * 100_000)
+    with pytest.raises(CorruptCheckpointError, match="not a JSON index"):
+        import_safetensors(index, tmp_path / "ck")
+
+
+def test_hostile_headers_are_refused_before_the_library_parses_them(tmp_path: Path) -> None:
+    for name, data in (("huge.safetensors", struct.pack("<Q", 2**63) + b"{}"),
+                       ("past_end.safetensors", struct.pack("<Q", 1000) + b"{}"),
+                       ("short.safetensors", b"\x01\x02"),
+                       ("bad_json.safetensors", struct.pack("<Q", 4) + b"{{{{"),
+                       ("bad_offsets.safetensors", _header({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}))):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(CorruptCheckpointError, match=name):
+            import_safetensors(tmp_path / name, tmp_path / "ck")
+        assert not (tmp_path / "ck").exists()
+
+
+def _header(header: dict) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * 16
+
+
+def test_the_commands_export_and_import(tmp_path: Path, minilm: dict) -> None:
+    tier = Tier("local", str(tmp_path / "local"))
+    with TieredCheckpointer([tier]) as ckpt:
+        ckpt.save_now(5, _training_state(minilm))
+    by_step = cli("export", "5", tmp_path / "hf", "--local-path", tmp_path / "local", "--prefix", "model.",
+                  "--max-shard-size", "30MB", "--json")
+    assert by_step.returncode == 0, by_step.stderr
+    doc = json.loads(by_step.stdout)
+    assert doc["tensors"] == len(minilm) and doc["index"] == INDEX_NAME and len(doc["files"]) > 1
+    _same(_read_export(tmp_path / "hf")[0], minilm)
+    again = cli("export", tmp_path / "local" / "step_000000005", tmp_path / "hf", "--prefix", "model.")
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    latest = cli("export", "latest", tmp_path / "bf16", "--local-path", tmp_path / "local", "--prefix", "model",
+                 "--dtype", "bf16")
+    assert latest.returncode == 0 and "bf16" in latest.stdout, latest.stderr
+    assert load_file(str(tmp_path / "bf16" / WEIGHTS_NAME))["embeddings.word_embeddings.weight"].dtype == torch.bfloat16
+    bad_size = cli("export", "5", tmp_path / "x", "--local-path", tmp_path / "local", "--max-shard-size", "lots")
+    assert bad_size.returncode == 2 and "--max-shard-size" in bad_size.stderr
+    missing = cli("export", "6", tmp_path / "x", "--local-path", tmp_path / "local")
+    assert missing.returncode == 3 and "[5]" in missing.stderr
+    imported = cli("import", tmp_path / "hf", tmp_path / "ck", "--prefix", "model.", "--codec", "zstd:3")
+    assert imported.returncode == 0 and "zstd:3" in imported.stdout, imported.stderr
+    _same(load_any(tmp_path / "ck")["model"], minilm)
+    (tmp_path / "hf" / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": "../../etc/passwd"}}))
+    hostile = cli("import", tmp_path / "hf", tmp_path / "ck3")
+    assert hostile.returncode == 4 and INDEX_NAME in hostile.stderr and len(hostile.stderr.strip().splitlines()) == 1
+
+
+# A state of 24 tensors of 16 MiB (384 MiB), exported in 32 MiB shards and imported back.
+_MEMORY_CHILD = """
+    import os, torch
+    from dcp_tiered.inspect import export_safetensors, import_safetensors, open_reader
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+    def peak(call):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak starts again from here
+        base = status("VmRSS")
+        call()
+        return status("VmHWM") - base
+
+    reader = open_reader({ck!r})
+    out = {{"export": peak(lambda: export_safetensors(reader, {hf!r}, prefix="model.", max_shard_size={shard})),
+            "bf16": peak(lambda: export_safetensors(reader, {bf16!r}, prefix="model.", max_shard_size={shard},
+                                                    dtype=torch.bfloat16)),
+            "import": peak(lambda: import_safetensors({hf!r}, {ck2!r}, prefix="model."))}}
+    emit(out)
+"""
+SHARD = 32 << 20
+ALLOWANCE = 64 << 20  # the reader's frames and decode buffers, the writer's frames in flight, the allocator
+
+
+def test_peak_memory_is_one_shard_plus_a_bound(tmp_path: Path) -> None:
+    """The extra resident memory of an export (and of an import) of a 384 MiB state in 32 MiB shards stays
+    within one shard, one load group and a fixed allowance, far under the state's size.  Large buffers are
+    mmap'd (``MALLOC_MMAP_THRESHOLD_``) so that freed memory leaves the process and the peak counts what is held."""
+    from dcp_tiered.inspect.safetensors_export import LOAD_GROUP_BYTES
+
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"layer{i}.weight": torch.randn(4 << 20, generator=g) for i in range(24)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck", codec="zstd:1"), no_dist=True)
+    total = sum(t.numel() * t.element_size() for t in state["model"].values())
+    del state
+    paths = {n: str(tmp_path / n) for n in ("ck", "hf", "bf16", "ck2")}
+    res = run_isolated(_MEMORY_CHILD.format(shard=SHARD, **paths), timeout=300, memory_mb=4096,
+                       env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+    assert res.returncode == 0, res.describe()
+    assert len(os.listdir(tmp_path / "hf")) == 13  # 12 shards and the index
+    for what, extra in res.result.items():
+        bound = SHARD + min(SHARD, LOAD_GROUP_BYTES) + ALLOWANCE
+        assert extra <= bound <= total // 3, f"{what}: {extra >> 20} MiB extra, bound {bound >> 20} MiB"
