@@ -34,6 +34,12 @@ def node_copies_prefix(prefix: str) -> str:
     return f"{prefix}node_"
 
 
+#: Attribute of the ``Metadata`` that ``dcp.save`` returns on every rank (set by ``TieredWriter.finish``
+#: after the coordinator's commit, so never in a ``.metadata``): the save's node copies,
+#: ``((MetadataIndex, record), ...)``, in files named by :func:`node_copies_prefix`.
+NODE_COPIES = "dcp_tiered_node_copies"
+
+
 def data_file(prefix: str) -> str:
     """The data file a rank with ``prefix`` writes (``{prefix}0.distcp``)."""
     return f"{prefix}0{DATA_SUFFIX}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -200,6 +201,14 @@ def _hold_resave(rank: int, data: str, out: Path) -> None:
     writer.TieredWriter.write_data = hooked
 
 
+def _stall_replication() -> None:
+    """A machine too loaded to replicate before the kill: every replication job waits first."""
+    from dcp_tiered.tiers.replicas import replicate as replication
+
+    run_job = replication.Replicator._run_job
+    replication.Replicator._run_job = lambda self, *a: (time.sleep(scaled(30)), run_job(self, *a))[1]
+
+
 def _loop_rank(rank: int, store: str, data: str, out: str, it: int, plan: dict) -> None:
     """One run of one rank: restore (facts to ``restore.rank{r}.json``), then save ``plan['steps']``
     steps as run ``it`` with the kill of ``plan`` armed on its victim."""
@@ -219,11 +228,21 @@ def _loop_rank(rank: int, store: str, data: str, out: str, it: int, plan: dict) 
         os._exit(3)
     if plan.get("kind") == "resave":
         _hold_resave(rank, data, outp)
-    elif plan.get("kind") and rank == plan["victim"]:
+    elif plan.get("kind") not in (None, "returned") and rank == plan["victim"]:
         _arm(plan, outp)
+    if plan.get("kind") == "returned":
+        _stall_replication()
     start = (facts["step"] or 0) + 1
     for step in range(start, start + plan["steps"]):
         ck.maybe_save(step, kl_state(mesh, rank, step, it))
+    if plan.get("kind") == "returned":  # every rank's save returned: kill the job before replication ran
+        import torch.distributed as dist
+
+        dist.barrier()
+        if rank == 0:
+            (outp / "returned").write_text(str(step))
+            _die(outp, True)
+        time.sleep(scaled(60))
     try:
         ck.wait(timeout=scaled(90))
     finally:
@@ -427,3 +446,24 @@ def test_a_lost_node_whose_ranks_need_another_nodes_file_restores_through_peers(
     for f in second["restored"]:
         assert f["step"] == 2 and f["events"] == [["restore", 2, "local", None]], second
     assert {".replica-0.json", ".replica-1.json", ".metadata"} <= set(second["node1_files"]), second
+
+
+def returned(data: Path, out: Path, _arg) -> list[dict]:
+    """Save steps 1-2 cleanly; then steps 3-4 with replication stalled, every rank killed once every
+    rank's save of step 4 returned; restart."""
+    ctx = forkserver()
+    first = launch(ctx, data, out / "run0", 0, {"kind": None, "steps": 2, "shared_every": 2})
+    second = launch(ctx, data, out / "run1", 1, {"kind": "returned", "steps": 2, "shared_every": 3})
+    second["returned"] = int((out / "run1" / "returned").read_text())
+    third = launch(ctx, data, out / "run2", 2, {"kind": None, "steps": 0})
+    return [first, second, third]
+
+
+def test_a_save_that_returned_on_every_rank_restores_after_a_kill_before_its_replication(tmp_path: Path) -> None:
+    """"Returned" means "restorable": a job killed right after a synchronous save returned on every
+    rank, before peer replication ran (a loaded machine), restores that step, bit-exact, although each
+    node's load needs an item DCP stored in the other node's file."""
+    first, second, third = _drive(tmp_path, "returned", None, timeout=600)
+    assert first["codes"] == [0] * WS and second["killed"] == "all", (first, second)
+    facts = third["restored"]
+    assert {(f["step"], f["gen"]) for f in facts} == {(second["returned"], 1)}, facts

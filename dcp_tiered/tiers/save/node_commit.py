@@ -11,7 +11,7 @@ whose files are not all in is never committed: restore then skips that step on t
 
 Node copies.  DCP stores an item that several ranks hold (replicated: DDP-style parameters, a torch
 optimizer's ``step`` tensors and param groups beside FSDP shards) once, in one rank's file.  On a
-node-local tier without ``replicas``, :func:`place_replicated` (run by ``TieredWriter`` on the
+node-local tier (with or without ``replicas``), :func:`place_replicated` (run by ``TieredWriter`` on the
 coordinator, from what every rank's local plan held) keeps every replicated item that a rank of
 the coordinator's directory holds in that directory (so its ``.metadata``, which promotions copy,
 stays the plain checkpoint), and names for each other directory a rank of it holding the item to
@@ -23,8 +23,8 @@ the shared tiers' checkpoints hold none.
 
 A node's directory holds its own ranks' files, and with peer replication other ranks' files
 as replicas, which count only under a committed replica marker of the same save
-(:func:`vouched_files`); with ``replicas`` (no node copies) or in a directory committed without
-node copies, items DCP stored in another node's file may not be there.  Restore finds that out
+(:func:`vouched_files`); in a directory committed without node copies (by an older version),
+items DCP stored in another node's file may not be there.  Restore finds that out
 before reading any data (:class:`~dcp_tiered.dcp.reader.CompressedReader` checks every file of its
 plan first) and every rank falls back to the next candidate together.
 """
@@ -46,7 +46,7 @@ from dcp_tiered.dcp.metadata_io import encode_metadata, load_metadata
 from dcp_tiered.dcp.writer import commit_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import MissingFileError, Storage
-from dcp_tiered.names import rank_of_file
+from dcp_tiered.names import NODE_COPIES, rank_of_file
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.replicas.markers import vouched_files
 from dcp_tiered.tiers.topology import COORDINATOR, dir_ranks, step_dir
@@ -118,10 +118,6 @@ def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: 
 
 # -- node copies -------------------------------------------------------------------------------------
 
-#: Attribute of the ``Metadata`` that ``dcp.save`` returns on every rank (set by ``TieredWriter.finish``
-#: after the coordinator's commit, so never in a ``.metadata``): the save's node copies,
-#: ``((MetadataIndex, record), ...)``.
-NODE_COPIES = "dcp_tiered_node_copies"
 
 
 @dataclass(frozen=True)
@@ -196,9 +192,10 @@ def place_replicated(plans: Sequence[SavePlan], held: Sequence[Sequence[Metadata
 
 
 def copies_node_local(tier: Any) -> bool:
-    """Whether a save to ``tier`` writes node copies: a node-local tier without ``replicas`` (with them,
-    a node holds its clique peers' files instead)."""
-    return tier.node_local and tier.replicas <= 1
+    """Whether a save to ``tier`` writes node copies: every node-local tier.  With ``replicas`` too, since
+    replication runs in the background: a save that returned must restore from each node's own files
+    even when it is killed before its replicas are written."""
+    return tier.node_local
 
 
 def with_copies(plans: Sequence[SavePlan], copies: Sequence[Sequence[WriteItem]]) -> list[SavePlan]:
