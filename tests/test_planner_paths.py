@@ -58,3 +58,16 @@ def test_sparse_integer_keys_convert(tmp_path):
     convert(path, tmp_path / "out.pt")
     loaded = load_any(tmp_path / "out.pt")
     assert torch.equal(loaded["state"]["2"]["m"], torch.full((2,), 3.0)) and loaded["l"][1] == 4
+
+
+def test_an_empty_dict_in_a_list_leaves_a_gap_that_still_opens(tmp_path):
+    """DCP writes no path for an empty dict inside a list: index 0 of ``l`` has none.  Such a
+    checkpoint, saved by this package or by stock DCP, is no corrupt one: it opens, and its items load
+    (DCP itself cannot load ``l`` back into a state dict holding that empty dict: 'Missing key l.0')."""
+    for writer in (CompressedWriter(tmp_path / "ours", sync_files=False), dcp.FileSystemWriter(str(tmp_path / "stock"))):
+        dcp.save({"l": [{}, torch.ones(2)], "x": torch.zeros(1)}, storage_writer=writer, no_dist=True)
+    for name in ("ours", "stock"):
+        assert CompressedReader(tmp_path / name).read_metadata().planner_data["l.1"] == ("l", 1)
+        into = {"x": torch.ones(1)}
+        dcp.load(into, storage_reader=CompressedReader(tmp_path / name), no_dist=True)
+        assert torch.equal(into["x"], torch.zeros(1))

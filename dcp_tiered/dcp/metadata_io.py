@@ -352,15 +352,19 @@ def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_o
 
 #: Longest planner path (names and indices from the state-dict root to a leaf).
 MAX_PATH_PARTS = 64
+#: The most list slots ``planner_data`` may leave without a path (each an empty dict in a list),
+#: which rebuilding a state dict from it allocates.
+MAX_LIST_GAPS = 1 << 16
 
 
 def _check_planner_data(pd: Any, source: str, sdm: dict) -> None:
     """``planner_data`` maps each flattened key to its path in the state dict, which ``convert`` and the
     CLI rebuild nested dicts from (DCP's ``set_element``).  Each path must be what DCP's flattening makes:
     non-empty names and indices that spell their key (so no two share one), a name under the root, in
-    each container only names (a dict: DCP makes every mapping key a name) or only the indices
-    ``0..n-1`` (a list), none inside another.  So rebuilding drops nothing, swaps nothing and allocates
-    only by the item count."""
+    each container only names (a dict: DCP makes every mapping key a name) or only non-negative
+    indices (a list; a slot without a path is an empty dict DCP wrote nothing for, at most
+    :data:`MAX_LIST_GAPS` of them), none inside another.  So rebuilding drops nothing, swaps nothing
+    and allocates by the item count plus that bound."""
     if pd is None:
         return
     if type(pd) is not dict:
@@ -378,14 +382,21 @@ def _check_planner_data(pd: Any, source: str, sdm: dict) -> None:
         leaves[path] = key
         for n in range(len(path)):
             children.setdefault(path[:n], set()).add(path[n])
+    gaps = 0  # list slots no item fills (an empty dict in a list leaves no path): rebuilding allocates them
     for prefix, inside in children.items():
         if prefix in leaves:
             raise _bad(source, f"planner_data puts items inside {leaves[prefix]!r}, which is a leaf")
         kinds = set(map(type, inside))
-        if kinds != {str} and (prefix == () or len(kinds) > 1 or min(inside) < 0 or max(inside) != len(inside) - 1):
-            name = ".".join(map(str, prefix)) or "the root"
-            raise _bad(source, f"planner_data makes {name[:80]!r} a list with gaps or negative indices, or a mix "
-                               "of a list and a dict")
+        if kinds == {str}:
+            continue
+        name = ".".join(map(str, prefix)) or "the root"
+        if prefix == () or len(kinds) > 1 or min(inside) < 0:
+            raise _bad(source, f"planner_data makes {name[:80]!r} a list with negative indices, or a mix of a list "
+                               "and a dict")
+        gaps += max(inside) + 1 - len(inside)
+        if gaps > MAX_LIST_GAPS:
+            raise _bad(source, f"planner_data leaves over {MAX_LIST_GAPS} list slots empty (the list {name[:80]!r} "
+                               f"has indices up to {max(inside)} for {len(inside)} items)")
 
 
 def _check_storage_meta(meta: Any, source: str) -> None:

@@ -26,43 +26,62 @@ LOADER_MODULES = (("lightning.pytorch.core.saving", "lightning.fabric.plugins.io
                   ("pytorch_lightning.core.saving", "lightning_fabric.plugins.io.torch_io"))
 
 
+#: The open handles, oldest first: the newest one's plugin loads; Lightning's loaders are replaced
+#: while any is open (``_originals``) and put back when the last one closes, in whatever order.
+_open: list[PluginCheckpointReading] = []
+_originals: list[tuple[Any, Any]] = []  # (module, the pl_load it had before the first handle)
+
+
+def _loaders() -> list[tuple[Any, Any]]:
+    """Every module of :data:`LOADER_MODULES` that can be imported and binds ``pl_load``, with it."""
+    found = []
+    for group in LOADER_MODULES:
+        for name in group:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if callable(getattr(module, "pl_load", None)):
+                found.append((module, module.pl_load))
+    return found
+
+
+def _loader(original: Any) -> Any:
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: "bool | None" = None) -> Any:
+        if _open and isinstance(path_or_url, (str, os.PathLike)) and not str(path_or_url).startswith(("http://", "https://")):
+            return _open[-1].checkpoint_io.load_checkpoint(path_or_url, map_location=map_location,
+                                                           weights_only=weights_only)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    return pl_load
+
+
 class PluginCheckpointReading:
     """The handle :func:`read_plugin_checkpoints` returns: ``close()`` (or the end of a ``with``
-    block) puts Lightning's loaders back as they were."""
+    block) ends it; Lightning's loaders are as they were once every handle is closed."""
 
     def __init__(self, checkpoint_io: CompressedCheckpointIO) -> None:
         self.checkpoint_io = checkpoint_io
-        self._saved: list[tuple[Any, Any]] = []  # (module, the pl_load it had)
-        for group in LOADER_MODULES:
-            for name in group:
-                try:
-                    module = importlib.import_module(name)
-                except ImportError:
-                    continue
-                if callable(getattr(module, "pl_load", None)):
-                    self._saved.append((module, module.pl_load))
-        if not self._saved:
-            raise ConfigError("this Lightning version loads checkpoints in a way dcp-tiered does not know (no "
-                              "pl_load in lightning.pytorch.core.saving): load a plugin checkpoint with "
-                              "dcp_tiered.integrations.lightning.load_from_checkpoint(Model, path), or turn it "
-                              "into a normal .ckpt file with `dcp-tiered convert PATH model.ckpt`")
-        for module, original in self._saved:
-            module.pl_load = self._loader(original)
-
-    def _loader(self, original: Any) -> Any:
-        def pl_load(path_or_url: Any, map_location: Any = None, weights_only: "bool | None" = None) -> Any:
-            if isinstance(path_or_url, (str, os.PathLike)) and not str(path_or_url).startswith(("http://", "https://")):
-                return self.checkpoint_io.load_checkpoint(path_or_url, map_location=map_location,
-                                                          weights_only=weights_only)
-            return original(path_or_url, map_location=map_location, weights_only=weights_only)
-
-        return pl_load
+        if not _open:
+            found = _loaders()
+            if not found:
+                raise ConfigError("this Lightning version loads checkpoints in a way dcp-tiered does not know (no "
+                                  "pl_load in lightning.pytorch.core.saving): load a plugin checkpoint with "
+                                  "dcp_tiered.integrations.lightning.load_from_checkpoint(Model, path), or turn it "
+                                  "into a normal .ckpt file with `dcp-tiered convert PATH model.ckpt`")
+            for module, original in found:
+                module.pl_load = _loader(original)
+            _originals[:] = found
+        _open.append(self)
 
     def close(self) -> None:
-        """Put back the loaders this handle replaced (handles close in the reverse order of opening)."""
-        for module, original in reversed(self._saved):
-            module.pl_load = original
-        self._saved.clear()
+        """End this handle (again: nothing); the last one open puts Lightning's loaders back."""
+        if self in _open:
+            _open.remove(self)
+            if not _open:
+                for module, original in _originals:
+                    module.pl_load = original
+                _originals.clear()
 
     def __enter__(self) -> PluginCheckpointReading:
         return self

@@ -50,8 +50,6 @@ MEMORY_FSTYPES = frozenset({"tmpfs", "ramfs"})
 SHM_DIR = "/dev/shm"
 
 
-
-
 def mount_fstype(mounts: str, path: str) -> str | None:
     """The file system type of the mount holding absolute ``path``, from ``/proc/mounts`` text (the longest
     mount point containing it wins; mount points use octal escapes for spaces)."""
