@@ -99,7 +99,7 @@ def _load(eps: tuple[importlib.metadata.EntryPoint, ...], error: type[ConfigErro
     ep = eps[0]
     try:
         return Plugin(ep.load(), describe(ep))
-    except Exception as exc:  # a plugin's import can raise anything; report it as the plugin's failure
+    except (Exception, SystemExit) as exc:  # a plugin's import can raise anything (an exit too): its failure
         failure = error(f"{describe(ep)}, which provides {what}, failed to load: {type(exc).__name__}: {exc}. "
                         f"Reinstall or upgrade {_distribution(ep)!r} (and what it needs), or uninstall it if you do not need it")
         failure.__cause__ = exc

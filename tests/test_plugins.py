@@ -96,12 +96,17 @@ class ToyStorage(FsspecStorage):
         return isinstance(fs, ToyFS)
 '''
 
-# A plugin whose module cannot be imported; it logs each import attempt to $PLUGIN_IMPORT_LOG.
+# A plugin whose module cannot be imported (ImportError, then SystemExit); it logs each import attempt to
+# $PLUGIN_IMPORT_LOG.
 BROKEN_PLUGIN = '''
 import os
 
-with open(os.environ["PLUGIN_IMPORT_LOG"], "a") as f:
+with open(os.environ["PLUGIN_IMPORT_LOG"], "a+") as f:
+    f.seek(0)
+    again = bool(f.read())
     f.write("imported\\n")
+if again:  # its second import (the other entry point) exits the process, as a careless module may
+    raise SystemExit(3)
 raise ImportError("libshaky.so: cannot open shared object file")
 '''
 
@@ -279,8 +284,8 @@ def test_a_broken_plugin_is_imported_once_named_and_breaks_nothing_else(plugins:
     assert log.read_text() == "imported\n" * 2  # each of the two entry points loaded once, never retried
     (codec_kind, first, cause), (_, second, _), (storage_kind, storage, _), (_, storage_again, _) = result["errors"]
     assert codec_kind == "CodecError" and first == second and storage == storage_again and "ImportError" in cause
-    for message in (first, storage):
-        assert "dcp-tiered-broken 0.2" in message and "libshaky.so" in message and "Reinstall" in message, message
+    for message, why in ((first, "libshaky.so"), (storage, "SystemExit: 3")):
+        assert "dcp-tiered-broken 0.2" in message and why in message and "Reinstall" in message, message
     assert "'shaky'" in first and "dcp_tiered.codecs" in first
     assert storage_kind == "ConfigError" and "'shakyfs'" in storage and "dcp_tiered.storage" in storage
     assert result["deflate"] == "deflate:2"  # another plugin of the same group still works
