@@ -695,14 +695,14 @@ def shard_worker(rank: int, world: int, port: int, op: str, label: str, path: st
 
         if world > 1:
             torch.distributed.barrier()
-        cpu0, t0 = cpu_seconds(), time.perf_counter()
+        busy0, cpu0, t0 = machine_jiffies(), cpu_seconds(), time.perf_counter()
         if prof is not None:
             prof.runcall(call)
         else:
             call()
         if world > 1:
             torch.distributed.barrier()
-        secs, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+        secs, cpu, busy1 = time.perf_counter() - t0, cpu_seconds() - cpu0, machine_jiffies()
         if op == "load":
             for k, v in local.items():
                 got = state[k].to_local() if world > 1 else state[k]
@@ -712,7 +712,8 @@ def shard_worker(rank: int, world: int, port: int, op: str, label: str, path: st
             stats = pstats.Stats(prof)
             rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:10]  # by own time
             top = [[f"{Path(f).name}:{line}({fn})", n, round(tt * 1e3, 1)] for (f, line, fn), (_c, n, tt, _ct, _cl) in rows]
-        Path(out).write_text(json.dumps({"s": secs, "cpu_s": cpu, "ms": ms, "top": top}))
+        busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
+        Path(out).write_text(json.dumps({"s": secs, "cpu_s": cpu, "busy": busy, "ms": ms, "top": top}))
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
@@ -738,7 +739,15 @@ def run_ranks(world: int, op: str, label: str, path: str, mib: int, warmup: bool
     res = [json.loads(Path(o).read_text()) for o in outs]
     for o in outs:
         os.unlink(o)
-    return {"s": max(r["s"] for r in res), "cpu_s": sum(r["cpu_s"] for r in res), "ms": res[0]["ms"], "top": res[0]["top"]}
+    return {"s": max(r["s"] for r in res), "cpu_s": sum(r["cpu_s"] for r in res), "busy": res[0]["busy"],
+            "ms": res[0]["ms"], "top": res[0]["top"]}
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, all processes (``/proc/stat``; nice'd work is busy)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
 
 
 def disk_rates(path: str, mib: int) -> tuple[float, float, int | None]:
@@ -766,15 +775,19 @@ def separated(ours: list[float], stock: list[float]) -> str:
     return "ranges overlap"
 
 
-def shard_bound(op: str, t: float, cpu_s: float, stored: int, disk_mbps: float, fixed_s: float, cores: int) -> str:
+def shard_bound(op: str, t: float, cpu_s: float, stored: int, disk_mbps: float, fixed_s: float, cores: int,
+                busy: float) -> str:
     """The largest of three shares of the row's median time: disk (its stored bytes at the measured disk rate),
-    CPU (core-seconds over wall x cores) and the fixed per-call cost (intercept of time against size)."""
+    CPU (its core-seconds over wall x cores) and the fixed per-call cost (intercept of time against size); where
+    none reaches 0.8 while the whole machine was at least 0.9 busy, the bound is the cores other work took."""
     shares = {f"disk {'write + fsync' if op == 'save' else 'read'}": stored / (disk_mbps * 1e6) / t,
               f"CPU ({'compression' if op == 'save' else 'decompression'} + copies)": cpu_s / (t * cores),
               "fixed per-call cost": max(0.0, fixed_s) / t}
     name = max(shares, key=shares.get)
+    if shares[name] < 0.8 and busy >= 0.9:
+        name = "CPU shared with other work"
     short = {k.split(" (")[0]: v for k, v in shares.items()}
-    return name + " (" + ", ".join(f"{k} {v:.2f}" for k, v in short.items()) + ")"
+    return name + " (" + ", ".join(f"{k} {v:.2f}" for k, v in short.items()) + f", machine busy {busy:.2f})"
 
 
 def shard_main(args: argparse.Namespace) -> dict:
@@ -827,6 +840,7 @@ def shard_main(args: argparse.Namespace) -> dict:
                         shutil.rmtree(path)
                         runs.setdefault((mib, world, label), []).append(
                             {"save_s": s["s"], "save_cpu_s": s["cpu_s"], "load_s": ld["s"], "load_cpu_s": ld["cpu_s"],
+                             "save_busy": s["busy"], "load_busy": ld["busy"],
                              "stored": stored, "resident_after_drop": left})
             print(f"round {rnd + 1}/{args.shard_repeat} done at {time.perf_counter() - t_start:.0f} s", flush=True)
     finally:
@@ -860,7 +874,7 @@ def write_shards(args: argparse.Namespace, cmd: str, sizes: list[int], worlds: l
                 for op in ("save", "load"):
                     rate = disk_w[mib] if op == "save" else disk_r[mib]
                     m[f"{op}_bound"] = shard_bound(op, m[f"{op}_s"], m[f"{op}_cpu_s"], m["stored"], rate,
-                                                   fixed[(world, label, op)], cores)
+                                                   fixed[(world, label, op)], cores, m[f"{op}_busy"])
                 rows.append([f"{mib} MiB", world, label, shard_threads(world), spread([r["save_s"] for r in rs]),
                              f"{m['save_cpu_s'] / (raw / GB):.2f}", m["save_bound"], spread([r["load_s"] for r in rs]),
                              f"{m['load_cpu_s'] / (raw / GB):.2f}", m["load_bound"], f"{m['stored'] / raw:.3f}"])
@@ -923,7 +937,9 @@ Ratios are **stock time ÷ our time, so above 1 means ours is faster**; the bar 
 The bound of a row is the largest of three shares of its median time: the disk (its stored bytes at the disk rate
 measured at that size in the same rounds: write + fsync of one file for saves, cold read for loads), the CPU
 (core-seconds ÷ (time x {cores} cores)) and the fixed per-call cost (the intercept of a least-squares line of the
-row's time against its size, over the sizes). Shares overlap (fixed costs spend CPU too), so read them as a ranking.
+row's time against its size, over the sizes); where none reaches 0.8 while the whole machine was at least 0.9 busy
+(all processes, from `/proc/stat` across rank 0's call, median of the rounds), the bound named is the CPU that other
+work held. Shares overlap (fixed costs spend CPU too), so read them as a ranking.
 
 {dtable}
 

@@ -208,6 +208,6 @@ def test_storage_bench_shard_rows_at_tiny_sizes_write_their_section(monkeypatch,
     for run in data["runs"]:
         m = run["median"]
         assert all(math.isfinite(m[k]) and m[k] > 0 for k in ("save_s", "load_s", "save_cpu_s", "load_cpu_s")), run
-        assert m["save_bound"].split(" (")[0] in {"disk write + fsync", "CPU", "fixed per-call cost"}
+        assert m["save_bound"].split(" (")[0] in {"disk write + fsync", "CPU", "fixed per-call cost", "CPU shared with other work"}
         if run["writer"] == bench_storage.SHARD_OURS:
             assert m["stored"] < run["mib"] * run["ranks"] << 20  # zstd:1 stores less than the raw fp32 bytes
