@@ -202,7 +202,9 @@ def test_storage_bench_shard_rows_at_tiny_sizes_write_their_section(monkeypatch,
     for mib in (1, 2):
         for ranks in (1, 2):
             assert f"| {mib} MiB | {ranks} | " in text
-    assert "ours ms, 2 ranks" in text and "storage.finish" in text
+    assert "ours ms, 2 ranks" in text and "storage.finish" in text and "Rows meeting the bar: " in text
+    bench_storage.main(["--shard-render"])  # the section again, from the numbers the run saved
+    assert (tmp_path / "benchmarks.md").read_text() == text
     data = json.loads((tmp_path / "bench_results" / "shards.json").read_text())["data"]
     assert len(data["runs"]) == 2 * 2 * 2
     for run in data["runs"]:
