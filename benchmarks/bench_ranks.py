@@ -33,6 +33,7 @@ from benchmarks.common import (
     chart_or_note,
     dir_bytes,
     drop_page_cache,
+    local_shard,
     machine_line,
     md_table,
     nbytes,
@@ -49,14 +50,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
-
-
-def local_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of ``t`` under ``Shard(0)`` (torch.chunk sizes: the last shards may be short or empty)."""
-    n = t.shape[0]
-    size = -(-n // world)
-    start = min(rank * size, n)
-    return t[start : min(start + size, n)].clone()
 
 
 def _worker(rank: int, world: int, port: int, state_file: str, base: str, repeat: int, threads: int, out: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import re
@@ -68,6 +69,31 @@ def repeated_state(base: dict[str, torch.Tensor], total_bytes: int, clone: bool 
     return out
 
 
+def every_key_state(base: dict[str, torch.Tensor], total_bytes: int) -> dict[str, torch.Tensor]:
+    """``base`` whole under ``rep<N>.`` keys while it fits, then one more copy with *every* tensor cut to
+    the same fraction of its leading rows: a real state of about ``total_bytes`` (within a row per tensor)
+    that keeps all of ``base``'s keys, as one FSDP shard of a model does, unlike :func:`repeated_state`."""
+    whole = nbytes(base)
+    out: dict[str, torch.Tensor] = {}
+    rep = 0
+    while total_bytes - nbytes(out) >= whole:
+        out |= {f"rep{rep}.{k}": v.clone() for k, v in base.items()}
+        rep += 1
+    frac = (total_bytes - nbytes(out)) / whole
+    if frac > 0:
+        for k, v in base.items():
+            out[f"rep{rep}.{k}"] = v[: max(1, math.ceil(v.shape[0] * frac))].clone()
+    return out
+
+
+def local_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of ``t`` under ``Shard(0)`` (torch.chunk sizes: the last shards may be short or empty)."""
+    n = t.shape[0]
+    size = -(-n // world)
+    start = min(rank * size, n)
+    return t[start : min(start + size, n)].clone()
+
+
 def random_normal(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     n = 16
@@ -94,6 +120,32 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+def drop_file_cache(path: str | Path) -> int | None:
+    """Evict the page cache of the file ``path``, or of every file under the directory ``path``, without root:
+    fsync each, then ``posix_fadvise(POSIX_FADV_DONTNEED)``; return the bytes still resident (``fincore``), None if unknown."""
+    files = [Path(path)] if Path(path).is_file() else [f for f in Path(path).rglob("*") if f.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return resident_bytes(files)
+
+
+def resident_bytes(files: list[Path]) -> int | None:
+    """Bytes of ``files`` in the page cache, from util-linux ``fincore``; None where it is missing."""
+    if not files:
+        return 0
+    try:
+        out = subprocess.run(["fincore", "-b", "-n", "-r", "-o", "RES", *map(str, files)],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(int(x) for x in out.split())
 
 
 def dir_bytes(path: str | Path) -> int:

@@ -166,3 +166,50 @@ def test_scale_bench_quick_writes_its_tables_with_positive_finite_ratios(tmp_pat
             ratios += [row[f"ours.{k}"] / row[f"stock.{k}"] for k in ("gather_bytes", "bcast_bytes", "file_bytes")]
             assert all(r is not None and math.isfinite(r) and r > 0 for r in ratios), (name, row["N"], ratios)
         assert all(math.isfinite(e["overall"]) for e in model["exponents"].values())
+
+
+def test_every_key_state_keeps_all_keys_of_its_base_at_any_size() -> None:
+    """A shard-like state: every base key at every size (cut to leading rows), whole copies above the base's size."""
+    import torch
+
+    from benchmarks.common import every_key_state, nbytes
+
+    base = {"emb": torch.arange(4000.0).reshape(1000, 4), "bias": torch.arange(16.0)}  # 16,064 bytes
+    small = every_key_state(base, 4000)
+    assert set(small) == {"rep0.emb", "rep0.bias"} and 4000 <= nbytes(small) < 4000 + 4 * 4 + 4
+    assert torch.equal(small["rep0.emb"], base["emb"][: small["rep0.emb"].shape[0]])
+    big = every_key_state(base, 2 * nbytes(base) + 100)
+    assert set(big) == {f"rep{r}.{k}" for r in range(3) for k in base}
+    assert torch.equal(big["rep1.emb"], base["emb"]) and big["rep1.emb"].data_ptr() != base["emb"].data_ptr()
+
+
+def test_storage_bench_shard_rows_at_tiny_sizes_write_their_section(monkeypatch, tmp_path: Path) -> None:
+    """bench_storage --shards at 1 and 2 MiB per process, 1 process and 2 gloo ranks, one round: every save and
+    cold load runs in fresh processes (a load that differs fails its rank), and the section has one verdict row
+    per size and rank count, with positive finite ratios, a named bound and the 2-rank phase profile."""
+    import json
+    import math
+
+    from benchmarks import bench_storage, common
+
+    monkeypatch.setattr(common, "DOC", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "bench_results")
+    bench_storage.main(["--shards", "--shard-mib", "1,2", "--shard-ranks", "1,2", "--shard-repeat", "1"])
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "<!-- bench:shards:start -->" in text
+    assert "`.venv/bin/python -m benchmarks.bench_storage --shards --shard-mib 1,2 --shard-ranks 1,2 --shard-repeat 1`" in text
+    assert "stock time ÷ our time, so above 1 means ours is faster" in text and "shared" in text
+    for mib in (1, 2):
+        for ranks in (1, 2):
+            assert f"| {mib} MiB | {ranks} | " in text
+    assert "ours ms, 2 ranks" in text and "storage.finish" in text and "Rows meeting the bar: " in text
+    bench_storage.main(["--shard-render"])  # the section again, from the numbers the run saved
+    assert (tmp_path / "benchmarks.md").read_text() == text
+    data = json.loads((tmp_path / "bench_results" / "shards.json").read_text())["data"]
+    assert len(data["runs"]) == 2 * 2 * 2
+    for run in data["runs"]:
+        m = run["median"]
+        assert all(math.isfinite(m[k]) and m[k] > 0 for k in ("save_s", "load_s", "save_cpu_s", "load_cpu_s")), run
+        assert m["save_bound"].split(" (")[0] in {"disk write + fsync", "CPU", "fixed per-call cost", "CPU shared with other work"}
+        if run["writer"] == bench_storage.SHARD_OURS:
+            assert m["stored"] < run["mib"] * run["ranks"] << 20  # zstd:1 stores less than the raw fp32 bytes
