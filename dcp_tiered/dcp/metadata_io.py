@@ -46,7 +46,7 @@ from dcp_tiered.dcp.format import (
     chunk_sizes,
     is_native_record,
 )
-from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
+from dcp_tiered.dcp.item_table import pack_items, pack_paths, packed_chunk_problem, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
@@ -70,19 +70,32 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
             f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
             f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
             "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard over fewer ranks")
-    for fqn, item in (metadata.state_dict_metadata or {}).items():  # what readers check, checked first
-        if type(item) is TensorStorageMetadata:
-            problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
-            if problem is not None:
-                raise UnsupportedFormatError(f"{where}: tensor {fqn!r}: {problem}; readers would refuse this "
-                                             "checkpoint, nothing was committed")
-    body = pickle.dumps(_packed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
+    packed = _packed(metadata)
+    problem = _tiling_problem(metadata, packed)  # what readers check, checked first
+    if problem is not None:
+        raise UnsupportedFormatError(f"{where}: tensor {problem[0]!r}: {problem[1]}; readers would refuse this "
+                                     "checkpoint, nothing was committed")
+    body = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
     if len(body) + _TRAILER > MAX_METADATA_BYTES:
         raise MetadataTooLargeError(
             f"{where}: this save's metadata is {len(body) + _TRAILER} bytes, over the {MAX_METADATA_BYTES}-byte "
             f"limit readers accept ({records} records); nothing was committed. Save fewer, larger tensors "
             "(e.g. flattened or fused parameters), or shard over fewer ranks")
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
+
+
+def _tiling_problem(metadata: Metadata, packed: Metadata) -> "tuple[str, str] | None":
+    """The first tensor of ``metadata`` whose chunks do not tile it exactly, and why: over the item table
+    of ``packed`` (its format-2 form) when it has one, as readers check it, else tensor by tensor."""
+    head = next(iter(packed.storage_data.values()), None) if type(packed.storage_data) is dict else None
+    if type(head) is dict and "items" in head:
+        return packed_chunk_problem(head["items"])
+    for fqn, item in (metadata.state_dict_metadata or {}).items():
+        if type(item) is TensorStorageMetadata:
+            problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
+            if problem is not None:
+                return fqn, problem
+    return None
 
 
 def _check_counts(md: Metadata, source: str, table: bool) -> None:
@@ -139,13 +152,16 @@ def _as_dict(metadata: Metadata, storage: dict) -> Metadata:
     return out
 
 
-def _unpacked(md: Metadata, source: str) -> None:
-    """Replace the item and path tables of a format-2 head record by DCP's own tables."""
+def _unpacked(md: Metadata, source: str) -> bool:
+    """Replace the item and path tables of a format-2 head record by DCP's own tables; whether it had an
+    item table (whose tensors ``unpack_items`` checked, chunks included)."""
     head = next(iter(md.storage_data.values()))
-    if "items" in head:
-        md.state_dict_metadata = unpack_items(head["items"], source)
-        if "paths" in head:
-            md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
+    if "items" not in head:
+        return False
+    md.state_dict_metadata = unpack_items(head["items"], source)
+    if "paths" in head:
+        md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
+    return True
 
 
 #: Decoded ``.metadata`` by the xxh3-128 digest of its bytes, with the largest non-tensor item it
@@ -217,10 +233,9 @@ def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadat
     if type(md) is not Metadata:
         raise UnsafeCheckpointError(f"{source} holds a {type(md).__name__}, not DCP Metadata")
     table = is_table(getattr(md, "storage_data", None))
-    if table:
-        _unpacked(md, source)
+    items_checked = table and _unpacked(md, source)
     _check_counts(md, source, table)
-    _check_tables(md, source)
+    _check_tables(md, source, tensors_checked=items_checked)
     checked = 0
     if table:
         packed = md.storage_data
@@ -412,16 +427,18 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
     _check_records(md, source, max_object_bytes)
 
 
-def _check_tables(md: Metadata, source: str) -> None:
-    """Everything but the storage records: DCP's tensor table, planner data, storage meta, version."""
+def _check_tables(md: Metadata, source: str, tensors_checked: bool = False) -> None:
+    """Everything but the storage records: DCP's tensor table, planner data, storage meta, version.
+    ``tensors_checked``: the tensor table was built from a format-2 item table, which checked it."""
     sdm, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
     if type(sdm) is not dict or type(storage) is not dict:
         raise CorruptCheckpointError(f"{source} lacks DCP's state_dict_metadata or storage_data tables")
-    for fqn, item in sdm.items():
-        if type(item) is TensorStorageMetadata:
-            _check_tensor_md(fqn, item, source)
-        elif type(item) is not BytesStorageMetadata:
-            raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
+    if not tensors_checked:
+        for fqn, item in sdm.items():
+            if type(item) is TensorStorageMetadata:
+                _check_tensor_md(fqn, item, source)
+            elif type(item) is not BytesStorageMetadata:
+                raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
     _check_planner_data(getattr(md, "planner_data", None), source, sdm)
     _check_storage_meta(getattr(md, "storage_meta", None), source)
     version = getattr(md, "version", None)
