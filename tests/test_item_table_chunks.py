@@ -1,4 +1,4 @@
-"""The chunk checks of a format-2 item table: ``unpack_items`` checks every tensor's chunks over the
+"""The chunk checks of a format-2 item table: ``check_table_chunks`` checks every tensor's chunks over the
 table's columns (inside the tensor, tiling it exactly) instead of one tensor at a time, so a crafted
 table is refused as a format-1 pickle of the same chunks is."""
 
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorPr
 
 from dcp_tiered import CompressedReader, CompressedWriter, CorruptCheckpointError
 from dcp_tiered.codecs import checksum
-from dcp_tiered.dcp.item_table import pack_items, unpack_items
+from dcp_tiered.dcp.item_table import check_table_chunks, pack_items, unpack_items
 from dcp_tiered.dcp.tiling import tiling_problem
 from test_tiling import layouts
 
@@ -40,11 +40,12 @@ def _tensor(size, boxes):
 def test_item_table_chunks_are_checked_as_format_1_checks_them(boxes, ok):
     sdm = {"a": _tensor((5,), [((0,), (5,))]), "w": _tensor((8, 3), boxes), "s": _tensor((), [((), ())])}
     items = pack_items(sdm)
+    assert unpack_items(items, "x") == sdm
     if ok:
-        assert unpack_items(items, "x") == sdm
+        check_table_chunks(items, "x")
     else:
         with pytest.raises(CorruptCheckpointError, match="'w'"):
-            unpack_items(items, "x")
+            check_table_chunks(items, "x")
 
 
 def test_a_chunk_outside_its_tensor_in_the_item_table_is_refused(tmp_path):
@@ -70,6 +71,7 @@ def test_the_item_table_check_agrees_with_the_exact_one(layout):
     items = pack_items({"w": _tensor(size, boxes), "v": _tensor((3,), [((0,), (3,))])})
     try:
         unpack_items(items, "x")
+        check_table_chunks(items, "x")
         refused = False
     except CorruptCheckpointError:
         refused = True

@@ -115,9 +115,6 @@ def unpack_items(items: Any, source: str) -> dict:
         raise _bad(source, "has a dimension above 2**62")
     if any(type(p.dtype) is not torch.dtype for p in props):
         raise _bad(source, "has tensor properties without a dtype")
-    problem = chunk_problem(fqns, tensor, ndim, nchunks, dims, offs, csz)
-    if problem is not None:
-        raise CorruptCheckpointError(f"{source}: tensor {problem[0]!r}: {problem[1]}; the metadata is damaged or crafted")
     dims, offs, csz = dims.tolist(), offs.tolist(), csz.tolist()
     sdm, at, cat, size, chunk = {}, 0, 0, torch.Size, ChunkStorageMetadata
     for fqn, k, p, d, c in zip(fqns, *(cols[name].tolist() for name in _ITEM_ROW)):
@@ -135,14 +132,22 @@ def unpack_items(items: Any, source: str) -> dict:
     return sdm
 
 
-def packed_chunk_problem(items: dict) -> "tuple[str, str] | None":
-    """:func:`chunk_problem` of an item table :func:`pack_items` made (trusted: a save's own)."""
+def table_chunk_problem(items: dict, source: str) -> "tuple[str, str] | None":
+    """:func:`chunk_problem` of an item table that :func:`pack_items` made or :func:`unpack_items` read."""
     fqns = items["fqns"]
-    kind, _prop, ndim, nchunks = (_read(items, c, len(fqns), "the save's item table").astype(np.int64) for c in _ITEM_ROW)
+    kind, _prop, ndim, nchunks = (_read(items, c, len(fqns), source).astype(np.int64) for c in _ITEM_ROW)
     count = int((ndim * nchunks).sum())
-    dims = _read(items, "size", int(ndim.sum()), "the save's item table")
-    offs, csz = (_read(items, c, count, "the save's item table") for c in ("offsets", "chunk_sizes"))
+    dims = _read(items, "size", int(ndim.sum()), source)
+    offs, csz = (_read(items, c, count, source) for c in ("offsets", "chunk_sizes"))
     return chunk_problem(fqns, kind == 0, ndim, nchunks, dims, offs, csz)
+
+
+def check_table_chunks(items: dict, source: str) -> None:
+    """Refuse an item table (already read by :func:`unpack_items`) whose chunks lie outside their tensor
+    or do not tile it exactly, as ``check_metadata`` refuses such chunks tensor by tensor."""
+    problem = table_chunk_problem(items, source)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{source}: tensor {problem[0]!r}: {problem[1]}; the metadata is damaged or crafted")
 
 
 def chunk_problem(fqns: "tuple | list", tensor: np.ndarray, ndim: np.ndarray, nchunks: np.ndarray, dims: np.ndarray,

@@ -46,7 +46,8 @@ from dcp_tiered.dcp.format import (
     chunk_sizes,
     is_native_record,
 )
-from dcp_tiered.dcp.item_table import pack_items, pack_paths, packed_chunk_problem, unpack_items, unpack_paths
+from dcp_tiered.dcp.gc_pause import gc_paused
+from dcp_tiered.dcp.item_table import check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
@@ -89,7 +90,7 @@ def _tiling_problem(metadata: Metadata, packed: Metadata) -> "tuple[str, str] | 
     of ``packed`` (its format-2 form) when it has one, as readers check it, else tensor by tensor."""
     head = next(iter(packed.storage_data.values()), None) if type(packed.storage_data) is dict else None
     if type(head) is dict and "items" in head:
-        return packed_chunk_problem(head["items"])
+        return table_chunk_problem(head["items"], "the save's item table")
     for fqn, item in (metadata.state_dict_metadata or {}).items():
         if type(item) is TensorStorageMetadata:
             problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
@@ -154,7 +155,7 @@ def _as_dict(metadata: Metadata, storage: dict) -> Metadata:
 
 def _unpacked(md: Metadata, source: str) -> bool:
     """Replace the item and path tables of a format-2 head record by DCP's own tables; whether it had an
-    item table (whose tensors ``unpack_items`` checked, chunks included)."""
+    item table."""
     head = next(iter(md.storage_data.values()))
     if "items" not in head:
         return False
@@ -211,7 +212,8 @@ def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" 
         if hit is not None:
             _DECODED.move_to_end(key)
     if hit is None:
-        md = _decode(data, source, None)
+        with gc_paused():
+            md = _decode(data, source, None)
         hit = (md, _largest_object(md), len(data) * DECODED_PER_BYTE)
         if hit[2] <= DECODE_CACHE_BYTES:
             with _DECODED_LOCK:
@@ -235,6 +237,8 @@ def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadat
     table = is_table(getattr(md, "storage_data", None))
     items_checked = table and _unpacked(md, source)
     _check_counts(md, source, table)
+    if items_checked:  # the tensors' chunks, over the item table's columns
+        check_table_chunks(next(iter(md.storage_data.values()))["items"], source)
     _check_tables(md, source, tensors_checked=items_checked)
     checked = 0
     if table:
@@ -479,7 +483,7 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
 
 def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
     """Every chunk of every tensor, and every non-tensor item, has a record saying where it is."""
-    stored = {(i.fqn, tuple(i.offset) if i.offset is not None else None) for i in storage}
+    stored = {(i.fqn, i.offset) for i in storage}  # a torch.Size offset hashes and compares as its tuple
     fqns = {i.fqn for i in storage}
     for fqn, item in sdm.items():
         if type(item) is BytesStorageMetadata:
@@ -487,7 +491,7 @@ def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
                 raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
             continue
         for chunk in item.chunks:
-            if (fqn, tuple(chunk.offsets)) not in stored:
+            if (fqn, chunk.offsets) not in stored:
                 raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
 
 
