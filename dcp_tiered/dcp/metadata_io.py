@@ -48,7 +48,7 @@ from dcp_tiered.dcp.format import (
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.item_table import check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, is_table, pack_storage, unpack_storage
+from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, RecordTable, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
 from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError, UnsupportedFormatError
@@ -116,7 +116,7 @@ def _counts(md: Metadata) -> tuple[int, int]:
     """Storage records and tensor chunks of ``md`` (as decoded, or a table's declared row count)."""
     storage = getattr(md, "storage_data", None)
     sdm = getattr(md, "state_dict_metadata", None)
-    records = len(storage) if isinstance(storage, (dict, PackedRecords)) else 0
+    records = len(storage) if isinstance(storage, (dict, PackedRecords, RecordTable)) else 0
     chunks = sum(len(c) for t in sdm.values() if type(c := getattr(t, "chunks", None)) is list) if isinstance(sdm, dict) else 0
     return records, chunks
 
@@ -124,6 +124,8 @@ def _counts(md: Metadata) -> tuple[int, int]:
 def _packed(metadata: Metadata) -> Metadata:
     """``metadata`` as format 2 stores it: records, items and planner paths as tables in the head record."""
     sdm, storage = metadata.state_dict_metadata, metadata.storage_data
+    if type(storage) is RecordTable:  # a decoded checkpoint's, saved again
+        storage = dict(storage)
     if type(storage) is PackedRecords:  # packed once by the writer's finish, for the broadcast too
         packed = dict(storage.packed)
         if not is_table(packed):
@@ -190,8 +192,10 @@ def _fresh(md: Metadata) -> Metadata:
 
 def _largest_object(md: Metadata) -> int:
     """The largest size a non-tensor item of checked ``md`` declares (what ``max_object_bytes`` caps)."""
-    sdm, largest = md.state_dict_metadata, 0
-    for index, record in md.storage_data.items():
+    sdm, largest, storage = md.state_dict_metadata, 0, md.storage_data
+    if type(storage) is RecordTable:
+        largest, storage = storage.largest_bytes_item(), storage.rest
+    for index, record in storage.items():
         if is_native_record(record):
             if record["kind"] == KIND_BYTES:
                 largest = max(largest, record["raw"])
@@ -427,6 +431,9 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
 
     ``source`` names the file in messages; ``max_object_bytes`` caps non-tensor items.
     """
+    if type(getattr(md, "storage_data", None)) is RecordTable:  # its tensor table may have been replaced
+        md = copy.copy(md)
+        md.storage_data = dict(md.storage_data)
     _check_tables(md, source)
     _check_records(md, source, max_object_bytes)
 
@@ -455,7 +462,7 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
     as rows of the record table (``unpack_storage``)."""
     sdm, storage = md.state_dict_metadata, md.storage_data
     checkpoint = _checkpoint_of(source)
-    rest = itertools.islice(storage.items(), skip, None)
+    rest = storage.rest.items() if type(storage) is RecordTable else itertools.islice(storage.items(), skip, None)
     sizes = chunk_sizes(sdm) if skip < len(storage) else {}
     files: set[str] = set()  # data file names already checked
     for index, record in rest:
@@ -483,6 +490,22 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
 
 def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
     """Every chunk of every tensor, and every non-tensor item, has a record saying where it is."""
+    if type(storage) is RecordTable:  # the items whose every chunk has a row, found over the columns
+        rest = storage.rest
+        stored = {(i.fqn, i.offset) for i in rest}
+        fqns = {i.fqn for i in rest}
+        for fqn, covered in zip(sdm, storage.covered().tolist()):
+            item = sdm[fqn]
+            if covered:
+                continue
+            if type(item) is BytesStorageMetadata:
+                if fqn not in fqns:
+                    raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
+                continue
+            for chunk in item.chunks:
+                if (fqn, chunk.offsets) not in stored and MetadataIndex(fqn, chunk.offsets) not in storage:
+                    raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
+        return
     stored = {(i.fqn, i.offset) for i in storage}  # a torch.Size offset hashes and compares as its tuple
     fqns = {i.fqn for i in storage}
     for fqn, item in sdm.items():

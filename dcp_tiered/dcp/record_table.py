@@ -17,7 +17,8 @@ reader of format 1 refuses the file with "format version 2: upgrade dcp_tiered".
 that do not fit (stock ``_StorageInfo``, unknown fields, odd indices) stay as they are.
 :func:`unpack_storage` checks the table's shape (column widths and lengths, id ranges)
 before building anything, then returns the dicts, which ``check_metadata`` validates as
-every record is.  ``unpack_storage(sdm, pack_storage(sdm, s)) == s``, index hints included.
+every record is; a checked decode (``checkpoint`` given) returns a :class:`RecordTable`, which
+builds each dict when it is asked for.  ``unpack_storage(sdm, pack_storage(sdm, s)) == s``, index hints included.
 """
 
 from __future__ import annotations
@@ -260,19 +261,31 @@ def _columns(head: dict, sdm: dict, source: str) -> tuple[dict, list, list, tupl
 
 
 def unpack_storage(sdm: dict, storage: dict, source: str, *, checkpoint: "str | None" = None,
-                   max_object_bytes: "int | None" = None) -> dict:
+                   max_object_bytes: "int | None" = None) -> "dict | RecordTable":
     """``storage_data`` in memory (one dict record per index) from its on-disk form (see module doc).
 
     ``sdm`` must already be checked (``state_dict_metadata`` types).  With ``checkpoint`` (the name
     messages give) the table's records are checked as ``check_metadata`` checks each record
-    (:func:`_check_rows`), and only the records stored apart from the table (after its rows) still
-    need it; without, every record does.
+    (:func:`_check_rows`), and only the records stored apart from the table (``RecordTable.rest``)
+    still need it; without, every record does.  With ``checkpoint`` the result is a
+    :class:`RecordTable` (records built when asked for) unless an empty chunk could make two rows
+    one index; else a dict.
     """
     if not is_table(storage):
         return storage
     items = iter(storage.items())
     first_index, head = next(items)
     arrays, frame_col, sum_col, names = _columns(head, sdm, source)
+    if checkpoint is not None and not ((arrays["kind"] == 0) & (arrays["raw"] == 0)).any():
+        table = RecordTable(sdm, arrays, frame_col, sum_col, names, source)
+        if table.key(0) != first_index:
+            raise _bad(source, "is not stored under its first record's index")
+        _check_rows(arrays, frame_col, names, sdm, table.rows(), checkpoint, max_object_bytes)
+        for index, rec in items:
+            if index in table:
+                raise _bad(source, f"and another record both hold {getattr(index, 'fqn', index)!r}")
+            table.rest[index] = rec
+        return table
     cols = {c: v.tolist() for c, v in arrays.items()}
     frames, sums = frame_col.tolist(), sum_col.tolist()
     fqns, out, at, new, index_type = list(sdm), {}, 0, object.__new__, MetadataIndex
@@ -317,6 +330,138 @@ def unpack_storage(sdm: dict, storage: dict, source: str, *, checkpoint: "str | 
             raise _bad(source, f"and another record both hold {getattr(index, 'fqn', index)!r}")
         out[index] = rec
     return out
+
+
+class RecordTable(collections.abc.Mapping):
+    """``storage_data`` of a decoded format-2 ``.metadata``: the record table's rows, checked as columns,
+    become record dicts (equal to what :func:`unpack_storage` builds eagerly) only when looked up or
+    iterated, so a rank restoring its own shards builds their records only; ``rest``: the records
+    stored apart from the table.  Read-only; pickled as a plain dict."""
+
+    def __init__(self, sdm: dict, arrays: dict, frames: np.ndarray, sums: np.ndarray, names: tuple,
+                 source: str) -> None:
+        self._fqns = list(sdm)
+        self._item_of = {fqn: i for i, fqn in enumerate(self._fqns)}
+        self._chunks = [e.chunks if type(e) is TensorStorageMetadata else () for e in sdm.values()]
+        self._offsets: dict[int, dict] = {}  # item -> chunk offsets -> position + 1, made when first asked
+        self._names = names
+        self._cols = {c: v.tolist() for c, v in arrays.items()}
+        self._frames, self._sums = frames.tolist(), sums.tolist()
+        self._starts = (np.cumsum(arrays["nframes"], dtype=np.int64) - arrays["nframes"]).tolist()
+        self.n = len(self._cols["item"])
+        item, chunk, kind = (arrays[c].astype(np.int64) for c in ("item", "chunk", "kind"))
+        nchunks = np.array([len(c) for c in self._chunks], dtype=np.int64)
+        bad = np.where(kind == 0, (chunk < 1) | (chunk > nchunks[item]), chunk != 0)
+        if bad.any():
+            r = int(np.argmax(bad))
+            fqn, c = self._fqns[int(item[r])], int(chunk[r])
+            raise _bad(source, f"names chunk {c} of {fqn!r}, which has {len(self._chunks[int(item[r])])}" if kind[r] == 0
+                       else f"gives the non-tensor item {fqn!r} a chunk")
+        self._stride = int(chunk.max(initial=0)) + 1
+        self._row = dict(zip((item * self._stride + chunk).tolist(), range(self.n)))
+        if len(self._row) != self.n:  # two rows under one (item, chunk)
+            _refuse_duplicate(self._cols, self._fqns, self._chunks, source)
+        self._keys: list = [None] * self.n
+        self._built: list = [None] * self.n
+        self.rest: dict = {}
+
+    def _row_of(self, index: Any) -> "int | None":
+        item = self._item_of.get(getattr(index, "fqn", None)) if type(index) is MetadataIndex else None
+        if item is None:
+            return None
+        offset = index.offset
+        if offset is None:
+            chunk = 0
+        else:
+            table = self._offsets.get(item)
+            if table is None:
+                table = self._offsets[item] = {c.offsets: j + 1 for j, c in enumerate(self._chunks[item])}
+            chunk = table.get(offset)  # a torch.Size hashes and compares as its tuple
+            if chunk is None:
+                return None
+        return self._row.get(item * self._stride + chunk)
+
+    def key(self, r: int) -> MetadataIndex:
+        """The index of row ``r`` (as ``MetadataIndex(fqn, offsets, hint)`` builds it)."""
+        index = self._keys[r]
+        if index is None:
+            cols = self._cols
+            item, chunk, hint = cols["item"][r], cols["chunk"][r], cols["index"][r]
+            index = object.__new__(MetadataIndex)
+            fields = index.__dict__
+            fields["fqn"], fields["index"] = self._fqns[item], hint - 1 if hint else None
+            if chunk:
+                fields["offset"] = self._chunks[item][chunk - 1].offsets
+            self._keys[r] = index
+        return index
+
+    def record(self, r: int) -> dict:
+        """The record dict of row ``r``."""
+        rec = self._built[r]
+        if rec is not None:
+            return rec
+        cols, names = self._cols, self._names
+        at, nframes = self._starts[r], cols["nframes"][r]
+        fr, sm = tuple(self._frames[at:at + nframes]), tuple(self._sums[at:at + nframes])
+        rec = {"fmt": cols["fmt"][r], "file": names[cols["file"][r]], "offset": cols["offset"][r], "length": sum(fr),
+               "raw": cols["raw"][r], "codec": names[cols["codec"][r]], "frames": fr, "sums": sm}
+        if cols["checksum"][r]:
+            rec["checksum"] = names[cols["checksum"][r]]
+        kind = cols["kind"][r]
+        rec["kind"], rec["itemsize"], rec["filter"] = _KINDS[kind], cols["itemsize"][r], names[cols["filter"][r]]
+        for field, column in (("dtype", "dtype"), ("orig_dtype", "orig_dtype")):
+            if cols[column][r]:
+                rec[field] = names[cols[column][r]]
+        if kind == 0:
+            rec["shape"] = tuple(self._chunks[cols["item"][r]][cols["chunk"][r] - 1].sizes)
+        if cols["object"][r]:
+            rec["object"] = names[cols["object"][r]]
+        rec["frame"] = cols["frame"][r]
+        self._built[r] = rec
+        return rec
+
+    def rows(self) -> "_Rows":
+        """The rows as a sequence of ``(index, record)``, built when indexed."""
+        return _Rows(self)
+
+    def covered(self) -> np.ndarray:
+        """Per item of the tensor table, whether the table's rows hold every chunk (non-tensor: a row)."""
+        counts = np.bincount(np.array(self._cols["item"], dtype=np.int64), minlength=len(self._fqns))
+        need = np.array([len(c) if type(c) is list else 1 for c in self._chunks], dtype=np.int64)
+        return counts == need  # rows hold distinct valid chunks: as many as there are is all of them
+
+    def largest_bytes_item(self) -> int:
+        """The largest raw size a non-tensor row declares (0: none)."""
+        return max((raw for raw, kind in zip(self._cols["raw"], self._cols["kind"]) if kind == 1), default=0)
+
+    def __getitem__(self, index: Any) -> dict:
+        r = self._row_of(index)
+        return self.rest[index] if r is None else self.record(r)
+
+    def __contains__(self, index: object) -> bool:
+        return self._row_of(index) is not None or index in self.rest
+
+    def __iter__(self) -> Iterator[Any]:
+        for r in range(self.n):
+            yield self.key(r)
+        yield from self.rest
+
+    def __len__(self) -> int:
+        return self.n + len(self.rest)
+
+    def __reduce__(self) -> tuple:
+        return dict, (list(self.items()),)
+
+
+class _Rows(collections.abc.Sequence):
+    def __init__(self, table: RecordTable) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return self.table.n
+
+    def __getitem__(self, r: Any) -> tuple:
+        return self.table.key(r), self.table.record(r)
 
 
 def _refuse_duplicate(cols: dict, fqns: list, chunk_lists: list, source: str) -> None:
