@@ -51,3 +51,16 @@ def test_a_reader_loads_through_the_lazy_table(tmp_path):
     sd = {"w": torch.zeros(4, 3), "b": torch.zeros(5), "note": {"lr": 0.0}, "s": torch.tensor(0)}
     dcp.load(sd, storage_reader=CompressedReader(path), no_dist=True)
     assert torch.equal(sd["w"], torch.arange(12.0).reshape(4, 3)) and sd["note"] == {"lr": 0.1} and sd["s"] == 3
+
+
+def test_a_record_kept_apart_from_the_table_is_found_beside_the_rows(tmp_path):
+    """A record the table cannot hold (an unknown field) stays apart; its index must not be taken for a
+    row of another item (the rows' keys leave room for every chunk of every item)."""
+    path = tmp_path / "ckpt"
+    dcp.save({"a": torch.ones(3), "b": 7}, storage_writer=CompressedWriter(path, sync_files=False), no_dist=True)
+    md = unpack_metadata((path / ".metadata").read_bytes())
+    tensor = next(i for i, r in md.storage_data.items() if r["kind"] == "tensor")  # item 0, chunk 1; b: item 1
+    md.storage_data[tensor] = {**md.storage_data[tensor], "future_field": 1}
+    decoded = decode_metadata(encode_metadata(md), "ckpt/.metadata").storage_data
+    assert type(decoded) is RecordTable and len(decoded.rest) == 1
+    assert dict(decoded) == md.storage_data

@@ -357,7 +357,7 @@ class RecordTable(collections.abc.Mapping):
             fqn, c = self._fqns[int(item[r])], int(chunk[r])
             raise _bad(source, f"names chunk {c} of {fqn!r}, which has {len(self._chunks[int(item[r])])}" if kind[r] == 0
                        else f"gives the non-tensor item {fqn!r} a chunk")
-        self._stride = int(chunk.max(initial=0)) + 1
+        self._stride = int(nchunks.max(initial=0)) + 1  # any chunk of any item, not only those with rows
         self._row = dict(zip((item * self._stride + chunk).tolist(), range(self.n)))
         if len(self._row) != self.n:  # two rows under one (item, chunk)
             _refuse_duplicate(self._cols, self._fqns, self._chunks, source)
@@ -449,8 +449,34 @@ class RecordTable(collections.abc.Mapping):
     def __len__(self) -> int:
         return self.n + len(self.rest)
 
+    def items(self) -> "_Items":
+        return _Items(self)
+
+    def values(self) -> "_Values":
+        return _Values(self)
+
     def __reduce__(self) -> tuple:
         return dict, (list(self.items()),)
+
+
+class _Items(collections.abc.ItemsView):
+    """A :class:`RecordTable`'s items, row by row (no lookup by index)."""
+
+    def __iter__(self) -> Iterator[tuple]:
+        table = self._mapping
+        for r in range(table.n):
+            yield table.key(r), table.record(r)
+        yield from table.rest.items()
+
+
+class _Values(collections.abc.ValuesView):
+    """A :class:`RecordTable`'s records, row by row."""
+
+    def __iter__(self) -> Iterator[dict]:
+        table = self._mapping
+        for r in range(table.n):
+            yield table.record(r)
+        yield from table.rest.values()
 
 
 class _Rows(collections.abc.Sequence):
