@@ -77,6 +77,7 @@ class _Packer:
         self.sdm = sdm
         self.deferred = deferred
         self.items = {fqn: i for i, fqn in enumerate(sdm)}
+        self.entries = list(sdm.values())
         self.names: dict[str, int] = {}
         self.chunks: dict[str, dict] = {}  # fqn -> chunk offsets -> (position + 1, sizes)
         self.rows: list[tuple] = []
@@ -121,7 +122,7 @@ class _Packer:
                 and 0 <= frame < _U64) or fmt not in (1, TABLE_VERSION) or rec["length"] != length:
             return False
         if kind == "tensor":
-            entry = self.sdm[fqn]
+            entry = self.entries[item]
             if type(entry) is not TensorStorageMetadata or index.offset is None:
                 return False
             found = self._chunk(fqn, entry, index.offset)
@@ -142,7 +143,7 @@ class _Packer:
             names = self._ids[key] = None if None in ids else tuple(ids)
         if names is None:
             return False
-        self.rows.append((item, chunk, 0 if hint is None else hint + 1, _KINDS.index(kind), len(frames),
+        self.rows.append((item, chunk, 0 if hint is None else hint + 1, 0 if kind == "tensor" else 1, len(frames),
                           fmt, offset, raw, itemsize, frame, *names))
         self.frames.extend(frames)
         self.sums.extend(sums)
