@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from dcp_tiered.dcp.record_table import _bad, _column, _read
+from dcp_tiered.dcp.tiling import array_tiling_problem, split_tilings
+from dcp_tiered.errors import CorruptCheckpointError
 
 _MAX_DIMS = 64
 _MAX_DIM = 1 << 62
@@ -111,6 +113,8 @@ def unpack_items(items: Any, source: str) -> dict:
     offs, csz = (_read(items, c, count, source) for c in ("offsets", "chunk_sizes"))
     if any(len(a) and int(a.max()) >= _MAX_DIM for a in (dims, offs, csz)):
         raise _bad(source, "has a dimension above 2**62")
+    if any(type(p.dtype) is not torch.dtype for p in props):
+        raise _bad(source, "has tensor properties without a dtype")
     dims, offs, csz = dims.tolist(), offs.tolist(), csz.tolist()
     sdm, at, cat, size, chunk = {}, 0, 0, torch.Size, ChunkStorageMetadata
     for fqn, k, p, d, c in zip(fqns, *(cols[name].tolist() for name in _ITEM_ROW)):
@@ -126,6 +130,50 @@ def unpack_items(items: Any, source: str) -> dict:
         sdm[fqn] = TensorStorageMetadata(properties, size(dims[at:at + d]), chunks)
         at += d
     return sdm
+
+
+def table_chunk_problem(items: dict, source: str) -> "tuple[str, str] | None":
+    """:func:`chunk_problem` of an item table that :func:`pack_items` made or :func:`unpack_items` read."""
+    fqns = items["fqns"]
+    kind, _prop, ndim, nchunks = (_read(items, c, len(fqns), source).astype(np.int64) for c in _ITEM_ROW)
+    count = int((ndim * nchunks).sum())
+    dims = _read(items, "size", int(ndim.sum()), source)
+    offs, csz = (_read(items, c, count, source) for c in ("offsets", "chunk_sizes"))
+    return chunk_problem(fqns, kind == 0, ndim, nchunks, dims, offs, csz)
+
+
+def check_table_chunks(items: dict, source: str) -> None:
+    """Refuse an item table (already read by :func:`unpack_items`) whose chunks lie outside their tensor
+    or do not tile it exactly, as ``check_metadata`` refuses such chunks tensor by tensor."""
+    problem = table_chunk_problem(items, source)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{source}: tensor {problem[0]!r}: {problem[1]}; the metadata is damaged or crafted")
+
+
+def chunk_problem(fqns: "tuple | list", tensor: np.ndarray, ndim: np.ndarray, nchunks: np.ndarray, dims: np.ndarray,
+                  offs: np.ndarray, csz: np.ndarray) -> "tuple[str, str] | None":
+    """The first tensor (by name) whose chunks lie outside its size or do not tile it exactly, and why;
+    None when every tensor's do.  Over the item table's columns (``tensor``: which items are tensors),
+    all tensors at once; only layouts that are not a split along dim 0 are checked one by one."""
+    dims, offs, csz = (a.astype(np.int64) for a in (dims, offs, csz))
+    ndim, nchunks = ndim.astype(np.int64), nchunks.astype(np.int64)
+    per_chunk = ndim * nchunks
+    entry_item = np.repeat(np.arange(len(fqns)), per_chunk)
+    k = np.arange(len(offs)) - (np.cumsum(per_chunk) - per_chunk)[entry_item]
+    dim_at = (np.cumsum(ndim) - ndim)[entry_item] + k % np.maximum(ndim[entry_item], 1)
+    outside = (offs > dims[dim_at]) | (csz > dims[dim_at] - offs)
+    if outside.any():
+        i = int(entry_item[np.argmax(outside)])
+        return fqns[i], "has a chunk outside its size"
+    proven = split_tilings(dims, ndim, nchunks, offs, csz)
+    dim_base, entry_base = np.cumsum(ndim) - ndim, np.cumsum(per_chunk) - per_chunk
+    for i in np.flatnonzero(tensor & ~proven).tolist():
+        d, c, at = int(ndim[i]), int(nchunks[i]), int(entry_base[i])
+        problem = array_tiling_problem(dims[dim_base[i]:dim_base[i] + d].tolist(), offs[at:at + d * c].reshape(c, d),
+                                       csz[at:at + d * c].reshape(c, d))
+        if problem is not None:
+            return fqns[i], problem
+    return None
 
 
 def unpack_paths(paths: Any, fqns: list, source: str) -> dict:

@@ -46,8 +46,9 @@ from dcp_tiered.dcp.format import (
     chunk_sizes,
     is_native_record,
 )
-from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, is_table, pack_storage, unpack_storage
+from dcp_tiered.dcp.gc_pause import gc_paused
+from dcp_tiered.dcp.item_table import check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
+from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, RecordTable, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
 from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError, UnsupportedFormatError
@@ -70,19 +71,32 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
             f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
             f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
             "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard over fewer ranks")
-    for fqn, item in (metadata.state_dict_metadata or {}).items():  # what readers check, checked first
-        if type(item) is TensorStorageMetadata:
-            problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
-            if problem is not None:
-                raise UnsupportedFormatError(f"{where}: tensor {fqn!r}: {problem}; readers would refuse this "
-                                             "checkpoint, nothing was committed")
-    body = pickle.dumps(_packed(metadata), protocol=pickle.HIGHEST_PROTOCOL)
+    packed = _packed(metadata)
+    problem = _tiling_problem(metadata, packed)  # what readers check, checked first
+    if problem is not None:
+        raise UnsupportedFormatError(f"{where}: tensor {problem[0]!r}: {problem[1]}; readers would refuse this "
+                                     "checkpoint, nothing was committed")
+    body = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
     if len(body) + _TRAILER > MAX_METADATA_BYTES:
         raise MetadataTooLargeError(
             f"{where}: this save's metadata is {len(body) + _TRAILER} bytes, over the {MAX_METADATA_BYTES}-byte "
             f"limit readers accept ({records} records); nothing was committed. Save fewer, larger tensors "
             "(e.g. flattened or fused parameters), or shard over fewer ranks")
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
+
+
+def _tiling_problem(metadata: Metadata, packed: Metadata) -> "tuple[str, str] | None":
+    """The first tensor of ``metadata`` whose chunks do not tile it exactly, and why: over the item table
+    of ``packed`` (its format-2 form) when it has one, as readers check it, else tensor by tensor."""
+    head = next(iter(packed.storage_data.values()), None) if type(packed.storage_data) is dict else None
+    if type(head) is dict and "items" in head:
+        return table_chunk_problem(head["items"], "the save's item table")
+    for fqn, item in (metadata.state_dict_metadata or {}).items():
+        if type(item) is TensorStorageMetadata:
+            problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
+            if problem is not None:
+                return fqn, problem
+    return None
 
 
 def _check_counts(md: Metadata, source: str, table: bool) -> None:
@@ -102,7 +116,7 @@ def _counts(md: Metadata) -> tuple[int, int]:
     """Storage records and tensor chunks of ``md`` (as decoded, or a table's declared row count)."""
     storage = getattr(md, "storage_data", None)
     sdm = getattr(md, "state_dict_metadata", None)
-    records = len(storage) if isinstance(storage, (dict, PackedRecords)) else 0
+    records = len(storage) if isinstance(storage, (dict, PackedRecords, RecordTable)) else 0
     chunks = sum(len(c) for t in sdm.values() if type(c := getattr(t, "chunks", None)) is list) if isinstance(sdm, dict) else 0
     return records, chunks
 
@@ -110,6 +124,8 @@ def _counts(md: Metadata) -> tuple[int, int]:
 def _packed(metadata: Metadata) -> Metadata:
     """``metadata`` as format 2 stores it: records, items and planner paths as tables in the head record."""
     sdm, storage = metadata.state_dict_metadata, metadata.storage_data
+    if type(storage) is RecordTable:  # a decoded checkpoint's, saved again
+        storage = dict(storage)
     if type(storage) is PackedRecords:  # packed once by the writer's finish, for the broadcast too
         packed = dict(storage.packed)
         if not is_table(packed):
@@ -139,13 +155,16 @@ def _as_dict(metadata: Metadata, storage: dict) -> Metadata:
     return out
 
 
-def _unpacked(md: Metadata, source: str) -> None:
-    """Replace the item and path tables of a format-2 head record by DCP's own tables."""
+def _unpacked(md: Metadata, source: str) -> bool:
+    """Replace the item and path tables of a format-2 head record by DCP's own tables; whether it had an
+    item table."""
     head = next(iter(md.storage_data.values()))
-    if "items" in head:
-        md.state_dict_metadata = unpack_items(head["items"], source)
-        if "paths" in head:
-            md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
+    if "items" not in head:
+        return False
+    md.state_dict_metadata = unpack_items(head["items"], source)
+    if "paths" in head:
+        md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
+    return True
 
 
 #: Decoded ``.metadata`` by the xxh3-128 digest of its bytes, with the largest non-tensor item it
@@ -173,8 +192,10 @@ def _fresh(md: Metadata) -> Metadata:
 
 def _largest_object(md: Metadata) -> int:
     """The largest size a non-tensor item of checked ``md`` declares (what ``max_object_bytes`` caps)."""
-    sdm, largest = md.state_dict_metadata, 0
-    for index, record in md.storage_data.items():
+    sdm, largest, storage = md.state_dict_metadata, 0, md.storage_data
+    if type(storage) is RecordTable:
+        largest, storage = storage.largest_bytes_item(), storage.rest
+    for index, record in storage.items():
         if is_native_record(record):
             if record["kind"] == KIND_BYTES:
                 largest = max(largest, record["raw"])
@@ -195,7 +216,8 @@ def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" 
         if hit is not None:
             _DECODED.move_to_end(key)
     if hit is None:
-        md = _decode(data, source, None)
+        with gc_paused():
+            md = _decode(data, source, None)
         hit = (md, _largest_object(md), len(data) * DECODED_PER_BYTE)
         if hit[2] <= DECODE_CACHE_BYTES:
             with _DECODED_LOCK:
@@ -217,10 +239,11 @@ def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadat
     if type(md) is not Metadata:
         raise UnsafeCheckpointError(f"{source} holds a {type(md).__name__}, not DCP Metadata")
     table = is_table(getattr(md, "storage_data", None))
-    if table:
-        _unpacked(md, source)
+    items_checked = table and _unpacked(md, source)
     _check_counts(md, source, table)
-    _check_tables(md, source)
+    if items_checked:  # the tensors' chunks, over the item table's columns
+        check_table_chunks(next(iter(md.storage_data.values()))["items"], source)
+    _check_tables(md, source, tensors_checked=items_checked)
     checked = 0
     if table:
         packed = md.storage_data
@@ -419,20 +442,25 @@ def check_metadata(md: Metadata, source: str, max_object_bytes: "int | None" = N
 
     ``source`` names the file in messages; ``max_object_bytes`` caps non-tensor items.
     """
+    if type(getattr(md, "storage_data", None)) is RecordTable:  # its tensor table may have been replaced
+        md = copy.copy(md)
+        md.storage_data = dict(md.storage_data)
     _check_tables(md, source)
     _check_records(md, source, max_object_bytes)
 
 
-def _check_tables(md: Metadata, source: str) -> None:
-    """Everything but the storage records: DCP's tensor table, planner data, storage meta, version."""
+def _check_tables(md: Metadata, source: str, tensors_checked: bool = False) -> None:
+    """Everything but the storage records: DCP's tensor table, planner data, storage meta, version.
+    ``tensors_checked``: the tensor table was built from a format-2 item table, which checked it."""
     sdm, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
     if type(sdm) is not dict or type(storage) is not dict:
         raise CorruptCheckpointError(f"{source} lacks DCP's state_dict_metadata or storage_data tables")
-    for fqn, item in sdm.items():
-        if type(item) is TensorStorageMetadata:
-            _check_tensor_md(fqn, item, source)
-        elif type(item) is not BytesStorageMetadata:
-            raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
+    if not tensors_checked:
+        for fqn, item in sdm.items():
+            if type(item) is TensorStorageMetadata:
+                _check_tensor_md(fqn, item, source)
+            elif type(item) is not BytesStorageMetadata:
+                raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
     _check_planner_data(getattr(md, "planner_data", None), source, sdm)
     _check_storage_meta(getattr(md, "storage_meta", None), source)
     version = getattr(md, "version", None)
@@ -445,7 +473,7 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
     as rows of the record table (``unpack_storage``)."""
     sdm, storage = md.state_dict_metadata, md.storage_data
     checkpoint = _checkpoint_of(source)
-    rest = itertools.islice(storage.items(), skip, None)
+    rest = storage.rest.items() if type(storage) is RecordTable else itertools.islice(storage.items(), skip, None)
     sizes = chunk_sizes(sdm) if skip < len(storage) else {}
     files: set[str] = set()  # data file names already checked
     for index, record in rest:
@@ -473,7 +501,23 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
 
 def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
     """Every chunk of every tensor, and every non-tensor item, has a record saying where it is."""
-    stored = {(i.fqn, tuple(i.offset) if i.offset is not None else None) for i in storage}
+    if type(storage) is RecordTable:  # the items whose every chunk has a row, found over the columns
+        rest = storage.rest
+        stored = {(i.fqn, i.offset) for i in rest}
+        fqns = {i.fqn for i in rest}
+        for fqn, covered in zip(sdm, storage.covered().tolist()):
+            item = sdm[fqn]
+            if covered:
+                continue
+            if type(item) is BytesStorageMetadata:
+                if fqn not in fqns:
+                    raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
+                continue
+            for chunk in item.chunks:
+                if (fqn, chunk.offsets) not in stored and MetadataIndex(fqn, chunk.offsets) not in storage:
+                    raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
+        return
+    stored = {(i.fqn, i.offset) for i in storage}  # a torch.Size offset hashes and compares as its tuple
     fqns = {i.fqn for i in storage}
     for fqn, item in sdm.items():
         if type(item) is BytesStorageMetadata:
@@ -481,7 +525,7 @@ def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
                 raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
             continue
         for chunk in item.chunks:
-            if (fqn, tuple(chunk.offsets)) not in stored:
+            if (fqn, chunk.offsets) not in stored:
                 raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
 
 

@@ -40,6 +40,7 @@ from dcp_tiered.dcp.metadata_io import check_metadata, load_metadata
 from dcp_tiered.dcp.objects import SafeGlobals, deliver, normalize_safe_globals
 from dcp_tiered.dcp.pickle_scan import check_torch_payload
 from dcp_tiered.dcp.raw_frames import read_raw_frames
+from dcp_tiered.dcp.record_table import RecordTable
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
 from dcp_tiered.ranks import default_threads
@@ -188,7 +189,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata is not self._metadata:
-            if not isinstance(getattr(metadata, "storage_data", None), dict):
+            if not isinstance(getattr(metadata, "storage_data", None), (dict, RecordTable)):
                 raise CorruptCheckpointError(f"{self.storage.url}/{METADATA_FILE} has no storage records")
             self._validate(metadata, self.storage.url)
         self.storage_data = metadata.storage_data

@@ -17,7 +17,8 @@ reader of format 1 refuses the file with "format version 2: upgrade dcp_tiered".
 that do not fit (stock ``_StorageInfo``, unknown fields, odd indices) stay as they are.
 :func:`unpack_storage` checks the table's shape (column widths and lengths, id ranges)
 before building anything, then returns the dicts, which ``check_metadata`` validates as
-every record is.  ``unpack_storage(sdm, pack_storage(sdm, s)) == s``, index hints included.
+every record is; a checked decode (``checkpoint`` given) returns a :class:`RecordTable`, which
+builds each dict when it is asked for.  ``unpack_storage(sdm, pack_storage(sdm, s)) == s``, index hints included.
 """
 
 from __future__ import annotations
@@ -69,21 +70,26 @@ def _uints(values: Any) -> bool:
 
 
 class _Packer:
-    def __init__(self, sdm: dict) -> None:
+    """The rows of one record table.  With ``deferred``, the frame tables' values are checked once over
+    the whole column by :meth:`table` (None if one is not an exact int in range: pack again without)."""
+
+    def __init__(self, sdm: dict, deferred: bool = False) -> None:
         self.sdm = sdm
+        self.deferred = deferred
         self.items = {fqn: i for i, fqn in enumerate(sdm)}
+        self.entries = list(sdm.values())
         self.names: dict[str, int] = {}
-        self.chunks: dict[str, dict] = {}  # fqn -> chunk offsets -> position + 1
+        self.chunks: dict[str, dict] = {}  # fqn -> chunk offsets -> (position + 1, sizes)
         self.rows: list[tuple] = []
         self.frames: list[int] = []
         self.sums: list[int] = []
         self._ids: dict[tuple, "tuple[int, ...] | None"] = {}  # the name fields of a record -> their ids
 
-    def _chunk(self, fqn: str, entry: Any, offset: Any) -> "int | None":
+    def _chunk(self, fqn: str, entry: Any, offset: Any) -> "tuple[int, tuple] | None":
         table = self.chunks.get(fqn)
         if table is None:
-            table = self.chunks[fqn] = {tuple(c.offsets): j + 1 for j, c in enumerate(entry.chunks)}
-        return table.get(tuple(offset))
+            table = self.chunks[fqn] = {tuple(c.offsets): (j + 1, tuple(c.sizes)) for j, c in enumerate(entry.chunks)}
+        return table.get(offset)  # a torch.Size hashes and compares as the tuple
 
     def _name(self, value: Any) -> "int | None":
         if value is None:
@@ -96,20 +102,33 @@ class _Packer:
         """Append ``rec`` as a row when it fits the table exactly; False leaves it to be stored as is."""
         if type(rec) is not dict or type(index) is not MetadataIndex or not _REQUIRED <= rec.keys() <= _ALLOWED:
             return False
-        item, entry = self.items.get(index.fqn), self.sdm.get(index.fqn)
+        fqn = index.fqn
+        item = self.items.get(fqn)
         frames, sums, kind = rec["frames"], rec["sums"], rec["kind"]
-        if item is None or kind not in _KINDS or not (_uints(frames) and _uints(sums) and len(frames) == len(sums)):
+        if item is None or kind not in _KINDS:
             return False
-        fmt, offset, raw, itemsize, frame = (rec[f] for f in _INTS)
-        if not (_uint(fmt) and _uint(offset) and _uint(raw) and _uint(itemsize) and _uint(frame)) \
-                or fmt not in (1, TABLE_VERSION) or rec["length"] != sum(frames):
+        if self.deferred:
+            if type(frames) is not tuple or type(sums) is not tuple or len(frames) != len(sums):
+                return False
+        elif not (_uints(frames) and _uints(sums) and len(frames) == len(sums)):
+            return False
+        try:
+            length = sum(frames)  # deferred: frames not yet known to be ints (TypeError: not numbers)
+        except TypeError:
+            return False
+        fmt, offset, raw, itemsize, frame = rec["fmt"], rec["offset"], rec["raw"], rec["itemsize"], rec["frame"]
+        if not (type(fmt) is int and type(offset) is int and type(raw) is int and type(itemsize) is int
+                and type(frame) is int and 0 <= offset < _U64 and 0 <= raw < _U64 and 0 <= itemsize < _U64
+                and 0 <= frame < _U64) or fmt not in (1, TABLE_VERSION) or rec["length"] != length:
             return False
         if kind == "tensor":
+            entry = self.entries[item]
             if type(entry) is not TensorStorageMetadata or index.offset is None:
                 return False
-            chunk = self._chunk(index.fqn, entry, index.offset)
-            if chunk is None or rec.get("shape") != tuple(entry.chunks[chunk - 1].sizes):
+            found = self._chunk(fqn, entry, index.offset)
+            if found is None or rec.get("shape") != found[1]:
                 return False
+            chunk = found[0]
         elif index.offset is not None or "shape" in rec:
             return False
         else:
@@ -118,21 +137,21 @@ class _Packer:
         if not (hint is None or (type(hint) is int and 0 <= hint < _U64 - 1)):
             return False
         key = tuple(map(rec.get, _NAMES))  # records share their strings: their ids are looked up once
-        if not all(v is None or type(v) is str for v in key):
-            return False
         names = self._ids.get(key, ())
         if names == ():
-            ids = [self._name(v) for v in key]
+            ids = [self._name(v) for v in key]  # None: a field that is not a string
             names = self._ids[key] = None if None in ids else tuple(ids)
         if names is None:
             return False
-        self.rows.append((item, chunk, 0 if hint is None else hint + 1, _KINDS.index(kind), len(frames),
+        self.rows.append((item, chunk, 0 if hint is None else hint + 1, 0 if kind == "tensor" else 1, len(frames),
                           fmt, offset, raw, itemsize, frame, *names))
         self.frames.extend(frames)
         self.sums.extend(sums)
         return True
 
-    def table(self) -> dict:
+    def table(self) -> "dict | None":
+        if self.deferred and not (_uints(tuple(self.frames)) and _uints(tuple(self.sums))):
+            return None
         columns = list(zip(*self.rows))
         return {"n": len(self.rows), "names": tuple(self.names), **{c: _column(list(v)) for c, v in zip(_ROW, columns)},
                 "frames": _column(self.frames), "sums": _column(self.sums)}
@@ -140,15 +159,19 @@ class _Packer:
 
 def pack_storage(sdm: dict, storage: dict) -> dict:
     """``storage_data`` as format 2 writes it: the records that fit in one table, the others as they are."""
-    packer, first, rest = _Packer(sdm), None, {}
-    for index, rec in storage.items():
-        if packer.add(index, rec):
-            first = index if first is None else first
-        else:
-            rest[index] = rec
-    if first is None:
-        return storage
-    return {first: {"fmt": TABLE_VERSION, TABLE_FIELD: packer.table()}, **rest}
+    for deferred in (True, False):  # the frame tables checked as one column, else record by record
+        packer, first, rest = _Packer(sdm, deferred), None, {}
+        for index, rec in storage.items():
+            if packer.add(index, rec):
+                first = index if first is None else first
+            else:
+                rest[index] = rec
+        if first is None:
+            return storage
+        table = packer.table()
+        if table is not None:
+            return {first: {"fmt": TABLE_VERSION, TABLE_FIELD: table}, **rest}
+    raise AssertionError("unreachable: a packer that checks each record's frames makes a table")
 
 
 class PackedRecords(collections.abc.Mapping):
@@ -239,22 +262,35 @@ def _columns(head: dict, sdm: dict, source: str) -> tuple[dict, list, list, tupl
 
 
 def unpack_storage(sdm: dict, storage: dict, source: str, *, checkpoint: "str | None" = None,
-                   max_object_bytes: "int | None" = None) -> dict:
+                   max_object_bytes: "int | None" = None) -> "dict | RecordTable":
     """``storage_data`` in memory (one dict record per index) from its on-disk form (see module doc).
 
     ``sdm`` must already be checked (``state_dict_metadata`` types).  With ``checkpoint`` (the name
     messages give) the table's records are checked as ``check_metadata`` checks each record
-    (:func:`_check_rows`), and only the records stored apart from the table (after its rows) still
-    need it; without, every record does.
+    (:func:`_check_rows`), and only the records stored apart from the table (``RecordTable.rest``)
+    still need it; without, every record does.  With ``checkpoint`` the result is a
+    :class:`RecordTable` (records built when asked for) unless an empty chunk could make two rows
+    one index; else a dict.
     """
     if not is_table(storage):
         return storage
     items = iter(storage.items())
     first_index, head = next(items)
     arrays, frame_col, sum_col, names = _columns(head, sdm, source)
+    if checkpoint is not None and not ((arrays["kind"] == 0) & (arrays["raw"] == 0)).any():
+        table = RecordTable(sdm, arrays, frame_col, sum_col, names, source)
+        if table.key(0) != first_index:
+            raise _bad(source, "is not stored under its first record's index")
+        _check_rows(arrays, frame_col, names, sdm, table.rows(), checkpoint, max_object_bytes)
+        for index, rec in items:
+            if index in table:
+                raise _bad(source, f"and another record both hold {getattr(index, 'fqn', index)!r}")
+            table.rest[index] = rec
+        return table
     cols = {c: v.tolist() for c, v in arrays.items()}
     frames, sums = frame_col.tolist(), sum_col.tolist()
-    fqns, out, at = list(sdm), {}, 0
+    fqns, out, at, new, index_type = list(sdm), {}, 0, object.__new__, MetadataIndex
+    chunk_lists = [getattr(e, "chunks", ()) if type(e) is TensorStorageMetadata else () for e in sdm.values()]
     rows = zip(*(cols[c] for c in _ROW))
     for item, chunk, hint, kind, nframes, fmt, offset, raw, itemsize, frame, *ids in rows:
         fqn = fqns[item]
@@ -270,21 +306,22 @@ def unpack_storage(sdm: dict, storage: dict, source: str, *, checkpoint: "str | 
             rec["dtype"] = names[dtype]
         if orig:
             rec["orig_dtype"] = names[orig]
-        offsets = None
+        index = new(index_type)  # as MetadataIndex(fqn, offsets, hint) builds it, without its checks
+        fields = index.__dict__
+        fields["fqn"], fields["index"] = fqn, hint - 1 if hint else None
         if kind == 0:
-            chunks = getattr(sdm[fqn], "chunks", ())
+            chunks = chunk_lists[item]
             if not 1 <= chunk <= len(chunks):
                 raise _bad(source, f"names chunk {chunk} of {fqn!r}, which has {len(chunks)}")
-            offsets, rec["shape"] = chunks[chunk - 1].offsets, tuple(chunks[chunk - 1].sizes)
+            fields["offset"], rec["shape"] = chunks[chunk - 1].offsets, tuple(chunks[chunk - 1].sizes)
         elif chunk:
             raise _bad(source, f"gives the non-tensor item {fqn!r} a chunk")
         if obj:
             rec["object"] = names[obj]
         rec["frame"] = frame
-        index = MetadataIndex(fqn, offsets, hint - 1 if hint else None)
-        if index in out:
-            raise _bad(source, f"has two records for {fqn!r} at {tuple(offsets or ())}")
         out[index] = rec
+    if len(out) != len(cols["item"]):  # two rows under one index: the second replaced the first
+        _refuse_duplicate(cols, fqns, chunk_lists, source)
     if next(iter(out)) != first_index:
         raise _bad(source, "is not stored under its first record's index")
     if checkpoint is not None:
@@ -294,6 +331,175 @@ def unpack_storage(sdm: dict, storage: dict, source: str, *, checkpoint: "str | 
             raise _bad(source, f"and another record both hold {getattr(index, 'fqn', index)!r}")
         out[index] = rec
     return out
+
+
+class RecordTable(collections.abc.Mapping):
+    """``storage_data`` of a decoded format-2 ``.metadata``: the record table's rows, checked as columns,
+    become record dicts (equal to what :func:`unpack_storage` builds eagerly) only when looked up or
+    iterated, so a rank restoring its own shards builds their records only; ``rest``: the records
+    stored apart from the table.  Read-only; pickled as a plain dict."""
+
+    def __init__(self, sdm: dict, arrays: dict, frames: np.ndarray, sums: np.ndarray, names: tuple,
+                 source: str) -> None:
+        self._fqns = list(sdm)
+        self._item_of = {fqn: i for i, fqn in enumerate(self._fqns)}
+        self._chunks = [e.chunks if type(e) is TensorStorageMetadata else () for e in sdm.values()]
+        self._offsets: dict[int, dict] = {}  # item -> chunk offsets -> position + 1, made when first asked
+        self._names = names
+        self._cols = {c: v.tolist() for c, v in arrays.items()}
+        self._frames, self._sums = frames.tolist(), sums.tolist()
+        self._starts = (np.cumsum(arrays["nframes"], dtype=np.int64) - arrays["nframes"]).tolist()
+        self.n = len(self._cols["item"])
+        item, chunk, kind = (arrays[c].astype(np.int64) for c in ("item", "chunk", "kind"))
+        nchunks = np.array([len(c) for c in self._chunks], dtype=np.int64)
+        bad = np.where(kind == 0, (chunk < 1) | (chunk > nchunks[item]), chunk != 0)
+        if bad.any():
+            r = int(np.argmax(bad))
+            fqn, c = self._fqns[int(item[r])], int(chunk[r])
+            raise _bad(source, f"names chunk {c} of {fqn!r}, which has {len(self._chunks[int(item[r])])}" if kind[r] == 0
+                       else f"gives the non-tensor item {fqn!r} a chunk")
+        self._stride = int(nchunks.max(initial=0)) + 1  # any chunk of any item, not only those with rows
+        self._row = dict(zip((item * self._stride + chunk).tolist(), range(self.n)))
+        if len(self._row) != self.n:  # two rows under one (item, chunk)
+            _refuse_duplicate(self._cols, self._fqns, self._chunks, source)
+        self._keys: list = [None] * self.n
+        self._built: list = [None] * self.n
+        self.rest: dict = {}
+
+    def _row_of(self, index: Any) -> "int | None":
+        item = self._item_of.get(getattr(index, "fqn", None)) if type(index) is MetadataIndex else None
+        if item is None:
+            return None
+        offset = index.offset
+        if offset is None:
+            chunk = 0
+        else:
+            table = self._offsets.get(item)
+            if table is None:
+                table = self._offsets[item] = {c.offsets: j + 1 for j, c in enumerate(self._chunks[item])}
+            chunk = table.get(offset)  # a torch.Size hashes and compares as its tuple
+            if chunk is None:
+                return None
+        return self._row.get(item * self._stride + chunk)
+
+    def key(self, r: int) -> MetadataIndex:
+        """The index of row ``r`` (as ``MetadataIndex(fqn, offsets, hint)`` builds it)."""
+        index = self._keys[r]
+        if index is None:
+            cols = self._cols
+            item, chunk, hint = cols["item"][r], cols["chunk"][r], cols["index"][r]
+            index = object.__new__(MetadataIndex)
+            fields = index.__dict__
+            fields["fqn"], fields["index"] = self._fqns[item], hint - 1 if hint else None
+            if chunk:
+                fields["offset"] = self._chunks[item][chunk - 1].offsets
+            self._keys[r] = index
+        return index
+
+    def record(self, r: int) -> dict:
+        """The record dict of row ``r``."""
+        rec = self._built[r]
+        if rec is not None:
+            return rec
+        cols, names = self._cols, self._names
+        at, nframes = self._starts[r], cols["nframes"][r]
+        fr, sm = tuple(self._frames[at:at + nframes]), tuple(self._sums[at:at + nframes])
+        rec = {"fmt": cols["fmt"][r], "file": names[cols["file"][r]], "offset": cols["offset"][r], "length": sum(fr),
+               "raw": cols["raw"][r], "codec": names[cols["codec"][r]], "frames": fr, "sums": sm}
+        if cols["checksum"][r]:
+            rec["checksum"] = names[cols["checksum"][r]]
+        kind = cols["kind"][r]
+        rec["kind"], rec["itemsize"], rec["filter"] = _KINDS[kind], cols["itemsize"][r], names[cols["filter"][r]]
+        for field, column in (("dtype", "dtype"), ("orig_dtype", "orig_dtype")):
+            if cols[column][r]:
+                rec[field] = names[cols[column][r]]
+        if kind == 0:
+            rec["shape"] = tuple(self._chunks[cols["item"][r]][cols["chunk"][r] - 1].sizes)
+        if cols["object"][r]:
+            rec["object"] = names[cols["object"][r]]
+        rec["frame"] = cols["frame"][r]
+        self._built[r] = rec
+        return rec
+
+    def rows(self) -> "_Rows":
+        """The rows as a sequence of ``(index, record)``, built when indexed."""
+        return _Rows(self)
+
+    def covered(self) -> np.ndarray:
+        """Per item of the tensor table, whether the table's rows hold every chunk (non-tensor: a row)."""
+        counts = np.bincount(np.array(self._cols["item"], dtype=np.int64), minlength=len(self._fqns))
+        need = np.array([len(c) if type(c) is list else 1 for c in self._chunks], dtype=np.int64)
+        return counts == need  # rows hold distinct valid chunks: as many as there are is all of them
+
+    def largest_bytes_item(self) -> int:
+        """The largest raw size a non-tensor row declares (0: none)."""
+        return max((raw for raw, kind in zip(self._cols["raw"], self._cols["kind"]) if kind == 1), default=0)
+
+    def __getitem__(self, index: Any) -> dict:
+        r = self._row_of(index)
+        return self.rest[index] if r is None else self.record(r)
+
+    def __contains__(self, index: object) -> bool:
+        return self._row_of(index) is not None or index in self.rest
+
+    def __iter__(self) -> Iterator[Any]:
+        for r in range(self.n):
+            yield self.key(r)
+        yield from self.rest
+
+    def __len__(self) -> int:
+        return self.n + len(self.rest)
+
+    def items(self) -> "_Items":
+        return _Items(self)
+
+    def values(self) -> "_Values":
+        return _Values(self)
+
+    def __reduce__(self) -> tuple:
+        return dict, (list(self.items()),)
+
+
+class _Items(collections.abc.ItemsView):
+    """A :class:`RecordTable`'s items, row by row (no lookup by index)."""
+
+    def __iter__(self) -> Iterator[tuple]:
+        table = self._mapping
+        for r in range(table.n):
+            yield table.key(r), table.record(r)
+        yield from table.rest.items()
+
+
+class _Values(collections.abc.ValuesView):
+    """A :class:`RecordTable`'s records, row by row."""
+
+    def __iter__(self) -> Iterator[dict]:
+        table = self._mapping
+        for r in range(table.n):
+            yield table.record(r)
+        yield from table.rest.values()
+
+
+class _Rows(collections.abc.Sequence):
+    def __init__(self, table: RecordTable) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return self.table.n
+
+    def __getitem__(self, r: Any) -> tuple:
+        return self.table.key(r), self.table.record(r)
+
+
+def _refuse_duplicate(cols: dict, fqns: list, chunk_lists: list, source: str) -> None:
+    """Raise for the first row whose index (item and chunk offsets) an earlier row has."""
+    seen: set = set()
+    for item, chunk in zip(cols["item"], cols["chunk"]):
+        offsets = tuple(chunk_lists[item][chunk - 1].offsets) if chunk else None
+        if (item, offsets) in seen:
+            raise _bad(source, f"has two records for {fqns[item]!r} at {offsets or ()}")
+        seen.add((item, offsets))
+    raise AssertionError("unreachable: no two rows share an index")
 
 
 #: The fields of a row that are the same for many rows (strings, item size, frame size): the rules on
@@ -314,9 +520,7 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
     the columns.  The first row these refuse is checked again by the per-record functions, so the
     error is theirs.  (``records``: the rows as built, ``(index, record)`` in row order.)"""
     n = len(records)
-    static = np.stack([cols[c].astype(np.uint64) for c in _STATIC], axis=1)
-    _combos, first, combo = np.unique(static, axis=0, return_index=True, return_inverse=True)
-    combo = combo.reshape(-1)
+    first, combo = _combinations([cols[c] for c in _STATIC])
     headers, steps, full_lo = (np.empty(len(first), dtype=np.uint64) for _ in range(3))
     for c, r in enumerate(first.tolist()):
         rec = _check_one(records[int(r)], sdm, checkpoint, max_object_bytes)
@@ -359,6 +563,23 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
     bad = (lengths >= _BIG) | _shared_bytes(cols, lengths)
     if bad.any():
         _refuse(records, bad, sdm, checkpoint, max_object_bytes)
+
+
+def _combinations(columns: list) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of ``columns`` (equal-length unsigned arrays): the first row of each, in the
+    columns' lexicographic order, and each row's number among them (``np.unique(axis=0)``'s index and
+    inverse); as one sort of a mixed-radix key when the key fits 63 bits, which it does when only a
+    few fields vary much (the file names)."""
+    tops = [int(c.max()) + 1 if len(c) else 1 for c in columns]
+    if math.prod(tops) >= 1 << 63:
+        _rows, first, combo = np.unique(np.stack([c.astype(np.uint64) for c in columns], axis=1), axis=0,
+                                        return_index=True, return_inverse=True)
+        return first, combo.reshape(-1)
+    key = np.zeros(len(columns[0]), dtype=np.int64)
+    for c, top in zip(columns, tops):
+        key = key * top + c.astype(np.int64)
+    _keys, first, combo = np.unique(key, return_index=True, return_inverse=True)
+    return first, combo.reshape(-1)
 
 
 def _refuse(records: list, bad: np.ndarray, sdm: dict, checkpoint: str, max_object_bytes: "int | None") -> None:
@@ -436,10 +657,11 @@ def _last_lo(cols: dict, names: tuple, combo: np.ndarray, first: np.ndarray, las
     has = np.flatnonzero(nframes > 0)
     if not len(has):
         return out
-    pairs, back = np.unique(np.stack([combo[has].astype(np.uint64), last_raw[has]], axis=1), axis=0, return_inverse=True)
-    los = np.empty(len(pairs), dtype=np.uint64)
-    for k, (c, lr) in enumerate(pairs.tolist()):
+    at, back = _combinations([combo[has].astype(np.uint64), last_raw[has]])
+    pairs = zip(combo[has][at].tolist(), last_raw[has][at].tolist())
+    los = np.empty(len(at), dtype=np.uint64)
+    for k, (c, lr) in enumerate(pairs):
         r = int(first[c])  # the combination's fields: codec, filter, item size
         los[k] = stored_frame_bounds(names[cols["codec"][r]], names[cols["filter"][r]], int(cols["itemsize"][r]), lr)[0]
-    out[has] = los[back.reshape(-1)]
+    out[has] = los[back]
     return out

@@ -125,3 +125,38 @@ def _corner(flat: int, shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> t
         flat, i = divmod(flat, shape[k])
         out.append(int(cuts[k][i]))
     return tuple(reversed(out))
+
+
+def split_tilings(size: np.ndarray, ndim: np.ndarray, nchunks: np.ndarray, offsets: np.ndarray,
+                  sizes: np.ndarray) -> np.ndarray:
+    """Per tensor, whether its chunks provably tile it as a split along dim 0, over the flat columns of
+    many tensors at once (work linear in the chunks, a few array passes in all, not a few per tensor).
+
+    ``size``: every tensor's dimensions, one after another; ``ndim`` and ``nchunks`` per tensor;
+    ``offsets`` and ``sizes``: every chunk's, ``ndim`` entries each, tensor after tensor; all int64,
+    each chunk inside its tensor.  Proven: every dimension but the first whole in each chunk, and the
+    chunks' row ranges, in order, start at 0, each where the one before ends, and end at the tensor's
+    rows.  False means only "not proven": check that tensor with :func:`array_tiling_problem`."""
+    tensors = len(ndim)
+    ndim, nchunks = ndim.astype(np.int64), nchunks.astype(np.int64)
+    ok = (ndim >= 1) & (nchunks >= 1)
+    dim_tensor = np.repeat(np.arange(tensors), ndim)
+    ok &= np.bincount(dim_tensor[size == 0], minlength=tensors) == 0  # empty tensors: left to the exact check
+    chunk_tensor = np.repeat(np.arange(tensors), nchunks)
+    chunk_dims = ndim[chunk_tensor]
+    entry_chunk = np.repeat(np.arange(len(chunk_tensor)), chunk_dims)
+    first_entry = np.cumsum(chunk_dims) - chunk_dims
+    k = np.arange(len(entry_chunk)) - first_entry[entry_chunk]
+    tensor_dim = size[(np.cumsum(ndim) - ndim)[chunk_tensor[entry_chunk]] + k]
+    partial = (k > 0) & ((offsets != 0) | (sizes != tensor_dim))
+    ok &= np.bincount(chunk_tensor[entry_chunk[partial]], minlength=tensors) == 0
+    rows = first_entry[chunk_dims > 0]
+    o, n, t = offsets[rows], sizes[rows], chunk_tensor[chunk_dims > 0]
+    order = np.lexsort((o, t))
+    o, n, t = o[order], n[order], t[order]
+    starts = np.r_[True, t[1:] != t[:-1]]
+    ends = np.r_[t[1:] != t[:-1], True]
+    bad = (n == 0) | (starts & (o != 0)) | (~starts & (o != np.r_[0, o[:-1] + n[:-1]]))
+    bad |= ends & (o + n != size[(np.cumsum(ndim) - ndim)[t]])
+    ok[t[bad]] = False
+    return ok

@@ -32,6 +32,7 @@ from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name,
     expected_sizes, record_view,
 )
+from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.record_table import PackedRecords
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
@@ -308,19 +309,21 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         return completed(write)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_md = {}
-        views = {}
-        for wr_list in results:
-            for wr in wr_list:
-                storage_md[wr.index] = wr.storage_data
-                views[wr.index] = record_view(wr.storage_data)
-        expected = expected_sizes(views.values())  # each rank checked its own files (write_data)
-        stats = stats_from_records((i.fqn, r) for i, r in views.items())
-        metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md, stats)
-        metadata.storage_meta = self.storage_meta()
+        with gc_paused():
+            storage_md = {}
+            views = {}
+            for wr_list in results:
+                for wr in wr_list:
+                    storage_md[wr.index] = wr.storage_data
+                    views[wr.index] = record_view(wr.storage_data)
+            expected = expected_sizes(views.values())  # each rank checked its own files (write_data)
+            stats = stats_from_records((i.fqn, r) for i, r in views.items())
+            metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md, stats)
+            metadata.storage_meta = self.storage_meta()
+            encoded = encode_metadata(metadata)
         committed = False
         try:
-            commit_metadata(self.storage, encode_metadata(metadata), self.overwrite, expected)
+            commit_metadata(self.storage, encoded, self.overwrite, expected)
             committed = True
         finally:
             # The lock file goes only after a commit: a save that failed leaves it (unlocked) so
