@@ -25,7 +25,7 @@ from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from isolated import run_isolated
-from dcp_tiered import CompressedWriter
+from dcp_tiered import CompressedReader, CompressedWriter, CorruptCheckpointError
 from dcp_tiered.dcp.metadata_io import unpack_metadata
 
 FRAME = 4096
@@ -663,3 +663,22 @@ def test_convert_of_a_crafted_torch_save_file_is_refused_before_torch_load(tmp_p
     assert not res.crashed and not res.timed_out, res.describe()
     assert res.result == 4, res.describe()  # corrupt or unsafe checkpoint, one line
     assert "Traceback" not in res.stderr and "bomb.pt" in res.stderr, res.stderr
+
+
+def test_stock_record_smaller_than_its_declared_chunk_is_refused(tmp_path):
+    """A stock (uncompressed) `.metadata` claiming a 64 TiB tensor over a 1.5 KiB data file: loads and
+    `export` allocated what it declared; the record's bytes now bound the chunk's raw size."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    path = tmp_path / "stock"
+    dcp.save({"w": torch.ones(4, 4)}, storage_writer=FileSystemWriter(path, sync_files=False), no_dist=True)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    huge = torch.Size([1 << 22, 1 << 22])
+    md.state_dict_metadata["w"] = dataclasses.replace(
+        md.state_dict_metadata["w"], size=huge, chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=huge)])
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    assert MetadataIndex("w", torch.Size([0, 0])) in md.storage_data
+    with pytest.raises(CorruptCheckpointError, match="raw bytes"):
+        CompressedReader(path)

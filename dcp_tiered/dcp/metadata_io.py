@@ -373,6 +373,18 @@ def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_o
         )
 
 
+def _check_stock_length(fqn: str, index: MetadataIndex, rec: _StorageInfo, entry: TensorStorageMetadata,
+                        sizes: dict, source: str) -> None:
+    """An uncompressed stock chunk is a ``torch.save`` of it: its raw bytes fit in its record, so a
+    tensor's declared size (which loads allocate) is bounded by the bytes on disk."""
+    chunk = sizes.get((fqn, tuple(index.offset))) if index.offset is not None else None
+    if chunk is None:
+        return
+    raw = int(np.prod(chunk, dtype=object)) * entry.properties.dtype.itemsize
+    if raw > rec.length:
+        raise _bad(source, f"record of {fqn!r} holds {rec.length} bytes for a chunk of {raw} raw bytes")
+
+
 #: Longest planner path (names and indices from the state-dict root to a leaf).
 MAX_PATH_PARTS = 64
 #: The most list slots ``planner_data`` may leave without a path (each an empty dict in a list),
@@ -494,6 +506,8 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
             check_against_properties(record, entry, fqn, checkpoint)
         elif type(record) is _StorageInfo:
             _check_stock(fqn, record, source, type(entry) is BytesStorageMetadata, max_object_bytes)
+            if type(entry) is TensorStorageMetadata and not record.transform_descriptors:
+                _check_stock_length(fqn, index, record, entry, sizes, source)
         else:
             raise _bad(source, f"record of {fqn!r} is a {type(record).__name__}")
     _check_every_item_stored(sdm, storage, source)
