@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_tiered.inspect import INDEX_NAME, WEIGHTS_NAME, export_safetensors, import_safetensors, load_any
+from dcp_tiered.storage import Storage
 from dcp_tiered.tiers import Tier, TieredCheckpointer
 from isolated import run_isolated
 from speed import scaled
@@ -190,6 +191,40 @@ def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: 
     back, index = _read_export(tmp_path / "hf")
     _same(back, minilm)
     assert index is not None
+
+
+def test_an_upload_that_fails_once_is_retried(tmp_path: Path, s3_bucket: tuple, monkeypatch) -> None:
+    """Shards go through the storage layer's commit: a transient upload failure does not fail the export."""
+    bucket, opts = s3_bucket
+    state = {"model": {f"l{i}": torch.randn(1000) for i in range(3)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    fs_class = type(Storage(f"{bucket}/hf", opts).fs)
+    put, calls = fs_class.put_file, []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(5, "injected transient I/O error")
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(fs_class, "put_file", flaky)
+    res = export_safetensors(tmp_path / "ck", f"{bucket}/hf", prefix="model.", max_shard_size=4000, dst_options=opts)
+    assert len(calls) == 4 and len(res.files) == 3
+    monkeypatch.undo()
+    import_safetensors(f"{bucket}/hf", tmp_path / "back", prefix="model.", src_options=opts)
+    _same(load_any(tmp_path / "back")["model"], state["model"])
+
+
+def test_a_local_export_replaces_a_planted_link_and_leaves_no_temp(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(10)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    (tmp_path / "victim").write_bytes(b"victim")
+    (tmp_path / "hf").mkdir()
+    os.symlink(tmp_path / "victim", tmp_path / "hf" / WEIGHTS_NAME)
+    export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", overwrite=True)
+    assert (tmp_path / "victim").read_bytes() == b"victim" and not (tmp_path / "hf" / WEIGHTS_NAME).is_symlink()
+    assert os.listdir(tmp_path / "hf") == [WEIGHTS_NAME]
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
 
 
 def _shards(tmp_path: Path) -> Path:

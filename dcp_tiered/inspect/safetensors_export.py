@@ -209,39 +209,18 @@ def _remove_stale(out: Storage, names: list[str]) -> None:
 
 
 def _write_shard(out: Storage, name: str, tensors: dict[str, Any], tmp: str) -> None:
-    """Serialize one shard with ``safetensors`` (no copy of the tensors) next to its place, then move it in:
-    a rename locally, an upload elsewhere; a reader never sees a half-written shard."""
+    """Serialize one shard with ``safetensors`` (no copy of the tensors) and publish it with
+    :meth:`~dcp_tiered.storage.Storage.commit_file`: a reader never sees a half-written shard.
+    A local shard is staged next to its place (a temp name), so that publishing it is a rename."""
     from safetensors.torch import save_file
 
-    from dcp_tiered.storage.base import storage_errors, temp_name
+    from dcp_tiered.storage.base import temp_name
 
-    if out.is_local:
-        final = out.path(name)
-        partial = temp_name(final)
-        try:
-            save_file(tensors, partial, metadata=SHARD_METADATA)
-            _publishable(partial)
-            os.replace(partial, final)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-        return
-    staged = posixpath.join(tmp, name)
-    save_file(tensors, staged, metadata=SHARD_METADATA)
-    _publishable(staged)
+    staged = temp_name(out.path(name)) if out.is_local else posixpath.join(tmp, name)
     try:
-        with storage_errors(out.url_of(name), "upload"):
-            out.fs.put_file(staged, out.path(name))
-    finally:
-        os.remove(staged)
-
-
-def _publishable(path: str) -> None:
-    """The mode a new file gets under the umask (``safetensors`` creates its files readable by the owner only)."""
-    try:
-        with open("/proc/self/status") as f:
-            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")), None)
-    except OSError:
-        return
-    if umask is not None:
-        os.chmod(path, 0o666 & ~umask)
+        save_file(tensors, staged, metadata=SHARD_METADATA)
+    except BaseException:
+        if os.path.exists(staged):
+            os.remove(staged)
+        raise
+    out.commit_file(name, staged)
