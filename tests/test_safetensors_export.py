@@ -272,6 +272,14 @@ def test_hostile_headers_are_refused_before_the_library_parses_them(tmp_path: Pa
         assert not (tmp_path / "ck").exists()
 
 
+def test_a_dtype_torch_cannot_hold_is_refused_naming_the_file_and_tensor(tmp_path: Path) -> None:
+    raw = json.dumps({"w": {"dtype": "F6_E2M3", "shape": [16], "data_offsets": [0, 12]}}).encode()
+    (tmp_path / "fp6.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 12)
+    with pytest.raises(CorruptCheckpointError, match=r"fp6\.safetensors.*tensor 'w'.*re-export"):
+        import_safetensors(tmp_path / "fp6.safetensors", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
 def _header(header: dict) -> bytes:
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw)) + raw + b"\0" * 16

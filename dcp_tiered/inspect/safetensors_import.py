@@ -92,6 +92,18 @@ def _opened(folder: Storage, name: str, safe_open: Any) -> Iterator[Any]:
         yield handle
 
 
+@contextlib.contextmanager
+def _reading(url: str, tensor_name: str) -> Iterator[None]:
+    """The library's errors reading one tensor (a dtype torch has not, a damaged header) as
+    :class:`CorruptCheckpointError` naming the file and the tensor."""
+    try:
+        yield
+    except Exception as exc:  # the library's SafetensorError, TypeError on a dtype torch lacks
+        raise CorruptCheckpointError(f"{url}: tensor {tensor_name!r} cannot be read ({type(exc).__name__}: "
+                                     f"{str(exc)[:200]}); re-download or re-export it with dtypes torch "
+                                     "supports") from None
+
+
 class _Shards:
     """The one open input file and the tensors read from it on demand (the writer asks in file order)."""
 
@@ -109,11 +121,8 @@ class _Shards:
             self.close()
             self._handle = self._stack.enter_context(_opened(self.folder, name, self._safe_open))
             self._name = name
-        try:
+        with _reading(self.folder.url_of(name), tensor_name):
             return self._handle.get_tensor(tensor_name)
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{self.folder.url_of(name)}: tensor {tensor_name!r} cannot be read "
-                                         f"({type(exc).__name__}: {str(exc)[:200]}); re-download or re-export it") from None
 
     def close(self) -> None:
         self._stack.close()
@@ -173,9 +182,10 @@ def import_safetensors(
                 if t not in held:
                     raise CorruptCheckpointError(f"{url} does not hold tensor {t!r}, which {folder.url_of(str(index))} assigns to it; "
                                                  "the files do not belong together: re-download them")
-                piece = f.get_slice(t)
-                shape = piece.get_shape()
-                dtype = piece[:0].dtype if shape else f.get_tensor(t).dtype  # a 0-dim tensor cannot be sliced
+                with _reading(url, t):
+                    piece = f.get_slice(t)
+                    shape = piece.get_shape()
+                    dtype = piece[:0].dtype if shape else f.get_tensor(t).dtype  # a 0-dim tensor cannot be sliced
                 placeholders[t] = torch.empty(shape, dtype=dtype, device="meta")
                 key_file[prefix + t] = (name, t)
     if not key_file:
