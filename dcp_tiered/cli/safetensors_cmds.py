@@ -23,6 +23,8 @@ from dcp_tiered.cli.args import (
 )
 from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, print_json, progress_for, unwrap_error
 from dcp_tiered.errors import CheckpointExistsError, CodecError, ConfigError
+from dcp_tiered.inspect.safetensors_files import max_shard_bytes
+from dcp_tiered.tiers.policy import restore_order
 
 EXPORT_EXAMPLES = """\
 examples:
@@ -91,8 +93,8 @@ def _has_tiers(args: argparse.Namespace) -> bool:
 
 
 def resolve_source(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """(URL, storage options) of STEP_OR_PATH: with tier flags, a step number or ``latest`` is the fastest
-    tier's committed, complete copy of it; anything else is a path."""
+    """(URL, storage options) of STEP_OR_PATH: with tier flags, a step number or ``latest`` is the committed,
+    complete copy a restore would read (:func:`~dcp_tiered.tiers.policy.restore_order`); anything else is a path."""
     text = args.src
     is_step = text == LATEST or (text.isascii() and text.isdigit())
     if not (is_step and _has_tiers(args)):
@@ -103,23 +105,18 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     from dcp_tiered.tiers.catalog import list_tiers
 
     tiers, _ = tiers_from_args(args)
-    usable = [i for i in list_tiers(tiers) if i.committed and i.complete]
-    if text == LATEST:
-        usable = [i for i in usable if i.step == max((u.step for u in usable), default=-1)]
-    else:
-        usable = [i for i in usable if i.step == int(text)]
-    if not usable:
-        steps = sorted({i.step for i in list_tiers(tiers) if i.committed and i.complete}, reverse=True)[:8]
+    whole = {(i.step, i.tier_index): i for i in list_tiers(tiers) if i.committed and i.complete}
+    order = [c for c in restore_order(whole) if text == LATEST or c[0] == int(text)]
+    if not order:
+        steps = sorted({step for step, _ in whole}, reverse=True)[:8]
         raise CliError(f"step {text} is not committed and whole on any tier ({', '.join(t.name for t in tiers)}); "
                        f"steps there: {steps or 'none'} (dcp-tiered ls lists them)", EXIT_NOT_FOUND)
-    best = min(usable, key=lambda i: i.tier_index)
+    best = whole[order[0]]
     tier = tiers[best.tier_index]
     return best.url, dict(tier.storage_options) or storage_options_for(best.url, args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dcp_tiered.inspect.safetensors_files import max_shard_bytes
-
     try:
         max_shard_bytes(args.max_shard_size)
     except ConfigError as exc:
