@@ -111,6 +111,16 @@ def test_import_reads_the_hugging_face_file_and_a_transformers_index(tmp_path: P
         _same(sd["app"]["model"], minilm)
 
 
+def test_an_import_onto_a_committed_checkpoint_raises_checkpoint_exists(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(3)}, str(tmp_path / "one.safetensors"))
+    import_safetensors(tmp_path / "one.safetensors", tmp_path / "ck")
+    with pytest.raises(CheckpointExistsError, match="overwrite"):
+        import_safetensors(tmp_path / "one.safetensors", tmp_path / "ck")
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "two.safetensors"))
+    import_safetensors(tmp_path / "two.safetensors", tmp_path / "ck", overwrite=True)
+    assert torch.equal(load_any(tmp_path / "ck")["w"], torch.zeros(3))
+
+
 def test_an_import_is_the_first_checkpoint_a_training_run_restores(tmp_path: Path, minilm: dict) -> None:
     save_file(minilm, str(tmp_path / WEIGHTS_NAME))
     tier = Tier("local", str(tmp_path / "local"))

@@ -21,7 +21,7 @@ from dcp_tiered.cli.args import (
     storage_options_for,
     tiers_from_args,
 )
-from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, print_json, progress_for, unwrap_error
+from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, print_json, progress_for
 from dcp_tiered.errors import CheckpointExistsError, CodecError, ConfigError
 from dcp_tiered.inspect.safetensors_files import max_shard_bytes
 from dcp_tiered.tiers.policy import restore_order
@@ -156,9 +156,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                                       src_options=storage_options_for(args.src, args),
                                       dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite,
                                       progress=progress_for(args))
-    except BaseException as exc:  # DCP wraps it in CheckpointException (a BaseException); say the flag, not the keyword
-        if not isinstance(unwrap_error(exc), CheckpointExistsError):
-            raise
+    except CheckpointExistsError as exc:  # say the flag, not the keyword
         raise CliError(f"{args.dst} already exists; pass --overwrite to replace it, or import to a new path") from exc
     if args.json:
         print_json(res.as_dict())
