@@ -144,6 +144,17 @@ def test_every_dtype_and_a_scalar_round_trip_from_stock_dcp(tmp_path: Path) -> N
     _same(load_file(str(tmp_path / "again" / WEIGHTS_NAME)), state["model"])
 
 
+def test_complex64_exports_and_a_dtype_safetensors_lacks_is_refused(tmp_path: Path) -> None:
+    state = {"model": {"c": torch.randn(4, dtype=torch.complex64), "w": torch.ones(2)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    export_safetensors(tmp_path / "stock", tmp_path / "hf", prefix="model.")
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
+    wide = {"model": {"z": torch.randn(4, dtype=torch.complex128)}}
+    dcp.save(wide, storage_writer=dcp.FileSystemWriter(str(tmp_path / "wide")), no_dist=True)
+    with pytest.raises(ConfigError, match=r"'model\.z'.*complex128.*--exclude"):
+        export_safetensors(tmp_path / "wide", tmp_path / "hf2", prefix="model.")
+
+
 def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     state = {"model": {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(10), "h": torch.randn(8, generator=g).half(),

@@ -9,6 +9,7 @@ shard plus one load group (:data:`LOAD_GROUP_BYTES`), whatever the checkpoint's 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import posixpath
 import tempfile
@@ -80,6 +81,20 @@ class ExportResult:
                 "skipped": self.skipped, "seconds": round(self.seconds, 3)}
 
 
+@functools.cache
+def storable(dtype: torch.dtype) -> bool:
+    """Whether the installed ``safetensors`` stores ``dtype`` (asked of its own serializer: its dtype table
+    grows between versions)."""
+    import torch
+    from safetensors.torch import save
+
+    try:
+        save({"x": torch.empty(0, dtype=dtype)})
+    except Exception:  # KeyError (not in its table), or the library's own error
+        return False
+    return True
+
+
 def _selected(md: Any, prefix: str, include: Sequence[str], exclude: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """(checkpoint key -> its TensorStorageMetadata for the keys exported, non-tensor keys left out)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -94,9 +109,9 @@ def _selected(md: Any, prefix: str, include: Sequence[str], exclude: Sequence[st
         if not isinstance(item, TensorStorageMetadata):
             skipped.append(key)
             continue
-        if item.properties.dtype.is_complex:
-            raise ConfigError(f"tensor {key!r} is {item.properties.dtype}, which safetensors cannot store; "
-                              "leave it out with exclude=[...] (--exclude)")
+        if not storable(item.properties.dtype):
+            raise ConfigError(f"tensor {key!r} is {item.properties.dtype}, which the installed safetensors cannot "
+                              "store; leave it out with exclude=[...] (--exclude)")
         chosen[key] = item
     return chosen, skipped
 
