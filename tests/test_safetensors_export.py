@@ -191,6 +191,22 @@ def test_prefix_include_and_exclude_choose_the_model(tmp_path: Path) -> None:
         export_safetensors(tmp_path / "ck", tmp_path / "m", prefix="app.model.")
 
 
+def test_exclude_adds_to_the_default_which_no_default_exclude_drops(tmp_path: Path) -> None:
+    state = {"net": {"w": torch.ones(3), "lora_a": torch.ones(2)}, "optim": {"exp_avg": torch.ones(3)},
+             "optimizer_states": {"0": {"m": torch.ones(1)}}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    export_safetensors(tmp_path / "ck", tmp_path / "a", exclude=["*.lora_*"])
+    assert sorted(load_file(str(tmp_path / "a" / WEIGHTS_NAME))) == ["net.w"]  # optimizer state still left out
+    export_safetensors(tmp_path / "ck", tmp_path / "b", exclude=["*.lora_*"], default_exclude=False)
+    assert sorted(load_file(str(tmp_path / "b" / WEIGHTS_NAME))) == ["net.w", "optim.exp_avg", "optimizer_states.0.m"]
+    run = cli("export", tmp_path / "ck", tmp_path / "c", "--exclude", "*.lora_*", "--json")
+    assert run.returncode == 0, run.stderr
+    assert sorted(load_file(str(tmp_path / "c" / WEIGHTS_NAME))) == ["net.w"]
+    run = cli("export", tmp_path / "ck", tmp_path / "d", "--no-default-exclude")
+    assert run.returncode == 0, run.stderr
+    assert len(load_file(str(tmp_path / "d" / WEIGHTS_NAME))) == 4
+
+
 def test_an_overwrite_leaves_no_shard_of_the_old_export(tmp_path: Path) -> None:
     state = {"model": {f"l{i}": torch.randn(1000) for i in range(4)}}
     dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)

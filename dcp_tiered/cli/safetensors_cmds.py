@@ -60,8 +60,11 @@ def add_parsers(sub: Any) -> None:
                    help="export only keys under PREFIX and strip it, e.g. model. or app.model. (default: every key)")
     p.add_argument("--include", action="append", metavar="GLOB",
                    help="only keys (prefix included) matching this glob; repeatable (default: all)")
-    p.add_argument("--exclude", action="append", metavar="GLOB",
-                   help="leave out keys matching this glob; repeatable (default: optimizer state, e.g. optim.*)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="also leave out keys matching this glob; repeatable (optimizer state, e.g. optim.*, "
+                        "*.exp_avg, is always left out unless --no-default-exclude)")
+    p.add_argument("--no-default-exclude", action="store_true",
+                   help="do not leave out optimizer state by default (only --exclude patterns apply)")
     p.add_argument("--max-shard-size", default=ckpt.DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                    help=f"largest shard, bytes or e.g. 500MB, 2GiB (default {ckpt.DEFAULT_MAX_SHARD_SIZE}, as transformers)")
     add_dtype_arg(p, dtype_help="store floating tensors in 16 bits (safe downcast: a tensor fp16 cannot hold keeps "
@@ -126,7 +129,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         res = ckpt.export_safetensors(
             src, args.dst, prefix=args.prefix, include=args.include or ("*",), exclude=args.exclude,
-            dtype=parse_dtype(args.dtype), max_shard_size=args.max_shard_size, src_options=options,
+            default_exclude=not args.no_default_exclude, dtype=parse_dtype(args.dtype),
+            max_shard_size=args.max_shard_size, src_options=options,
             dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=progress_for(args))
     except CheckpointExistsError as exc:
         raise CliError(f"{args.dst} already holds a safetensors export; pass --overwrite to replace it, or export "

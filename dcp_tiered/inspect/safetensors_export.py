@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from dcp_tiered.dcp.reader import CompressedReader
     from dcp_tiered.storage import Storage
 
+#: Keys an export leaves out unless ``default_exclude=False`` (``--no-default-exclude``): optimizer state,
+#: which a model checkpoint does not carry (plain training loops, ``TieredCheckpointer``, Lightning).
+DEFAULT_EXPORT_EXCLUDE: tuple[str, ...] = (
+    "optim.*", "optimizer.*", "optim_state*", "optimizer_states.*",
+    "*.exp_avg", "*.exp_avg_sq", "*.max_exp_avg_sq", "*.momentum_buffer", "*.square_avg",
+)
+
 #: Source bytes loaded by one ``dcp.load`` call: with ``dtype``, each group is cast and its wide copy dropped
 #: before the next group loads, so a downcast shard never holds the whole shard twice.
 LOAD_GROUP_BYTES = 64 << 20
@@ -124,7 +131,8 @@ def _no_keys_error(src: str, md: Any, prefix: str) -> ConfigError:
 
 def export_safetensors(
     src: str | os.PathLike[str] | CompressedReader, dst: str | os.PathLike[str], *, prefix: str = "",
-    include: Sequence[str] = ("*",), exclude: Sequence[str] | None = None, dtype: torch.dtype | None = None,
+    include: Sequence[str] = ("*",), exclude: Sequence[str] = (), default_exclude: bool = True,
+    dtype: torch.dtype | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, src_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None, overwrite: bool = False, underflow_tolerance: float = 1e-3,
     progress: ProgressFactory | None = None,
@@ -133,9 +141,9 @@ def export_safetensors(
     safetensors checkpoint, ``prefix`` stripped from their names.
 
     ``src``: a checkpoint directory or URL (this package's or stock DCP), or an open reader.
-    ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` defaults to
-    optimizer state (:data:`~dcp_tiered.dcp.planners.DEFAULT_EXCLUDE`).  Non-tensor items are left out
-    (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
+    ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` adds to
+    :data:`DEFAULT_EXPORT_EXCLUDE` (optimizer state), which ``default_exclude=False`` drops.  Non-tensor
+    items are left out (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
     :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` (floats wider than 16 bits; a tensor float16
     cannot hold keeps its dtype, in ``kept``, and may take its shard past ``max_shard_size``).
     ``max_shard_size``: bytes or ``"5GB"``/``"500MB"``; one file ``model.safetensors`` when everything
@@ -146,7 +154,7 @@ def export_safetensors(
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from dcp_tiered.dcp.planners import DEFAULT_EXCLUDE, downcast_problem, narrows
+    from dcp_tiered.dcp.planners import downcast_problem, narrows
     from dcp_tiered.storage import Storage
 
     t0 = time.perf_counter()
@@ -159,7 +167,8 @@ def export_safetensors(
     src_text = src if isinstance(src, str) else os.fspath(src) if isinstance(src, os.PathLike) else src.storage.url
     reader = reader_for(src, src_options)
     md = reader.read_metadata()
-    chosen, skipped = _selected(md, prefix, tuple(include), tuple(DEFAULT_EXCLUDE if exclude is None else exclude))
+    leave_out = (DEFAULT_EXPORT_EXCLUDE if default_exclude else ()) + tuple(exclude)
+    chosen, skipped = _selected(md, prefix, tuple(include), leave_out)
     if not chosen:
         raise _no_keys_error(src_text, md, prefix)
     out_dtype = {k: dtype if dtype is not None and narrows(m.properties.dtype) else m.properties.dtype for k, m in chosen.items()}
