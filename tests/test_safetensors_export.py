@@ -173,6 +173,19 @@ def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
         export_safetensors(tmp_path / "ck", tmp_path / "int8", prefix="model.", dtype=torch.int8)
 
 
+def test_dtype_offers_only_the_downcasts_it_does(tmp_path: Path) -> None:
+    """``--dtype`` of export and convert is bf16 or fp16; fp32 was accepted and did nothing (bf16 stayed bf16)."""
+    dcp.save({"model": {"w": torch.ones(2, dtype=torch.bfloat16)}}, storage_writer=CompressedWriter(tmp_path / "ck"),
+             no_dist=True)
+    for cmd in ("export", "convert"):
+        run = cli(cmd, tmp_path / "ck", tmp_path / f"{cmd}-out", "--dtype", "fp32")
+        assert run.returncode == 2 and "invalid choice: 'fp32'" in run.stderr, run.stderr
+        assert "16 bits" in cli(cmd, "--help").stdout
+    run = cli("export", tmp_path / "ck", tmp_path / "hf", "--prefix", "model.")
+    assert run.returncode == 0 and "(safetensors)" in run.stdout, run.stderr
+    assert load_file(str(tmp_path / "hf" / WEIGHTS_NAME))["w"].dtype == torch.bfloat16
+
+
 def test_prefix_include_and_exclude_choose_the_model(tmp_path: Path) -> None:
     state = {"app": {"model": {"enc.w": torch.ones(3), "enc.b": torch.zeros(3), "lora_a": torch.ones(2), "note": "x"},
                      "ema": {"enc.w": torch.full((3,), 2.0)}},

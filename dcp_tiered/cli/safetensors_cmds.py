@@ -13,6 +13,7 @@ from typing import Any
 
 from dcp_tiered import inspect as ckpt
 from dcp_tiered.cli.args import (
+    DOWNCASTS,
     add_codec_arg,
     add_dtype_arg,
     add_storage_args,
@@ -67,8 +68,9 @@ def add_parsers(sub: Any) -> None:
                    help="do not leave out optimizer state by default (only --exclude patterns apply)")
     p.add_argument("--max-shard-size", default=ckpt.DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                    help=f"largest shard, bytes or e.g. 500MB, 2GiB (default {ckpt.DEFAULT_MAX_SHARD_SIZE}, as transformers)")
-    add_dtype_arg(p, dtype_help="store floating tensors in 16 bits (safe downcast: a tensor fp16 cannot hold keeps "
-                                "its dtype); default: as stored")
+    add_dtype_arg(p, dtype_default=None, dtype_choices=DOWNCASTS,
+                  dtype_help="bf16 or fp16: store floating tensors wider than 16 bits in 16 bits (safe downcast: "
+                             "a tensor fp16 cannot hold keeps its dtype); default: every dtype as stored")
     p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_tier_location_args(p, keep=False)
@@ -139,7 +141,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print_json(res.as_dict())
         return EXIT_OK
     files = f"{len(res.files)} shards + {ckpt.INDEX_NAME}" if len(res.files) > 1 else ckpt.WEIGHTS_NAME
-    print(f"exported {src} -> {args.dst} (safetensors{', ' + args.dtype if args.dtype != 'fp32' else ''}): "
+    print(f"exported {src} -> {args.dst} (safetensors{', ' + args.dtype if args.dtype else ''}): "
           f"{res.tensors} tensors, {human_bytes(res.total_size)} in {files}")
     if res.kept:
         print(f"kept in their own dtype ({len(res.kept)}): " + "; ".join(f"{k}: {v}" for k, v in list(res.kept.items())[:5]))
