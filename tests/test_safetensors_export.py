@@ -409,3 +409,47 @@ def test_peak_memory_is_one_shard_plus_a_bound(tmp_path: Path) -> None:
     for what, extra in res.result.items():
         bound = SHARD + min(SHARD, LOAD_GROUP_BYTES) + ALLOWANCE
         assert extra <= bound <= total // 3, f"{what}: {extra >> 20} MiB extra, bound {bound >> 20} MiB"
+
+
+def _lightning_plugin_run(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A real Lightning run with ``CompressedCheckpointIO``: its ``last.ckpt`` (a directory) and the trained weights."""
+    pytest.importorskip("lightning")
+    import importlib.util
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dcp_tiered.integrations.lightning import CompressedCheckpointIO
+
+    spec = importlib.util.spec_from_file_location("lightning_io_script", Path(__file__).with_name("lightning_io_script.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    L.seed_everything(0, verbose=False)
+    model = script.Net(hidden=16)
+    L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+              callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)],
+              plugins=[CompressedCheckpointIO()]).fit(model, script.data())
+    assert (tmp_path / "ckpts" / "last.ckpt").is_dir()
+    return tmp_path / "ckpts" / "last.ckpt", {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_lightning_plugin_checkpoint_exports_its_state_dict_by_name(tmp_path: Path) -> None:
+    last, weights = _lightning_plugin_run(tmp_path)
+    res = export_safetensors(last, tmp_path / "hf")
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), weights)
+    assert res.tensors == len(weights)
+    run = cli("export", last, tmp_path / "net", "--prefix", "net.", "--dtype", "bf16")
+    assert run.returncode == 0, run.stderr
+    out = load_file(str(tmp_path / "net" / WEIGHTS_NAME))
+    assert sorted(out) == sorted(k.removeprefix("net.") for k in weights)
+    assert torch.equal(out["0.weight"], weights["net.0.weight"].to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="'model.'.*net"):
+        export_safetensors(last, tmp_path / "none", prefix="model.")
+
+
+def test_a_torch_save_file_is_refused_naming_the_route(tmp_path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "model.ckpt")
+    with pytest.raises(ConfigError, match=r"model\.ckpt is a torch\.save file.*dcp-tiered convert"):
+        export_safetensors(tmp_path / "model.ckpt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

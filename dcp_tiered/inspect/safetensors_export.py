@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.errors import CheckpointExistsError, ConfigError
+from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.safetensors_files import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -30,7 +30,7 @@ from dcp_tiered.inspect.safetensors_files import (
     plan_shards,
     shard_name,
 )
-from dcp_tiered.inspect.sources import reader_for
+from dcp_tiered.inspect.sources import TORCH_SAVE_SUFFIXES, is_torch_save_path, reader_for
 
 if TYPE_CHECKING:
     import torch
@@ -102,13 +102,35 @@ def storable(dtype: torch.dtype) -> bool:
     return True
 
 
-def _selected(md: Any, prefix: str, include: Sequence[str], exclude: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """(checkpoint key -> its TensorStorageMetadata for the keys exported, non-tensor keys left out)."""
+def _keys(reader: CompressedReader, md: Any, where: str) -> dict[str, str]:
+    """Each key the export sees -> the checkpoint item holding it: the items themselves, or for a Lightning
+    plugin checkpoint (``CompressedCheckpointIO``) the names inside its ``state_dict``, read from its skeleton."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from dcp_tiered.dcp.plugin_layout import SKELETON, is_plugin_checkpoint, state_dict_items
+
+    if not is_plugin_checkpoint(md.state_dict_metadata):
+        return {k: k for k in md.state_dict_metadata}
+    sd: dict[str, Any] = {SKELETON: None}
+    _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    keys = state_dict_items(sd[SKELETON], where)
+    missing = [k for k, item in keys.items() if item not in md.state_dict_metadata]
+    if missing:
+        raise CorruptCheckpointError(f"{where}: its skeleton names tensor {missing[0]!r} as item {keys[missing[0]]!r}, "
+                                     "which the checkpoint does not hold; it is damaged, export another one")
+    return keys
+
+
+def _selected(md: Any, keys: dict[str, str], prefix: str, include: Sequence[str],
+              exclude: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """(key -> its TensorStorageMetadata for the keys exported, non-tensor keys left out)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     chosen: dict[str, Any] = {}
     skipped: list[str] = []
-    for key, item in md.state_dict_metadata.items():
+    for key, name in keys.items():
+        item = md.state_dict_metadata[name]
         if not key.startswith(prefix) or len(key) == len(prefix):
             continue
         if not any(fnmatch.fnmatchcase(key, p) for p in include) or any(fnmatch.fnmatchcase(key, p) for p in exclude):
@@ -123,8 +145,8 @@ def _selected(md: Any, prefix: str, include: Sequence[str], exclude: Sequence[st
     return chosen, skipped
 
 
-def _no_keys_error(src: str, md: Any, prefix: str) -> ConfigError:
-    tops = sorted({k.split(".")[0] for k in md.state_dict_metadata})[:12]
+def _no_keys_error(src: str, keys: dict[str, str], prefix: str) -> ConfigError:
+    tops = sorted({k.split(".")[0] for k in keys})[:12]
     return ConfigError(f"no tensor of {src} matches prefix {prefix!r} and the include/exclude patterns; its keys start "
                        f"with {tops}: give prefix= (--prefix) as the model's keys start, e.g. '{tops[0] if tops else 'model'}.'")
 
@@ -140,7 +162,10 @@ def export_safetensors(
     """Write the tensors of ``src`` whose keys start with ``prefix`` to the directory ``dst`` as a Hugging Face
     safetensors checkpoint, ``prefix`` stripped from their names.
 
-    ``src``: a checkpoint directory or URL (this package's or stock DCP), or an open reader.
+    ``src``: a checkpoint directory or URL (this package's or stock DCP), or an open reader; a Lightning
+    plugin checkpoint (``CompressedCheckpointIO``) exports its ``state_dict`` under the parameter names
+    (``prefix`` applies to those), found through its skeleton without Lightning.  A ``torch.save`` file
+    is refused (:class:`ConfigError`: convert it to a directory first).
     ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` adds to
     :data:`DEFAULT_EXPORT_EXCLUDE` (optimizer state), which ``default_exclude=False`` drops.  Non-tensor
     items are left out (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
@@ -165,12 +190,17 @@ def export_safetensors(
         downcast_problem(torch.zeros(0), dtype)  # the dtype is checked before anything is read
     limit = max_shard_bytes(max_shard_size)
     src_text = src if isinstance(src, str) else os.fspath(src) if isinstance(src, os.PathLike) else src.storage.url
+    if isinstance(src, (str, os.PathLike)) and is_torch_save_path(src):
+        raise ConfigError(f"{src_text} is a torch.save file ({', '.join(TORCH_SAVE_SUFFIXES)}), not a checkpoint "
+                          f"directory, which is what export reads: convert it first (dcp-tiered convert {src_text} "
+                          "DIR) and export DIR; a Lightning .ckpt file's weights are then under --prefix state_dict.")
     reader = reader_for(src, src_options)
     md = reader.read_metadata()
     leave_out = (DEFAULT_EXPORT_EXCLUDE if default_exclude else ()) + tuple(exclude)
-    chosen, skipped = _selected(md, prefix, tuple(include), leave_out)
+    item_of = _keys(reader, md, src_text)
+    chosen, skipped = _selected(md, item_of, prefix, tuple(include), leave_out)
     if not chosen:
-        raise _no_keys_error(src_text, md, prefix)
+        raise _no_keys_error(src_text, item_of, prefix)
     out_dtype = {k: dtype if dtype is not None and narrows(m.properties.dtype) else m.properties.dtype for k, m in chosen.items()}
     numel = {k: int(torch.Size(m.size).numel()) for k, m in chosen.items()}
     shards = plan_shards(((k, numel[k] * out_dtype[k].itemsize) for k in chosen), limit)
@@ -185,10 +215,10 @@ def export_safetensors(
         for keys, name in zip(shards, names):
             tensors: dict[str, torch.Tensor] = {}
             for group in plan_shards(((k, source_bytes[k]) for k in keys), min(limit, LOAD_GROUP_BYTES)):
-                sd = {k: torch.empty(chosen[k].size, dtype=chosen[k].properties.dtype) for k in group}
+                sd = {item_of[k]: torch.empty(chosen[k].size, dtype=chosen[k].properties.dtype) for k in group}
                 _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
                 for k in group:
-                    t = sd.pop(k)
+                    t = sd.pop(item_of[k])
                     if out_dtype[k] != t.dtype:
                         problem = downcast_problem(t, out_dtype[k], underflow_tolerance)
                         if problem:
