@@ -160,6 +160,19 @@ def test_commit_file_retries_a_transient_upload_failure(store: Storage, tmp_path
     assert "t" not in store.file_sizes()
 
 
+def test_local_commit_file_copies_a_file_staged_on_another_filesystem(tmp_path: Path) -> None:
+    staging = Path("/dev/shm")
+    if not staging.is_dir() or os.stat(staging).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs a second filesystem (/dev/shm)")
+    staged = staging / f"dcp-tiered-test-{uuid.uuid4().hex}"
+    staged.write_bytes(b"x" * (3 << 20))
+    store = Storage(tmp_path / "dst")
+    store.makedirs()
+    store.commit_file("big", staged)
+    assert store.read_bytes("big") == b"x" * (3 << 20) and not staged.exists()
+    assert store.file_sizes() == {"big": 3 << 20}
+
+
 def test_local_commit_file_never_follows_a_planted_link(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.write_bytes(b"victim")
