@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_tiered.inspect import INDEX_NAME, WEIGHTS_NAME, export_safetensors, import_safetensors, load_any
+from dcp_tiered.storage import Storage
 from dcp_tiered.tiers import Tier, TieredCheckpointer
 from isolated import run_isolated
 from speed import scaled
@@ -110,6 +111,16 @@ def test_import_reads_the_hugging_face_file_and_a_transformers_index(tmp_path: P
         _same(sd["app"]["model"], minilm)
 
 
+def test_an_import_onto_a_committed_checkpoint_raises_checkpoint_exists(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(3)}, str(tmp_path / "one.safetensors"))
+    import_safetensors(tmp_path / "one.safetensors", tmp_path / "ck")
+    with pytest.raises(CheckpointExistsError, match="overwrite"):
+        import_safetensors(tmp_path / "one.safetensors", tmp_path / "ck")
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "two.safetensors"))
+    import_safetensors(tmp_path / "two.safetensors", tmp_path / "ck", overwrite=True)
+    assert torch.equal(load_any(tmp_path / "ck")["w"], torch.zeros(3))
+
+
 def test_an_import_is_the_first_checkpoint_a_training_run_restores(tmp_path: Path, minilm: dict) -> None:
     save_file(minilm, str(tmp_path / WEIGHTS_NAME))
     tier = Tier("local", str(tmp_path / "local"))
@@ -133,6 +144,17 @@ def test_every_dtype_and_a_scalar_round_trip_from_stock_dcp(tmp_path: Path) -> N
     _same(load_file(str(tmp_path / "again" / WEIGHTS_NAME)), state["model"])
 
 
+def test_complex64_exports_and_a_dtype_safetensors_lacks_is_refused(tmp_path: Path) -> None:
+    state = {"model": {"c": torch.randn(4, dtype=torch.complex64), "w": torch.ones(2)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    export_safetensors(tmp_path / "stock", tmp_path / "hf", prefix="model.")
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
+    wide = {"model": {"z": torch.randn(4, dtype=torch.complex128)}}
+    dcp.save(wide, storage_writer=dcp.FileSystemWriter(str(tmp_path / "wide")), no_dist=True)
+    with pytest.raises(ConfigError, match=r"'model\.z'.*complex128.*--exclude"):
+        export_safetensors(tmp_path / "wide", tmp_path / "hf2", prefix="model.")
+
+
 def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     state = {"model": {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(10), "h": torch.randn(8, generator=g).half(),
@@ -151,6 +173,19 @@ def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
         export_safetensors(tmp_path / "ck", tmp_path / "int8", prefix="model.", dtype=torch.int8)
 
 
+def test_dtype_offers_only_the_downcasts_it_does(tmp_path: Path) -> None:
+    """``--dtype`` of export and convert is bf16 or fp16; fp32 was accepted and did nothing (bf16 stayed bf16)."""
+    dcp.save({"model": {"w": torch.ones(2, dtype=torch.bfloat16)}}, storage_writer=CompressedWriter(tmp_path / "ck"),
+             no_dist=True)
+    for cmd in ("export", "convert"):
+        run = cli(cmd, tmp_path / "ck", tmp_path / f"{cmd}-out", "--dtype", "fp32")
+        assert run.returncode == 2 and "invalid choice: 'fp32'" in run.stderr, run.stderr
+        assert "16 bits" in cli(cmd, "--help").stdout
+    run = cli("export", tmp_path / "ck", tmp_path / "hf", "--prefix", "model.")
+    assert run.returncode == 0 and "(safetensors)" in run.stdout, run.stderr
+    assert load_file(str(tmp_path / "hf" / WEIGHTS_NAME))["w"].dtype == torch.bfloat16
+
+
 def test_prefix_include_and_exclude_choose_the_model(tmp_path: Path) -> None:
     state = {"app": {"model": {"enc.w": torch.ones(3), "enc.b": torch.zeros(3), "lora_a": torch.ones(2), "note": "x"},
                      "ema": {"enc.w": torch.full((3,), 2.0)}},
@@ -167,6 +202,22 @@ def test_prefix_include_and_exclude_choose_the_model(tmp_path: Path) -> None:
         export_safetensors(tmp_path / "ck", tmp_path / "none", prefix="model.")
     with pytest.raises(CheckpointExistsError):
         export_safetensors(tmp_path / "ck", tmp_path / "m", prefix="app.model.")
+
+
+def test_exclude_adds_to_the_default_which_no_default_exclude_drops(tmp_path: Path) -> None:
+    state = {"net": {"w": torch.ones(3), "lora_a": torch.ones(2)}, "optim": {"exp_avg": torch.ones(3)},
+             "optimizer_states": {"0": {"m": torch.ones(1)}}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    export_safetensors(tmp_path / "ck", tmp_path / "a", exclude=["*.lora_*"])
+    assert sorted(load_file(str(tmp_path / "a" / WEIGHTS_NAME))) == ["net.w"]  # optimizer state still left out
+    export_safetensors(tmp_path / "ck", tmp_path / "b", exclude=["*.lora_*"], default_exclude=False)
+    assert sorted(load_file(str(tmp_path / "b" / WEIGHTS_NAME))) == ["net.w", "optim.exp_avg", "optimizer_states.0.m"]
+    run = cli("export", tmp_path / "ck", tmp_path / "c", "--exclude", "*.lora_*", "--json")
+    assert run.returncode == 0, run.stderr
+    assert sorted(load_file(str(tmp_path / "c" / WEIGHTS_NAME))) == ["net.w"]
+    run = cli("export", tmp_path / "ck", tmp_path / "d", "--no-default-exclude")
+    assert run.returncode == 0, run.stderr
+    assert len(load_file(str(tmp_path / "d" / WEIGHTS_NAME))) == 4
 
 
 def test_an_overwrite_leaves_no_shard_of_the_old_export(tmp_path: Path) -> None:
@@ -190,6 +241,40 @@ def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: 
     back, index = _read_export(tmp_path / "hf")
     _same(back, minilm)
     assert index is not None
+
+
+def test_an_upload_that_fails_once_is_retried(tmp_path: Path, s3_bucket: tuple, monkeypatch) -> None:
+    """Shards go through the storage layer's commit: a transient upload failure does not fail the export."""
+    bucket, opts = s3_bucket
+    state = {"model": {f"l{i}": torch.randn(1000) for i in range(3)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    fs_class = type(Storage(f"{bucket}/hf", opts).fs)
+    put, calls = fs_class.put_file, []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(5, "injected transient I/O error")
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(fs_class, "put_file", flaky)
+    res = export_safetensors(tmp_path / "ck", f"{bucket}/hf", prefix="model.", max_shard_size=4000, dst_options=opts)
+    assert len(calls) == 4 and len(res.files) == 3
+    monkeypatch.undo()
+    import_safetensors(f"{bucket}/hf", tmp_path / "back", prefix="model.", src_options=opts)
+    _same(load_any(tmp_path / "back")["model"], state["model"])
+
+
+def test_a_local_export_replaces_a_planted_link_and_leaves_no_temp(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(10)}}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    (tmp_path / "victim").write_bytes(b"victim")
+    (tmp_path / "hf").mkdir()
+    os.symlink(tmp_path / "victim", tmp_path / "hf" / WEIGHTS_NAME)
+    export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", overwrite=True)
+    assert (tmp_path / "victim").read_bytes() == b"victim" and not (tmp_path / "hf" / WEIGHTS_NAME).is_symlink()
+    assert os.listdir(tmp_path / "hf") == [WEIGHTS_NAME]
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
 
 
 def _shards(tmp_path: Path) -> Path:
@@ -235,6 +320,14 @@ def test_hostile_headers_are_refused_before_the_library_parses_them(tmp_path: Pa
         with pytest.raises(CorruptCheckpointError, match=name):
             import_safetensors(tmp_path / name, tmp_path / "ck")
         assert not (tmp_path / "ck").exists()
+
+
+def test_a_dtype_torch_cannot_hold_is_refused_naming_the_file_and_tensor(tmp_path: Path) -> None:
+    raw = json.dumps({"w": {"dtype": "F6_E2M3", "shape": [16], "data_offsets": [0, 12]}}).encode()
+    (tmp_path / "fp6.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 12)
+    with pytest.raises(CorruptCheckpointError, match=r"fp6\.safetensors.*tensor 'w'.*re-export"):
+        import_safetensors(tmp_path / "fp6.safetensors", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
 
 
 def _header(header: dict) -> bytes:
@@ -316,3 +409,47 @@ def test_peak_memory_is_one_shard_plus_a_bound(tmp_path: Path) -> None:
     for what, extra in res.result.items():
         bound = SHARD + min(SHARD, LOAD_GROUP_BYTES) + ALLOWANCE
         assert extra <= bound <= total // 3, f"{what}: {extra >> 20} MiB extra, bound {bound >> 20} MiB"
+
+
+def _lightning_plugin_run(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A real Lightning run with ``CompressedCheckpointIO``: its ``last.ckpt`` (a directory) and the trained weights."""
+    pytest.importorskip("lightning")
+    import importlib.util
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dcp_tiered.integrations.lightning import CompressedCheckpointIO
+
+    spec = importlib.util.spec_from_file_location("lightning_io_script", Path(__file__).with_name("lightning_io_script.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    L.seed_everything(0, verbose=False)
+    model = script.Net(hidden=16)
+    L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+              callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)],
+              plugins=[CompressedCheckpointIO()]).fit(model, script.data())
+    assert (tmp_path / "ckpts" / "last.ckpt").is_dir()
+    return tmp_path / "ckpts" / "last.ckpt", {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_lightning_plugin_checkpoint_exports_its_state_dict_by_name(tmp_path: Path) -> None:
+    last, weights = _lightning_plugin_run(tmp_path)
+    res = export_safetensors(last, tmp_path / "hf")
+    _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), weights)
+    assert res.tensors == len(weights)
+    run = cli("export", last, tmp_path / "net", "--prefix", "net.", "--dtype", "bf16")
+    assert run.returncode == 0, run.stderr
+    out = load_file(str(tmp_path / "net" / WEIGHTS_NAME))
+    assert sorted(out) == sorted(k.removeprefix("net.") for k in weights)
+    assert torch.equal(out["0.weight"], weights["net.0.weight"].to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="'model.'.*net"):
+        export_safetensors(last, tmp_path / "none", prefix="model.")
+
+
+def test_a_torch_save_file_is_refused_naming_the_route(tmp_path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "model.ckpt")
+    with pytest.raises(ConfigError, match=r"model\.ckpt is a torch\.save file.*dcp-tiered convert"):
+        export_safetensors(tmp_path / "model.ckpt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

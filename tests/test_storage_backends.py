@@ -27,6 +27,7 @@ from dcp_tiered.storage import (
     register_backend,
 )
 from dcp_tiered.storage import base as storage_base
+from dcp_tiered.storage.retry import RetryPolicy
 from isolated import run_isolated
 
 BACKENDS = {"local": LocalStorage, "s3": ObjectStoreStorage, "memory": FsspecStorage}
@@ -115,6 +116,79 @@ def test_a_failed_commit_leaves_the_old_content_and_no_temp(store: Storage, monk
     monkeypatch.undo()
     assert store.read_bytes(".metadata") == b"committed"
     assert store.file_sizes() == {".metadata": 9}
+
+
+def test_commit_file_publishes_a_local_file_whole_and_consumes_it(store: Storage, tmp_path: Path) -> None:
+    store.makedirs()
+    store.commit_bytes("model.safetensors", b"old")
+    staged = tmp_path / "staged"
+    staged.write_bytes(b"new bytes")
+    os.chmod(staged, 0o600)  # as the safetensors library creates its files
+    store.commit_file("model.safetensors", staged)
+    assert store.read_bytes("model.safetensors") == b"new bytes"
+    assert not staged.exists()
+    assert store.file_sizes() == {"model.safetensors": 9}  # no temporary file is left
+    if store.is_local:  # the mode any new file gets here, not the stager's owner-only one
+        probe = os.open(store.path("probe"), os.O_CREAT | os.O_WRONLY, 0o666)
+        os.close(probe)
+        mode = os.stat(store.path("probe")).st_mode & 0o777
+        assert os.stat(store.path("model.safetensors")).st_mode & 0o777 == mode
+
+
+def test_commit_file_retries_a_transient_upload_failure(store: Storage, tmp_path: Path, monkeypatch) -> None:
+    if store.is_local:
+        pytest.skip("a local rename has no transient failure to retry")
+    store.makedirs()
+    put = store.fs.put_file
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(5, "injected transient I/O error")
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "put_file", flaky)
+    staged = tmp_path / "staged"
+    staged.write_bytes(b"shard")
+    store.commit_file("s", staged, retry=RetryPolicy(attempts=3, base=0.01))
+    assert len(calls) == 2 and store.read_bytes("s") == b"shard"
+    staged.write_bytes(b"shard")
+    monkeypatch.setattr(store.fs, "put_file", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "injected")))
+    with pytest.raises(StorageError, match=r"commit failed on .*/t"):
+        store.commit_file("t", staged, retry=RetryPolicy(attempts=2, base=0.01))
+    assert "t" not in store.file_sizes()
+
+
+def test_local_commit_file_copies_a_file_staged_on_another_filesystem(tmp_path: Path) -> None:
+    staging = Path("/dev/shm")
+    if not staging.is_dir() or os.stat(staging).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs a second filesystem (/dev/shm)")
+    staged = staging / f"dcp-tiered-test-{uuid.uuid4().hex}"
+    staged.write_bytes(b"x" * (3 << 20))
+    store = Storage(tmp_path / "dst")
+    store.makedirs()
+    store.commit_file("big", staged)
+    assert store.read_bytes("big") == b"x" * (3 << 20) and not staged.exists()
+    assert store.file_sizes() == {"big": 3 << 20}
+
+
+def test_local_commit_file_never_follows_a_planted_link(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"victim")
+    store = Storage(tmp_path / "dst")
+    store.makedirs()
+    os.symlink(outside, tmp_path / "dst" / "model.safetensors")
+    staged = tmp_path / "dst" / "staged"
+    staged.write_bytes(b"shard")
+    store.commit_file("model.safetensors", staged)
+    assert outside.read_bytes() == b"victim"
+    assert not store.is_link("model.safetensors") and store.read_bytes("model.safetensors") == b"shard"
+    link = tmp_path / "link"
+    os.symlink(outside, link)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        store.commit_file("other", link)  # the staged file itself must not be a link
+    assert outside.read_bytes() == b"victim"
 
 
 def test_open_write_then_ranged_reads(store: Storage) -> None:

@@ -44,6 +44,8 @@ DEFAULT_KEEP = {"local": 2, "shared": 4, "durable": 24}
 #: The old spellings still parse, hidden from ``--help``, into the same ``dest``: old scripts keep working.
 ALIASES = {"--compression": "--codec", "--codecs": "--codec", "--checkpoint-dtype": "--dtype", "--dtypes": "--dtype"}
 DTYPES = ("fp32", "bf16", "fp16")
+#: The ``--dtype`` of commands that rewrite a checkpoint (``convert``, ``export``): a safe downcast or nothing.
+DOWNCASTS = ("bf16", "fp16")
 
 
 def add_alias(p: Any, old: str, action: argparse.Action) -> None:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from dcp_tiered import inspect as ckpt
-from dcp_tiered.cli.args import add_codec_dtype_args, add_storage_args, parse_dtype, storage_options_for
+from dcp_tiered.cli.args import DOWNCASTS, add_codec_dtype_args, add_storage_args, parse_dtype, storage_options_for
 from dcp_tiered.cli.output import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -79,8 +79,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("dst", help="new checkpoint directory/URL, or a torch.save file")
     add_codec_dtype_args(p, codec_default="zstd",
                          codec_help="none, lz4, zstd, zstd:N, or 'stock' for stock DCP (default zstd)",
-                         dtype_help="store floating tensors in 16 bits (safe downcast; optimizer state kept); "
-                                    "default: as loaded")
+                         dtype_default=None, dtype_choices=DOWNCASTS,
+                         dtype_help="bf16 or fp16: store floating tensors wider than 16 bits in 16 bits (safe "
+                                    "downcast; optimizer state kept); default: every dtype as loaded")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_storage_args(p)
@@ -178,7 +179,7 @@ def _export_lightning(args: argparse.Namespace) -> "int | None":
         return None
     if not lightning_io.is_plugin_checkpoint(sdm):
         return None
-    if args.dtype != "fp32" or args.codec not in ("zstd", ckpt.STOCK):
+    if args.dtype is not None or args.codec not in ("zstd", ckpt.STOCK):
         raise CliError(f"{args.src} is a Lightning checkpoint of CompressedCheckpointIO: it converts to a normal "
                        "Lightning .ckpt as it is (no --dtype or --codec)")
     try:
@@ -216,7 +217,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         codec = res.saved.get("codec")
         print(f"converted {args.src} -> {args.dst} ({res.saved.get('format')}{', ' + codec if codec else ''}"
-              f"{', ' + args.dtype if args.dtype != 'fp32' else ''}): {human_bytes(res.src_bytes)} -> {human_bytes(res.dst_bytes)}")
+              f"{', ' + args.dtype if args.dtype else ''}): {human_bytes(res.src_bytes)} -> {human_bytes(res.dst_bytes)}")
     return EXIT_OK
 
 

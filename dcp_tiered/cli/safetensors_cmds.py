@@ -13,6 +13,7 @@ from typing import Any
 
 from dcp_tiered import inspect as ckpt
 from dcp_tiered.cli.args import (
+    DOWNCASTS,
     add_codec_arg,
     add_dtype_arg,
     add_storage_args,
@@ -21,8 +22,10 @@ from dcp_tiered.cli.args import (
     storage_options_for,
     tiers_from_args,
 )
-from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, print_json, progress_for, unwrap_error
+from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, print_json, progress_for
 from dcp_tiered.errors import CheckpointExistsError, CodecError, ConfigError
+from dcp_tiered.inspect.safetensors_files import max_shard_bytes
+from dcp_tiered.tiers.policy import restore_order
 
 EXPORT_EXAMPLES = """\
 examples:
@@ -58,12 +61,16 @@ def add_parsers(sub: Any) -> None:
                    help="export only keys under PREFIX and strip it, e.g. model. or app.model. (default: every key)")
     p.add_argument("--include", action="append", metavar="GLOB",
                    help="only keys (prefix included) matching this glob; repeatable (default: all)")
-    p.add_argument("--exclude", action="append", metavar="GLOB",
-                   help="leave out keys matching this glob; repeatable (default: optimizer state, e.g. optim.*)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="also leave out keys matching this glob; repeatable (optimizer state, e.g. optim.*, "
+                        "*.exp_avg, is always left out unless --no-default-exclude)")
+    p.add_argument("--no-default-exclude", action="store_true",
+                   help="do not leave out optimizer state by default (only --exclude patterns apply)")
     p.add_argument("--max-shard-size", default=ckpt.DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                    help=f"largest shard, bytes or e.g. 500MB, 2GiB (default {ckpt.DEFAULT_MAX_SHARD_SIZE}, as transformers)")
-    add_dtype_arg(p, dtype_help="store floating tensors in 16 bits (safe downcast: a tensor fp16 cannot hold keeps "
-                                "its dtype); default: as stored")
+    add_dtype_arg(p, dtype_default=None, dtype_choices=DOWNCASTS,
+                  dtype_help="bf16 or fp16: store floating tensors wider than 16 bits in 16 bits (safe downcast: "
+                             "a tensor fp16 cannot hold keeps its dtype); default: every dtype as stored")
     p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_tier_location_args(p, keep=False)
@@ -91,8 +98,8 @@ def _has_tiers(args: argparse.Namespace) -> bool:
 
 
 def resolve_source(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """(URL, storage options) of STEP_OR_PATH: with tier flags, a step number or ``latest`` is the fastest
-    tier's committed, complete copy of it; anything else is a path."""
+    """(URL, storage options) of STEP_OR_PATH: with tier flags, a step number or ``latest`` is the committed,
+    complete copy a restore would read (:func:`~dcp_tiered.tiers.policy.restore_order`); anything else is a path."""
     text = args.src
     is_step = text == LATEST or (text.isascii() and text.isdigit())
     if not (is_step and _has_tiers(args)):
@@ -103,23 +110,18 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     from dcp_tiered.tiers.catalog import list_tiers
 
     tiers, _ = tiers_from_args(args)
-    usable = [i for i in list_tiers(tiers) if i.committed and i.complete]
-    if text == LATEST:
-        usable = [i for i in usable if i.step == max((u.step for u in usable), default=-1)]
-    else:
-        usable = [i for i in usable if i.step == int(text)]
-    if not usable:
-        steps = sorted({i.step for i in list_tiers(tiers) if i.committed and i.complete}, reverse=True)[:8]
+    whole = {(i.step, i.tier_index): i for i in list_tiers(tiers) if i.committed and i.complete}
+    order = [c for c in restore_order(whole) if text == LATEST or c[0] == int(text)]
+    if not order:
+        steps = sorted({step for step, _ in whole}, reverse=True)[:8]
         raise CliError(f"step {text} is not committed and whole on any tier ({', '.join(t.name for t in tiers)}); "
                        f"steps there: {steps or 'none'} (dcp-tiered ls lists them)", EXIT_NOT_FOUND)
-    best = min(usable, key=lambda i: i.tier_index)
+    best = whole[order[0]]
     tier = tiers[best.tier_index]
     return best.url, dict(tier.storage_options) or storage_options_for(best.url, args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dcp_tiered.inspect.safetensors_files import max_shard_bytes
-
     try:
         max_shard_bytes(args.max_shard_size)
     except ConfigError as exc:
@@ -129,7 +131,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         res = ckpt.export_safetensors(
             src, args.dst, prefix=args.prefix, include=args.include or ("*",), exclude=args.exclude,
-            dtype=parse_dtype(args.dtype), max_shard_size=args.max_shard_size, src_options=options,
+            default_exclude=not args.no_default_exclude, dtype=parse_dtype(args.dtype),
+            max_shard_size=args.max_shard_size, src_options=options,
             dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite, progress=progress_for(args))
     except CheckpointExistsError as exc:
         raise CliError(f"{args.dst} already holds a safetensors export; pass --overwrite to replace it, or export "
@@ -138,7 +141,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print_json(res.as_dict())
         return EXIT_OK
     files = f"{len(res.files)} shards + {ckpt.INDEX_NAME}" if len(res.files) > 1 else ckpt.WEIGHTS_NAME
-    print(f"exported {src} -> {args.dst} (safetensors{', ' + args.dtype if args.dtype != 'fp32' else ''}): "
+    print(f"exported {src} -> {args.dst} (safetensors{', ' + args.dtype if args.dtype else ''}): "
           f"{res.tensors} tensors, {human_bytes(res.total_size)} in {files}")
     if res.kept:
         print(f"kept in their own dtype ({len(res.kept)}): " + "; ".join(f"{k}: {v}" for k, v in list(res.kept.items())[:5]))
@@ -159,9 +162,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                                       src_options=storage_options_for(args.src, args),
                                       dst_options=storage_options_for(args.dst, args), overwrite=args.overwrite,
                                       progress=progress_for(args))
-    except BaseException as exc:  # DCP wraps it in CheckpointException (a BaseException); say the flag, not the keyword
-        if not isinstance(unwrap_error(exc), CheckpointExistsError):
-            raise
+    except CheckpointExistsError as exc:  # say the flag, not the keyword
         raise CliError(f"{args.dst} already exists; pass --overwrite to replace it, or import to a new path") from exc
     if args.json:
         print_json(res.as_dict())

@@ -27,13 +27,14 @@ from __future__ import annotations
 from dcp_tiered.inspect.checks import VerifyResult, verify
 from dcp_tiered.inspect.conversion import STOCK, ConvertResult, convert, load_any, save_any
 from dcp_tiered.inspect.progress import NoProgress, ProgressBar, ProgressFactory
-from dcp_tiered.inspect.safetensors_export import ExportResult, export_safetensors
+from dcp_tiered.inspect.safetensors_export import DEFAULT_EXPORT_EXCLUDE, ExportResult, export_safetensors
 from dcp_tiered.inspect.safetensors_files import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, WEIGHTS_NAME
 from dcp_tiered.inspect.safetensors_import import ImportResult, import_safetensors
 from dcp_tiered.inspect.sources import TORCH_SAVE_SUFFIXES, is_torch_save_path, open_reader, stored_size
 from dcp_tiered.inspect.summary import Description, ItemRow, describe, fp32_bytes
 
 __all__ = [
+    "DEFAULT_EXPORT_EXCLUDE",
     "DEFAULT_MAX_SHARD_SIZE",
     "INDEX_NAME",
     "STOCK",

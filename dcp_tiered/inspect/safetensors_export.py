@@ -9,6 +9,7 @@ shard plus one load group (:data:`LOAD_GROUP_BYTES`), whatever the checkpoint's 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import posixpath
 import tempfile
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.errors import CheckpointExistsError, ConfigError
+from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.safetensors_files import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -29,13 +30,20 @@ from dcp_tiered.inspect.safetensors_files import (
     plan_shards,
     shard_name,
 )
-from dcp_tiered.inspect.sources import reader_for
+from dcp_tiered.inspect.sources import TORCH_SAVE_SUFFIXES, is_torch_save_path, reader_for
 
 if TYPE_CHECKING:
     import torch
 
     from dcp_tiered.dcp.reader import CompressedReader
     from dcp_tiered.storage import Storage
+
+#: Keys an export leaves out unless ``default_exclude=False`` (``--no-default-exclude``): optimizer state,
+#: which a model checkpoint does not carry (plain training loops, ``TieredCheckpointer``, Lightning).
+DEFAULT_EXPORT_EXCLUDE: tuple[str, ...] = (
+    "optim.*", "optimizer.*", "optim_state*", "optimizer_states.*",
+    "*.exp_avg", "*.exp_avg_sq", "*.max_exp_avg_sq", "*.momentum_buffer", "*.square_avg",
+)
 
 #: Source bytes loaded by one ``dcp.load`` call: with ``dtype``, each group is cast and its wide copy dropped
 #: before the next group loads, so a downcast shard never holds the whole shard twice.
@@ -80,13 +88,49 @@ class ExportResult:
                 "skipped": self.skipped, "seconds": round(self.seconds, 3)}
 
 
-def _selected(md: Any, prefix: str, include: Sequence[str], exclude: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """(checkpoint key -> its TensorStorageMetadata for the keys exported, non-tensor keys left out)."""
+@functools.cache
+def storable(dtype: torch.dtype) -> bool:
+    """Whether the installed ``safetensors`` stores ``dtype`` (asked of its own serializer: its dtype table
+    grows between versions)."""
+    import torch
+    from safetensors.torch import save
+
+    try:
+        save({"x": torch.empty(0, dtype=dtype)})
+    except Exception:  # KeyError (not in its table), or the library's own error
+        return False
+    return True
+
+
+def _keys(reader: CompressedReader, md: Any, where: str) -> dict[str, str]:
+    """Each key the export sees -> the checkpoint item holding it: the items themselves, or for a Lightning
+    plugin checkpoint (``CompressedCheckpointIO``) the names inside its ``state_dict``, read from its skeleton."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from dcp_tiered.dcp.plugin_layout import SKELETON, is_plugin_checkpoint, state_dict_items
+
+    if not is_plugin_checkpoint(md.state_dict_metadata):
+        return {k: k for k in md.state_dict_metadata}
+    sd: dict[str, Any] = {SKELETON: None}
+    _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    keys = state_dict_items(sd[SKELETON], where)
+    missing = [k for k, item in keys.items() if item not in md.state_dict_metadata]
+    if missing:
+        raise CorruptCheckpointError(f"{where}: its skeleton names tensor {missing[0]!r} as item {keys[missing[0]]!r}, "
+                                     "which the checkpoint does not hold; it is damaged, export another one")
+    return keys
+
+
+def _selected(md: Any, keys: dict[str, str], prefix: str, include: Sequence[str],
+              exclude: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """(key -> its TensorStorageMetadata for the keys exported, non-tensor keys left out)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     chosen: dict[str, Any] = {}
     skipped: list[str] = []
-    for key, item in md.state_dict_metadata.items():
+    for key, name in keys.items():
+        item = md.state_dict_metadata[name]
         if not key.startswith(prefix) or len(key) == len(prefix):
             continue
         if not any(fnmatch.fnmatchcase(key, p) for p in include) or any(fnmatch.fnmatchcase(key, p) for p in exclude):
@@ -94,22 +138,23 @@ def _selected(md: Any, prefix: str, include: Sequence[str], exclude: Sequence[st
         if not isinstance(item, TensorStorageMetadata):
             skipped.append(key)
             continue
-        if item.properties.dtype.is_complex:
-            raise ConfigError(f"tensor {key!r} is {item.properties.dtype}, which safetensors cannot store; "
-                              "leave it out with exclude=[...] (--exclude)")
+        if not storable(item.properties.dtype):
+            raise ConfigError(f"tensor {key!r} is {item.properties.dtype}, which the installed safetensors cannot "
+                              "store; leave it out with exclude=[...] (--exclude)")
         chosen[key] = item
     return chosen, skipped
 
 
-def _no_keys_error(src: str, md: Any, prefix: str) -> ConfigError:
-    tops = sorted({k.split(".")[0] for k in md.state_dict_metadata})[:12]
+def _no_keys_error(src: str, keys: dict[str, str], prefix: str) -> ConfigError:
+    tops = sorted({k.split(".")[0] for k in keys})[:12]
     return ConfigError(f"no tensor of {src} matches prefix {prefix!r} and the include/exclude patterns; its keys start "
                        f"with {tops}: give prefix= (--prefix) as the model's keys start, e.g. '{tops[0] if tops else 'model'}.'")
 
 
 def export_safetensors(
     src: str | os.PathLike[str] | CompressedReader, dst: str | os.PathLike[str], *, prefix: str = "",
-    include: Sequence[str] = ("*",), exclude: Sequence[str] | None = None, dtype: torch.dtype | None = None,
+    include: Sequence[str] = ("*",), exclude: Sequence[str] = (), default_exclude: bool = True,
+    dtype: torch.dtype | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, src_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None, overwrite: bool = False, underflow_tolerance: float = 1e-3,
     progress: ProgressFactory | None = None,
@@ -117,10 +162,13 @@ def export_safetensors(
     """Write the tensors of ``src`` whose keys start with ``prefix`` to the directory ``dst`` as a Hugging Face
     safetensors checkpoint, ``prefix`` stripped from their names.
 
-    ``src``: a checkpoint directory or URL (this package's or stock DCP), or an open reader.
-    ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` defaults to
-    optimizer state (:data:`~dcp_tiered.dcp.planners.DEFAULT_EXCLUDE`).  Non-tensor items are left out
-    (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
+    ``src``: a checkpoint directory or URL (this package's or stock DCP), or an open reader; a Lightning
+    plugin checkpoint (``CompressedCheckpointIO``) exports its ``state_dict`` under the parameter names
+    (``prefix`` applies to those), found through its skeleton without Lightning.  A ``torch.save`` file
+    is refused (:class:`ConfigError`: convert it to a directory first).
+    ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` adds to
+    :data:`DEFAULT_EXPORT_EXCLUDE` (optimizer state), which ``default_exclude=False`` drops.  Non-tensor
+    items are left out (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
     :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` (floats wider than 16 bits; a tensor float16
     cannot hold keeps its dtype, in ``kept``, and may take its shard past ``max_shard_size``).
     ``max_shard_size``: bytes or ``"5GB"``/``"500MB"``; one file ``model.safetensors`` when everything
@@ -131,7 +179,7 @@ def export_safetensors(
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from dcp_tiered.dcp.planners import DEFAULT_EXCLUDE, downcast_problem, narrows
+    from dcp_tiered.dcp.planners import downcast_problem, narrows
     from dcp_tiered.storage import Storage
 
     t0 = time.perf_counter()
@@ -142,11 +190,17 @@ def export_safetensors(
         downcast_problem(torch.zeros(0), dtype)  # the dtype is checked before anything is read
     limit = max_shard_bytes(max_shard_size)
     src_text = src if isinstance(src, str) else os.fspath(src) if isinstance(src, os.PathLike) else src.storage.url
+    if isinstance(src, (str, os.PathLike)) and is_torch_save_path(src):
+        raise ConfigError(f"{src_text} is a torch.save file ({', '.join(TORCH_SAVE_SUFFIXES)}), not a checkpoint "
+                          f"directory, which is what export reads: convert it first (dcp-tiered convert {src_text} "
+                          "DIR) and export DIR; a Lightning .ckpt file's weights are then under --prefix state_dict.")
     reader = reader_for(src, src_options)
     md = reader.read_metadata()
-    chosen, skipped = _selected(md, prefix, tuple(include), tuple(DEFAULT_EXCLUDE if exclude is None else exclude))
+    leave_out = (DEFAULT_EXPORT_EXCLUDE if default_exclude else ()) + tuple(exclude)
+    item_of = _keys(reader, md, src_text)
+    chosen, skipped = _selected(md, item_of, prefix, tuple(include), leave_out)
     if not chosen:
-        raise _no_keys_error(src_text, md, prefix)
+        raise _no_keys_error(src_text, item_of, prefix)
     out_dtype = {k: dtype if dtype is not None and narrows(m.properties.dtype) else m.properties.dtype for k, m in chosen.items()}
     numel = {k: int(torch.Size(m.size).numel()) for k, m in chosen.items()}
     shards = plan_shards(((k, numel[k] * out_dtype[k].itemsize) for k in chosen), limit)
@@ -161,10 +215,10 @@ def export_safetensors(
         for keys, name in zip(shards, names):
             tensors: dict[str, torch.Tensor] = {}
             for group in plan_shards(((k, source_bytes[k]) for k in keys), min(limit, LOAD_GROUP_BYTES)):
-                sd = {k: torch.empty(chosen[k].size, dtype=chosen[k].properties.dtype) for k in group}
+                sd = {item_of[k]: torch.empty(chosen[k].size, dtype=chosen[k].properties.dtype) for k in group}
                 _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
                 for k in group:
-                    t = sd.pop(k)
+                    t = sd.pop(item_of[k])
                     if out_dtype[k] != t.dtype:
                         problem = downcast_problem(t, out_dtype[k], underflow_tolerance)
                         if problem:
@@ -209,39 +263,18 @@ def _remove_stale(out: Storage, names: list[str]) -> None:
 
 
 def _write_shard(out: Storage, name: str, tensors: dict[str, Any], tmp: str) -> None:
-    """Serialize one shard with ``safetensors`` (no copy of the tensors) next to its place, then move it in:
-    a rename locally, an upload elsewhere; a reader never sees a half-written shard."""
+    """Serialize one shard with ``safetensors`` (no copy of the tensors) and publish it with
+    :meth:`~dcp_tiered.storage.Storage.commit_file`: a reader never sees a half-written shard.
+    A local shard is staged next to its place (a temp name), so that publishing it is a rename."""
     from safetensors.torch import save_file
 
-    from dcp_tiered.storage.base import storage_errors, temp_name
+    from dcp_tiered.storage.base import temp_name
 
-    if out.is_local:
-        final = out.path(name)
-        partial = temp_name(final)
-        try:
-            save_file(tensors, partial, metadata=SHARD_METADATA)
-            _publishable(partial)
-            os.replace(partial, final)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-        return
-    staged = posixpath.join(tmp, name)
-    save_file(tensors, staged, metadata=SHARD_METADATA)
-    _publishable(staged)
+    staged = temp_name(out.path(name)) if out.is_local else posixpath.join(tmp, name)
     try:
-        with storage_errors(out.url_of(name), "upload"):
-            out.fs.put_file(staged, out.path(name))
-    finally:
-        os.remove(staged)
-
-
-def _publishable(path: str) -> None:
-    """The mode a new file gets under the umask (``safetensors`` creates its files readable by the owner only)."""
-    try:
-        with open("/proc/self/status") as f:
-            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")), None)
-    except OSError:
-        return
-    if umask is not None:
-        os.chmod(path, 0o666 & ~umask)
+        save_file(tensors, staged, metadata=SHARD_METADATA)
+    except BaseException:
+        if os.path.exists(staged):
+            os.remove(staged)
+        raise
+    out.commit_file(name, staged)

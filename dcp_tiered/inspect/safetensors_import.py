@@ -21,6 +21,7 @@ from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheck
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.safetensors_export import normalize_prefix
 from dcp_tiered.inspect.safetensors_files import INDEX_NAME, WEIGHTS_NAME, check_header, check_name, read_index
+from dcp_tiered.names import METADATA_FILE
 
 if TYPE_CHECKING:
     from dcp_tiered.storage import Storage
@@ -92,6 +93,18 @@ def _opened(folder: Storage, name: str, safe_open: Any) -> Iterator[Any]:
         yield handle
 
 
+@contextlib.contextmanager
+def _reading(url: str, tensor_name: str) -> Iterator[None]:
+    """The library's errors reading one tensor (a dtype torch has not, a damaged header) as
+    :class:`CorruptCheckpointError` naming the file and the tensor."""
+    try:
+        yield
+    except Exception as exc:  # the library's SafetensorError, TypeError on a dtype torch lacks
+        raise CorruptCheckpointError(f"{url}: tensor {tensor_name!r} cannot be read ({type(exc).__name__}: "
+                                     f"{str(exc)[:200]}); re-download or re-export it with dtypes torch "
+                                     "supports") from None
+
+
 class _Shards:
     """The one open input file and the tensors read from it on demand (the writer asks in file order)."""
 
@@ -109,11 +122,8 @@ class _Shards:
             self.close()
             self._handle = self._stack.enter_context(_opened(self.folder, name, self._safe_open))
             self._name = name
-        try:
+        with _reading(self.folder.url_of(name), tensor_name):
             return self._handle.get_tensor(tensor_name)
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{self.folder.url_of(name)}: tensor {tensor_name!r} cannot be read "
-                                         f"({type(exc).__name__}: {str(exc)[:200]}); re-download or re-export it") from None
 
     def close(self) -> None:
         self._stack.close()
@@ -140,8 +150,8 @@ def import_safetensors(
     ``src``: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory holding either.
     Every file is untrusted: header lengths and the index are bounded, the index names files inside its
     directory, names are printable (:class:`CorruptCheckpointError`, :class:`UnsafeCheckpointError`).
-    Refuses a committed checkpoint at ``dst`` unless ``overwrite`` (raised inside ``dcp.save``: wrapped in
-    DCP's ``CheckpointException``).
+    Refuses a committed checkpoint at ``dst`` unless ``overwrite`` (:class:`CheckpointExistsError`, before
+    anything is read or written; a save racing this one is still refused inside ``dcp.save``).
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -149,13 +159,16 @@ def import_safetensors(
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from dcp_tiered.codecs import get_codec
-    from dcp_tiered.dcp.writer import CompressedWriter
+    from dcp_tiered.dcp.writer import CompressedWriter, exists_error
 
     t0 = time.perf_counter()
     codec = str(get_codec(codec))
     prefix = normalize_prefix(prefix)
     src_text, dst_text = os.fspath(src), os.fspath(dst)
     folder, index, single = _locate(src_text, src_options)
+    writer = CompressedWriter(dst_text, codec=codec, storage_options=dst_options, overwrite=overwrite)
+    if not overwrite and writer.storage.exists(METADATA_FILE):
+        raise exists_error(writer.storage.url)  # here, not from inside dcp.save, which wraps it in a BaseException
     by_file: dict[str, list[str] | None] = {single: None} if single else {}
     for key, file in (read_index(folder, index).items() if index else ()):
         listed = by_file.setdefault(file, [])
@@ -173,9 +186,10 @@ def import_safetensors(
                 if t not in held:
                     raise CorruptCheckpointError(f"{url} does not hold tensor {t!r}, which {folder.url_of(str(index))} assigns to it; "
                                                  "the files do not belong together: re-download them")
-                piece = f.get_slice(t)
-                shape = piece.get_shape()
-                dtype = piece[:0].dtype if shape else f.get_tensor(t).dtype  # a 0-dim tensor cannot be sliced
+                with _reading(url, t):
+                    piece = f.get_slice(t)
+                    shape = piece.get_shape()
+                    dtype = piece[:0].dtype if shape else f.get_tensor(t).dtype  # a 0-dim tensor cannot be sliced
                 placeholders[t] = torch.empty(shape, dtype=dtype, device="meta")
                 key_file[prefix + t] = (name, t)
     if not key_file:
@@ -189,7 +203,6 @@ def import_safetensors(
                 counter.update(1)
                 return self.transform_object(write_item, tensor)
 
-        writer = CompressedWriter(dst_text, codec=codec, storage_options=dst_options, overwrite=overwrite)
         try:
             dcp.save(_nested(prefix, placeholders), storage_writer=writer, planner=_FromFiles(), no_dist=True)
         finally:

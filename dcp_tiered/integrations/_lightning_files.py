@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dcp_tiered.names import METADATA_FILE
+from dcp_tiered.storage.local import fsync_dir
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,14 +57,6 @@ def exchange(a: str, b: str) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
         return False
     raise OSError(err, os.strerror(err), a, None, b)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def hidden(path: str, kind: str) -> str:

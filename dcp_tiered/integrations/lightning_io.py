@@ -55,6 +55,8 @@ except ImportError:  # pragma: no cover - the standalone package
 
 from dcp_tiered.codecs import get_codec
 from dcp_tiered.dcp.format import MAX_OBJECT_BYTES, is_native_record, record_view
+from dcp_tiered.dcp.plugin_layout import FORMAT, SKELETON, check_format, tensor_item
+from dcp_tiered.dcp.plugin_layout import is_plugin_checkpoint  # noqa: F401  (lightning_io.is_plugin_checkpoint, as before)
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import set_leaf
 from dcp_tiered.dcp.writer import CompressedWriter, uncommit
@@ -68,8 +70,6 @@ from dcp_tiered.tiers.events import root_cause
 
 __all__ = ["AsyncCompressedCheckpointIO", "CompressedCheckpointIO", "export_checkpoint", "load_from_checkpoint"]
 
-SKELETON = "skeleton"
-_FORMAT = "dcp_tiered.lightning/1"
 _Path = tuple[Any, ...]
 
 
@@ -101,8 +101,8 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         return value
 
     tree = strip(dict(checkpoint), ())
-    flat: dict[str, Any] = {f"t.{n}": t for n, t in enumerate(tensors)}
-    flat[SKELETON] = one_object({"format": _FORMAT, "tree": tree, "tensors": paths, "kinds": kinds})
+    flat: dict[str, Any] = {tensor_item(n): t for n, t in enumerate(tensors)}
+    flat[SKELETON] = one_object({"format": FORMAT, "tree": tree, "tensors": paths, "kinds": kinds})
     return flat
 
 
@@ -139,15 +139,11 @@ def _check_skeleton(flat: Mapping[str, Any], path: Any, limit: int) -> None:
 
 def join_checkpoint(flat: Mapping[str, Any], where: str = "checkpoint") -> dict[str, Any]:
     """The checkpoint dict from what :func:`split_checkpoint` made, as loaded back."""
-    skel = from_one_object(flat[SKELETON])
-    found = skel.get("format") if isinstance(skel, dict) else type(skel).__name__
-    if found != _FORMAT:
-        raise UnsupportedFormatError(f"{where}: the skeleton is {found!r}, not {_FORMAT!r} of CompressedCheckpointIO "
-                                     "(written by a newer dcp-tiered, or not by this plugin)")
+    skel = check_format(from_one_object(flat[SKELETON]), where)
     try:
         tree = skel["tree"]
         for n, path in enumerate(skel["tensors"]):
-            set_leaf(tree, tuple(path), flat[f"t.{n}"])
+            set_leaf(tree, tuple(path), flat[tensor_item(n)])
         for path, kind in sorted(skel["kinds"], key=lambda pk: -len(pk[0])):
             node = tree
             for key in path:
@@ -518,12 +514,6 @@ class AsyncCompressedCheckpointIO(AsyncCheckpointIO):
     def remove_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         self._drain()
         super().remove_checkpoint(*args, **kwargs)
-
-
-def is_plugin_checkpoint(state_dict_metadata: Mapping[str, Any]) -> bool:
-    """Whether a checkpoint directory's items (its ``.metadata``'s ``state_dict_metadata``) are the
-    layout :class:`CompressedCheckpointIO` writes (tensors ``t.{n}`` and one ``skeleton``)."""
-    return SKELETON in state_dict_metadata and all(k == SKELETON or k.startswith("t.") for k in state_dict_metadata)
 
 
 def export_checkpoint(path: Any, dst: Any, *, storage_options: dict[str, Any] | None = None,

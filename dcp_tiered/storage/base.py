@@ -11,8 +11,9 @@ installed plugins (entry point group ``dcp_tiered.storage``, named by the protoc
 A backend implements the primitives ``_open_write`` (write, durable on clean exit),
 ``_commit`` (publish a small file atomically), ``_size``, ``_read_range``, ``_read_all`` and
 ``_list`` (every file with its size and modification time).  This class derives the rest
-(bounded whole-file reads, reads into buffers, sizes and ages, temp cleanup, children) and
-maps every error to :class:`StorageError` or :class:`MissingFileError` naming the URL.
+(bounded whole-file reads, reads into buffers, sizes and ages, temp cleanup, children), offers a
+default ``_commit_file`` (publish a finished local file) that backends override where one upload
+is atomic or a rename is enough, and maps every error to :class:`StorageError` or :class:`MissingFileError` naming the URL.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import posixpath
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, ClassVar
 
 import fsspec
@@ -33,6 +34,7 @@ from dcp_tiered.errors import ConfigError, CorruptCheckpointError, DcpTieredErro
 from dcp_tiered.plugins import STORAGE_GROUP, load_plugin
 from dcp_tiered.storage.lock import FileLock
 from dcp_tiered.storage.paths import location, safe_relative_name
+from dcp_tiered.storage.retry import RetryPolicy, retrying
 
 _TEMP_FILE = re.compile(r".+\.[0-9a-f]{8}\.tmp")
 
@@ -219,6 +221,26 @@ class Storage:
         """Make ``name`` hold ``data`` atomically; with ``exclusive``, False (nothing changed) if it exists."""
         raise NotImplementedError
 
+    def _commit_file(self, name: str, local_path: str) -> None:
+        """Make ``name`` hold the bytes of the local file ``local_path`` atomically (it may be moved away).
+
+        This default uploads to a temp name and moves it into place; a backend overrides it where
+        one upload is atomic or a rename is enough."""
+        path = self.path(name)
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        self._via_temp(path, lambda tmp: self.fs.put_file(local_path, tmp))
+
+    def _via_temp(self, path: str, put: "Callable[[str], object]") -> None:
+        """``put(tmp)`` writes a temp name next to ``path``, then it moves into place; no temp is left."""
+        tmp = temp_name(path)
+        try:
+            put(tmp)
+            self.fs.mv(tmp, path)
+        finally:
+            with contextlib.suppress(Exception):
+                if self.fs.exists(tmp):
+                    self.fs.rm_file(tmp)
+
     def _size(self, name: str) -> int:
         raise NotImplementedError
 
@@ -318,6 +340,27 @@ class Storage:
                         return True
                 raise
             return committed or self._holds(name, data)
+
+    def commit_file(self, name: str, local_path: "str | os.PathLike[str]", retry: RetryPolicy = RetryPolicy()) -> None:
+        """Publish the finished local file ``local_path`` as ``name`` atomically, and remove ``local_path``:
+        a reader sees the old ``name`` or all of the new one, also after a crash.
+
+        Locally: fsync + rename (a copy through a temp file from another filesystem) + directory
+        fsync, no link followed, the mode a new file gets in the directory; object stores: one
+        upload; other filesystems: upload to a temp name + move.  Off local disks a failure is
+        retried under ``retry``.  For files too big for :meth:`commit_bytes` (a safetensors shard).
+        """
+        url, path = self.url_of(name), os.fspath(local_path)
+
+        def once() -> None:
+            with storage_errors(url, "commit"):
+                self._commit_file(name, path)
+
+        try:
+            retrying(once, RetryPolicy(attempts=1) if self.is_local else retry, f"commit of {url}")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     def _holds(self, name: str, data: bytes) -> bool:
         """Whether ``name`` holds exactly ``data`` now (False when it does not exist)."""

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from dcp_tiered.storage.base import Storage, register_backend, temp_name
+from dcp_tiered.storage.base import Storage, register_backend
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
@@ -54,14 +54,7 @@ class FsspecStorage(Storage):
         path = self.path(name)
         if exclusive and self.fs.exists(path):  # no atomic primitive here: best effort
             return False
-        tmp = temp_name(path)
-        try:
-            self.fs.pipe_file(tmp, data)
-            self.fs.mv(tmp, path)
-        finally:
-            with contextlib.suppress(Exception):
-                if self.fs.exists(tmp):
-                    self.fs.rm_file(tmp)
+        self._via_temp(path, lambda tmp: self.fs.pipe_file(tmp, data))
         return True
 
     def _size(self, name: str) -> int:

@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import posixpath
+import shutil
 import stat
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -226,12 +227,42 @@ class LocalStorage(Storage):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        fd = os.open(os.path.dirname(final), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(os.path.dirname(final))
         return True
+
+    def _commit_file(self, name: str, local_path: str) -> None:
+        final = self.path(name)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = temp_name(final)
+        # Created as any new file here (umask, default ACLs): its mode is the one to publish with.
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o666)
+        try:
+            try:
+                src = os.open(local_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafeCheckpointError(f"{local_path} is a symbolic link; refusing to publish it as "
+                                                f"{self.url_of(name)}") from None
+                raise
+            with os.fdopen(src, "rb") as f:
+                st, mode = os.fstat(src), stat.S_IMODE(os.fstat(out).st_mode)
+                if not stat.S_ISREG(st.st_mode):
+                    raise UnsafeCheckpointError(f"{local_path} is not a regular file; refusing to publish it")
+                if st.st_dev == os.fstat(out).st_dev:  # same filesystem: the file itself is moved in
+                    os.fchmod(src, mode)
+                    os.fsync(src)
+                    os.replace(local_path, final)  # replaces a link at ``final``, never follows it
+                else:
+                    with os.fdopen(os.dup(out), "wb") as g:
+                        shutil.copyfileobj(f, g, 16 << 20)
+                        g.flush()
+                        os.fsync(g.fileno())
+                    os.replace(tmp, final)
+        finally:
+            os.close(out)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        fsync_dir(os.path.dirname(final))
 
     def try_lock(self, name: str) -> FileLock | None:
         """Take an exclusive ``flock`` on the file ``name`` (created if missing) without waiting.
@@ -256,6 +287,15 @@ class LocalStorage(Storage):
                 os.close(fd)
                 raise
         return FileLock(fd, path)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in the directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_link(name: str, dir_fd: int) -> bool:

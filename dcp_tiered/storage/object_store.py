@@ -65,3 +65,8 @@ class ObjectStoreStorage(FsspecStorage):
             self.fs.pipe_file(path, data)  # one PUT: atomic on object stores
         self._refresh(path)
         return True
+
+    def _commit_file(self, name: str, local_path: str) -> None:
+        path = self.path(name)
+        self.fs.put_file(local_path, path)  # one upload (a multipart one is also published whole)
+        self._refresh(path)
