@@ -107,3 +107,36 @@ def test_node_view_names_its_own_copies_only() -> None:
     assert record_view(node1.storage_data[C.index]).file == "__2_node_0.distcp" and copied == 9
     assert not hasattr(node1, NODE_COPIES) and md.storage_data[C.index] is rec
     assert node_view(md, [0, 1])[0].storage_data == {C.index: rec}
+
+
+def test_a_packed_node_view_swaps_rows_without_unpacking_or_packing(tmp_path, monkeypatch) -> None:
+    """The view of what ``dcp.save`` returned (packed records): the copies' rows swapped over the table's
+    columns, the first row's included; the same records, file sizes and committed bytes as a view
+    built from the plain dicts, and no record packed or unpacked on the way."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_tiered import CompressedWriter
+    from dcp_tiered.dcp import record_table
+    from dcp_tiered.dcp.format import expected_sizes
+    from dcp_tiered.dcp.metadata_io import encode_metadata, unpack_metadata
+
+    state = {f"w{i}": torch.full((3, 4), float(i)) for i in range(6)} | {"lr": torch.tensor(0.5)}
+    md = dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck", sync_files=False), no_dist=True)
+    assert type(md.storage_data) is record_table.PackedRecords
+    plain = dict(record_table.PackedRecords(md.state_dict_metadata, md.storage_data.packed).items())
+    first, middle = list(plain)[0], list(plain)[3]
+    copies = tuple((i, {**plain[i], "file": "__2_node_0.distcp", "offset": 7 * n}) for n, i in enumerate((first, middle)))
+    setattr(md, NODE_COPIES, copies)
+    calls = {"add": 0, "unpack": 0}
+    add, unpack = record_table._Packer.add, record_table.unpack_storage
+    monkeypatch.setattr(record_table._Packer, "add", lambda *a: (calls.__setitem__("add", calls["add"] + 1), add(*a))[1])
+    monkeypatch.setattr(record_table, "unpack_storage",
+                        lambda *a, **k: (calls.__setitem__("unpack", calls["unpack"] + 1), unpack(*a, **k))[1])
+    view, copied = node_view(md, [2, 3])
+    sizes = expected_sizes(view.storage_data.values())
+    data = encode_metadata(view)
+    assert calls == {"add": 0, "unpack": 0}
+    want = {**plain, **dict(copies)}
+    assert copied == sum(r["length"] for _i, r in copies)
+    assert sizes == expected_sizes(want.values())
+    assert dict(unpack_metadata(data).storage_data.items()) == want

@@ -361,7 +361,12 @@ def record_view(value: Any) -> ItemView:
 def expected_sizes(records: "Iterable[Any]", holds: "Callable[[str], bool] | None" = None) -> dict[str, int]:
     """The one rule of a checkpoint's file sizes: each data file the ``records`` (``storage_data`` values,
     native or stock) name must be as long as the furthest end of a record in it.  ``holds`` keeps only
-    the files it accepts (a node directory: its ranks' files)."""
+    the files it accepts (a node directory: its ranks' files).  The values of a packed record table
+    (``record_table.PackedRecords``) give theirs over its columns (``file_ends``)."""
+    fast = getattr(records, "file_ends", None)
+    ends = fast() if fast is not None else None
+    if ends is not None:
+        return {f: end for f, end in ends.items() if holds is None or holds(f)}
     out: dict[str, int] = {}
     for value in records:
         rec = record_view(value)

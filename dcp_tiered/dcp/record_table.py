@@ -24,6 +24,7 @@ builds each dict when it is asked for.  ``unpack_storage(sdm, pack_storage(sdm, 
 from __future__ import annotations
 
 import collections.abc
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +33,7 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
-from dcp_tiered.dcp.format import check_against_properties, check_record, dtype_name
+from dcp_tiered.dcp.format import check_against_properties, check_record, dtype_name, expected_sizes
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import safe_relative_name
 
@@ -52,9 +53,9 @@ _U64 = 1 << 64
 _WIDTHS = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
-def _column(values: list) -> bytes:
+def _column(values: "list | np.ndarray") -> bytes:
     """``values`` (ints in ``[0, 2**64)``) as the narrowest little-endian unsigned array."""
-    top = max(values, default=0)
+    top = max(values, default=0) if type(values) is list else (int(values.max()) if len(values) else 0)
     width = next(w for w in _WIDTHS if top < 1 << (8 * w))
     return np.array(values, dtype=np.uint64).astype(_WIDTHS[width]).tobytes()
 
@@ -174,6 +175,74 @@ def pack_storage(sdm: dict, storage: dict) -> dict:
     raise AssertionError("unreachable: a packer that checks each record's frames makes a table")
 
 
+def replace_records(sdm: dict, packed: dict, records: "collections.abc.Mapping[MetadataIndex, Any]") -> dict:
+    """``packed`` (as :func:`pack_storage` made it) with ``records`` in place of those of their indices:
+    their rows dropped from the table over its columns, the new records kept apart from it.  A node's
+    view of a save (a few node copies among all its records) so costs array work, not a repack."""
+    if not records:
+        return packed
+    if not is_table(packed):
+        return {**packed, **records}
+    head_index, head = next(iter(packed.items()))
+    rest = {i: r for i, r in itertools.islice(packed.items(), 1, None) if i not in records}
+    arrays, frames, sums, _names = _columns(head, sdm, "the committed metadata")
+    positions = {fqn: i for i, fqn in enumerate(sdm)}
+    wanted = set()
+    for index in records:
+        item, entry = positions.get(index.fqn), sdm.get(index.fqn)
+        if item is None:
+            raise KeyError(f"{index.fqn!r} is no item of this checkpoint")
+        chunk = 0
+        if index.offset is not None:
+            offsets = [tuple(c.offsets) for c in entry.chunks]
+            chunk = offsets.index(tuple(index.offset)) + 1
+        wanted.add(item * (1 << 32) + chunk)
+    keys = arrays["item"].astype(np.int64) * (1 << 32) + arrays["chunk"].astype(np.int64)
+    keep = ~np.isin(keys, np.fromiter(wanted, dtype=np.int64, count=len(wanted)))
+    if keep.all():
+        return {**packed, **records}
+    if not keep.any():
+        return {**rest, **records}
+    table = dict(head[TABLE_FIELD])
+    table["n"] = int(keep.sum())
+    for c in _ROW:
+        table[c] = _column(arrays[c][keep])
+    in_kept = np.repeat(keep, arrays["nframes"].astype(np.int64))
+    table["frames"], table["sums"] = _column(frames[in_kept]), _column(sums[in_kept])
+    first = int(np.flatnonzero(keep)[0])
+    if first:  # the table is stored under its first row's index
+        fqn, chunk, hint = list(sdm)[int(arrays["item"][first])], int(arrays["chunk"][first]), int(arrays["index"][first])
+        offset = sdm[fqn].chunks[chunk - 1].offsets if chunk else None
+        head_index = MetadataIndex(fqn, offset, hint - 1 if hint else None)
+    return {head_index: {**head, TABLE_FIELD: table}, **rest, **records}
+
+
+def packed_file_ends(sdm: dict, packed: dict) -> dict[str, int]:
+    """:func:`~dcp_tiered.dcp.format.expected_sizes` of ``packed``'s records, over the table's columns
+    (each file's furthest ``offset + length``) and the records kept apart, without building records."""
+    if not is_table(packed):
+        return expected_sizes(packed.values())
+    arrays, frames, _sums, names = _columns(next(iter(packed.values())), sdm, "the committed metadata")
+    counts = arrays["nframes"].astype(np.int64)
+    bounds = np.concatenate(([0], np.cumsum(frames, dtype=np.uint64)))
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    ends = arrays["offset"].astype(np.uint64) + (bounds[starts + counts] - bounds[starts])
+    top = np.zeros(len(names), dtype=np.uint64)
+    np.maximum.at(top, arrays["file"].astype(np.int64), ends)
+    out = {names[f]: int(top[f]) for f in np.unique(arrays["file"]).tolist()}
+    for f, end in expected_sizes(itertools.islice(packed.values(), 1, None)).items():
+        out[f] = max(out.get(f, 0), end)
+    return out
+
+
+class _PackedValues(collections.abc.ValuesView):
+    """The records of a :class:`PackedRecords`; their file ends come from the table's columns."""
+
+    def file_ends(self) -> "dict[str, int] | None":
+        table = self._mapping
+        return packed_file_ends(table._sdm, table.packed) if table._records is None else None
+
+
 class PackedRecords(collections.abc.Mapping):
     """``storage_data`` of a committed save as DCP broadcasts it to every rank: pickled as the record
     table of format 2 (about 48 bytes a record, where the dicts cost ~330 and stock's records ~205),
@@ -211,6 +280,9 @@ class PackedRecords(collections.abc.Mapping):
 
     def __contains__(self, index: object) -> bool:
         return index in self._unpacked()
+
+    def values(self) -> _PackedValues:
+        return _PackedValues(self)
 
     def __reduce__(self) -> tuple:
         return PackedRecords, (self._sdm, self.packed, None, self.stats)

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_tiered.dcp.format import expected_sizes, record_view
 from dcp_tiered.dcp.metadata_io import encode_metadata, load_metadata
+from dcp_tiered.dcp.record_table import PackedRecords, replace_records
 from dcp_tiered.dcp.writer import commit_metadata
 from dcp_tiered.errors import DcpTieredError
 from dcp_tiered.storage import MissingFileError, Storage
@@ -217,15 +218,19 @@ def split_node_copies(results: Sequence[Sequence[WriteResult]]
 
 def node_view(metadata: Metadata, ranks: Collection[int]) -> tuple[Metadata, int]:
     """The ``Metadata`` the directory of ``ranks`` commits: the save's, each item that one of ``ranks``
-    wrote a node copy of pointing to that copy; and the stored bytes of those copies."""
-    storage = dict(metadata.storage_data)
-    copied = 0
-    for index, record in getattr(metadata, NODE_COPIES, ()):
-        view = record_view(record)
-        if rank_of_file(view.file) in ranks and index in storage:
-            storage[index] = record
-            copied += view.length
-    return dataclasses.replace(metadata, storage_data=storage), copied
+    wrote a node copy of pointing to that copy; and the stored bytes of those copies.  The records as
+    ``dcp.save`` returned them (packed) stay packed: the copies' rows are swapped over the table's
+    columns, so a node leader neither unpacks nor packs every record of the save."""
+    storage, sdm = metadata.storage_data, metadata.state_dict_metadata
+    packed = type(storage) is PackedRecords
+    mine = {index: record for index, record in getattr(metadata, NODE_COPIES, ())
+            if rank_of_file(record_view(record).file) in ranks and (packed or index in storage)}
+    copied = sum(record_view(record).length for record in mine.values())
+    if packed:
+        view: Any = PackedRecords(sdm, replace_records(sdm, storage.packed, mine), None, storage.stats)
+    else:
+        view = {**storage, **mine}
+    return dataclasses.replace(metadata, storage_data=view), copied
 
 
 def commit_after_save(tier: Tier, step: int, metadata: Any, *, rank: int, world: int, promoter: Any,
