@@ -72,16 +72,17 @@ from torch.distributed.checkpoint.storage import WriteResult
 from benchmarks.common import machine_line, md_table, save_results, write_section
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, filter_for, get_codec
 from dcp_tiered.codecs.frames import stored_frame_bounds
-from dcp_tiered.dcp import metadata_io
+from dcp_tiered.dcp import metadata_io, record_table
 from dcp_tiered.dcp.format import FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, MAX_METADATA_BYTES, MAX_METADATA_RECORDS, ItemRecord
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.writer import CompressedWriter, RankFilePrefix
 from dcp_tiered.errors import MetadataTooLargeError
-from dcp_tiered.names import METADATA_FILE, data_file, rank_prefix
+from dcp_tiered.names import METADATA_FILE, NODE_COPIES, data_file, node_copies_prefix, rank_prefix
 from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.promote.promoter import Promoter
 from dcp_tiered.tiers.save import budget
+from dcp_tiered.tiers.save.node_commit import node_view
 from dcp_tiered.tiers.save.writer import TieredWriter
 
 #: 8 to 16,384 ranks, every fourfold step and the last doubling (``--ranks`` takes any list, e.g. every doubling)
@@ -418,7 +419,9 @@ def writers(planned: tuple[list[SavePlan], Metadata], base: str, best: Best, run
     for who, md in finished.items():  # what DCP broadcasts to every rank after finish: pickled once, unpickled by each
         blob = best.time(f"{who}.bcast_pickle", functools.partial(pickle.dumps, md))
         row[f"{who}.bcast_bytes"] = len(blob)
-        best.time(f"{who}.bcast_unpickle", functools.partial(pickle.loads, blob))
+        received = best.time(f"{who}.bcast_unpickle", functools.partial(pickle.loads, blob))
+    for _ in range(runs):  # a node leader of a node-local tier: its view (node copies) of what it received
+        best.time("node_commit", functools.partial(node_leader_commit, received, n_ranks=len(glob)))
     del finished, blob
     row["ours.file_bytes"] = os.path.getsize(os.path.join(ours_dir, METADATA_FILE))
     row["stock.file_bytes"] = os.path.getsize(os.path.join(stock_dir, METADATA_FILE))
@@ -429,6 +432,25 @@ def writers(planned: tuple[list[SavePlan], Metadata], base: str, best: Best, run
     metadata_io._DECODED.clear()
     row.update(tiered(planned, ours_results, sizes, os.path.join(base, "tiers"), best, runs))
     return row
+
+
+def node_leader_commit(received: Metadata, n_ranks: int) -> bytes:
+    """What the leader of the second node does after a save to a node-local tier: its view of the
+    save's ``Metadata`` (each replicated item, one chunk covering its tensor or a non-tensor value,
+    pointing to a node copy in its own file) and the ``.metadata`` bytes it commits."""
+    md = copy.copy(received)
+    sdm, leader = md.state_dict_metadata, min(8, n_ranks - 1)
+    copies = []
+    for fqn, entry in sdm.items():
+        whole = not hasattr(entry, "chunks") or (len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.size)
+        if whole:
+            index = MetadataIndex(fqn, entry.chunks[0].offsets if hasattr(entry, "chunks") else None)
+            copies.append(index)
+    plain = record_table.PackedRecords(sdm, md.storage_data.packed)
+    setattr(md, NODE_COPIES, tuple((i, {**plain[i], "file": data_file(node_copies_prefix(rank_prefix(leader)))})
+                                   for i in copies if i in plain))
+    view, _copied = node_view(md, range(leader, leader + 8))
+    return metadata_io.encode_metadata(view)
 
 
 def tiered(planned: tuple[list[SavePlan], Metadata], results: list[list[WriteResult]], sizes: dict[str, int],
@@ -520,6 +542,7 @@ CPU_STEPS = (
     ("TieredWriter prepare_global_plan", "tiered.prepare", "stock.prepare", None),
     ("TieredWriter finish + retention", "tiered.finish", "stock.finish", 1.2),
     ("budget decision (less DCP planning)", "budget", None, None),
+    ("node leader's commit (view + encode)", "node_commit", None, None),
     ("restore of no items (list, agree, open)", "restore_open", None, None),
 )
 EXPONENT_BAR = 1.1
