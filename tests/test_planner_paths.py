@@ -71,3 +71,17 @@ def test_an_empty_dict_in_a_list_leaves_a_gap_that_still_opens(tmp_path):
         into = {"x": torch.ones(1)}
         dcp.load(into, storage_reader=CompressedReader(tmp_path / name), no_dist=True)
         assert torch.equal(into["x"], torch.zeros(1))
+
+
+def test_a_state_nested_deeper_than_readers_accept_is_refused_before_the_commit(tmp_path):
+    """A dict 70 levels deep saved as readers then refused it: the save fails and commits nothing."""
+    from dcp_tiered import UnsupportedFormatError
+    from dcp_tiered.tiers.events import root_cause
+
+    deep: dict = {"w": torch.ones(2)}
+    for _ in range(70):
+        deep = {"d": deep}
+    with pytest.raises(BaseException) as info:  # DCP wraps it in its CheckpointException
+        dcp.save(deep, storage_writer=CompressedWriter(tmp_path / "ck", sync_files=False), no_dist=True)
+    assert isinstance(root_cause(info.value), UnsupportedFormatError) and "at most 64 levels" in str(root_cause(info.value))
+    assert not (tmp_path / "ck" / ".metadata").exists()

@@ -71,6 +71,11 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
             f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
             f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
             "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard over fewer ranks")
+    try:  # the planner paths readers check, checked before the commit too
+        _check_planner_data(getattr(metadata, "planner_data", None), where, metadata.state_dict_metadata or {})
+    except CorruptCheckpointError as exc:
+        raise UnsupportedFormatError(f"readers would refuse this save ({exc}); nothing was committed. Keep the "
+                                     f"state dict at most {MAX_PATH_PARTS} levels deep") from None
     packed = _packed(metadata)
     problem = _tiling_problem(metadata, packed)  # what readers check, checked first
     if problem is not None:
