@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from dcp_tiered import CompressedReader, CompressedWriter
-from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_tiered.inspect import INDEX_NAME, WEIGHTS_NAME, export_safetensors, import_safetensors, load_any
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers import Tier, TieredCheckpointer
@@ -228,6 +228,44 @@ def test_an_overwrite_leaves_no_shard_of_the_old_export(tmp_path: Path) -> None:
     export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", overwrite=True)
     assert os.listdir(tmp_path / "hf") == [WEIGHTS_NAME]
     _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
+
+
+def test_an_interrupted_overwrite_never_looks_like_a_whole_export(tmp_path: Path, monkeypatch) -> None:
+    """An overwrite that dies after 2 of 4 shards: the old index (naming the new shards 1-2 and the old 3-4) is gone
+    before the first shard is replaced, so import refuses the directory instead of loading a mix of two exports."""
+    from dcp_tiered.inspect import safetensors_export
+
+    old = {"model": {f"l{i}": torch.zeros(1000) for i in range(4)}}
+    new = {"model": {f"l{i}": torch.ones(1000) for i in range(4)}}
+    for name, state in (("old", old), ("new", new)):
+        dcp.save(state, storage_writer=CompressedWriter(tmp_path / name), no_dist=True)
+    export_safetensors(tmp_path / "old", tmp_path / "hf", prefix="model.", max_shard_size=4000)
+    write, written = safetensors_export._write_shard, []
+
+    def crashing(*args, **kwargs):
+        if len(written) == 2:
+            raise KeyboardInterrupt("killed mid-export")
+        written.append(args[1])
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_export, "_write_shard", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        export_safetensors(tmp_path / "new", tmp_path / "hf", prefix="model.", max_shard_size=4000, overwrite=True)
+    assert INDEX_NAME not in os.listdir(tmp_path / "hf")
+    with pytest.raises(CheckpointNotFoundError, match=INDEX_NAME):
+        import_safetensors(tmp_path / "hf", tmp_path / "mixed")
+    monkeypatch.undo()
+    export_safetensors(tmp_path / "new", tmp_path / "hf", prefix="model.", max_shard_size=4000, overwrite=True)
+    _same(_read_export(tmp_path / "hf")[0], new["model"])
+    # a sharded overwrite of a one-file export removes the old model.safetensors first: no old whole file to load
+    export_safetensors(tmp_path / "old", tmp_path / "one", prefix="model.")
+    monkeypatch.setattr(safetensors_export, "_write_shard", crashing)
+    written.clear()
+    with pytest.raises(KeyboardInterrupt):
+        export_safetensors(tmp_path / "new", tmp_path / "one", prefix="model.", max_shard_size=4000, overwrite=True)
+    assert WEIGHTS_NAME not in os.listdir(tmp_path / "one")
+    with pytest.raises(CheckpointNotFoundError):
+        import_safetensors(tmp_path / "one", tmp_path / "mixed")
 
 
 def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: dict) -> None:

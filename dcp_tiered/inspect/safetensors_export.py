@@ -241,13 +241,18 @@ def export_safetensors(
 
 
 def _claim(out: Storage, names: list[str], overwrite: bool) -> None:
-    """Refuse a ``dst`` holding an export (unless ``overwrite``); create it."""
+    """Refuse a ``dst`` holding an export (unless ``overwrite``); create it.
+
+    An overwrite first removes what makes the old export look whole (its index, and a ``model.safetensors``
+    that the new export does not replace): an export interrupted after some shards is then incomplete to
+    ``import`` and ``transformers``, never a mix of the old shards and the new under the old index."""
     held = [n for n in out.listdir() if n in (WEIGHTS_NAME, INDEX_NAME) or _is_shard(n)] if out.exists() else []
     if held and not overwrite:
         raise CheckpointExistsError(f"{out.url} already holds a safetensors export ({held[0]}); pass overwrite=True "
                                     "(--overwrite) to replace it, or export to a new directory")
-    if INDEX_NAME in held and names == [WEIGHTS_NAME]:
-        out.remove(INDEX_NAME)  # a one-file export must not leave an index naming the old shards
+    for entry in (INDEX_NAME, WEIGHTS_NAME):
+        if entry in held and entry not in names:
+            out.remove(entry)
     out.makedirs()
 
 
