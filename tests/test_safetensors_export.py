@@ -158,13 +158,16 @@ def test_complex64_exports_and_a_dtype_safetensors_lacks_is_refused(tmp_path: Pa
 def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     state = {"model": {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(10), "h": torch.randn(8, generator=g).half(),
-                       "huge": torch.full((4,), 1e6)}}
+                       "huge": torch.full((4,), 1e6), "vast": torch.tensor([1.0, 3.4e38]),
+                       "tiny64": torch.tensor([1.0, 1e-300], dtype=torch.float64)}}
     dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
     bf = export_safetensors(tmp_path / "ck", tmp_path / "bf16", prefix="model.", dtype=torch.bfloat16)
     out = load_file(str(tmp_path / "bf16" / WEIGHTS_NAME))
     assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], state["model"]["w"].to(torch.bfloat16))
     assert torch.equal(out["ids"], state["model"]["ids"]) and torch.equal(out["h"], state["model"]["h"])
-    assert sorted(bf.downcast) == ["huge", "w"] and bf.kept == {}
+    assert sorted(bf.downcast) == ["huge", "w"] and sorted(bf.kept) == ["tiny64", "vast"]  # past bfloat16's range
+    assert "overflow" in bf.kept["vast"] and "underflow" in bf.kept["tiny64"]
+    assert out["vast"].dtype == torch.float32 and torch.equal(out["tiny64"], state["model"]["tiny64"])
     fp = export_safetensors(tmp_path / "ck", tmp_path / "fp16", prefix="model.", dtype=torch.float16)
     out = load_file(str(tmp_path / "fp16" / WEIGHTS_NAME))
     assert out["w"].dtype == torch.float16 and out["huge"].dtype == torch.float32  # 1e6 overflows float16

@@ -169,8 +169,9 @@ def export_safetensors(
     ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` adds to
     :data:`DEFAULT_EXPORT_EXCLUDE` (optimizer state), which ``default_exclude=False`` drops.  Non-tensor
     items are left out (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
-    :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` (floats wider than 16 bits; a tensor float16
-    cannot hold keeps its dtype, in ``kept``, and may take its shard past ``max_shard_size``).
+    :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` (floats wider than 16 bits; a tensor the target
+    cannot hold, :func:`~dcp_tiered.dcp.planners.downcast_problem`, keeps its dtype, in ``kept``, and may take
+    its shard past ``max_shard_size``).
     ``max_shard_size``: bytes or ``"5GB"``/``"500MB"``; one file ``model.safetensors`` when everything
     fits, else numbered shards and ``model.safetensors.index.json``, written last.  Refuses a ``dst``
     that holds an export unless ``overwrite`` (:class:`CheckpointExistsError`).
