@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from dcp_tiered import CompressedReader, CompressedWriter
 from dcp_tiered.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
@@ -349,6 +349,53 @@ def test_hostile_indexes_are_refused_naming_the_file_and_key(tmp_path: Path) -> 
     index.write_text("[" * 100_000)
     with pytest.raises(CorruptCheckpointError, match="not a JSON index"):
         import_safetensors(index, tmp_path / "ck")
+
+
+def _hub_snapshot(root: Path, files: dict[str, bytes]) -> Path:
+    """The Hugging Face hub cache layout: ``blobs/<sha>`` files and ``snapshots/<rev>/<name>`` links to them."""
+    import hashlib
+
+    (root / "blobs").mkdir(parents=True)
+    snap = root / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for name, data in files.items():
+        sha = hashlib.sha256(data).hexdigest()
+        (root / "blobs" / sha).write_bytes(data)
+        os.symlink(f"../../blobs/{sha}", snap / name)
+    return snap
+
+
+def test_a_hugging_face_hub_snapshot_imports_as_is(tmp_path: Path, minilm_path: Path, minilm: dict) -> None:
+    """``snapshots/<rev>/*`` are links into ``blobs/``: import follows a link to a regular file (a directory, a file or
+    an index given), and still refuses links to a FIFO, a device or a directory."""
+    keys = sorted(minilm)
+    shards = {f"model-{i + 1:05d}-of-00002.safetensors": part for i, part in enumerate((keys[:40], keys[40:]))}
+    files = {name: save({k: minilm[k] for k in part}, metadata={"format": "pt"})
+             for name, part in shards.items()}
+    files[INDEX_NAME] = json.dumps({"metadata": {}, "weight_map": {k: n for n, part in shards.items() for k in part}}).encode()
+    snap = _hub_snapshot(tmp_path / "models--x", files)
+    for src in (snap, snap / INDEX_NAME):
+        res = import_safetensors(src, tmp_path / "ck" / src.name, prefix="model.")
+        assert res.tensors == len(minilm)
+        _same(load_any(tmp_path / "ck" / src.name)["model"], minilm)
+    one = _hub_snapshot(tmp_path / "models--one", {WEIGHTS_NAME: (minilm_path / WEIGHTS_NAME).read_bytes()})
+    for src in (one, one / WEIGHTS_NAME):
+        import_safetensors(src, tmp_path / "one" / src.name)
+        _same(load_any(tmp_path / "one" / src.name), minilm)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "adir").mkdir()
+    for i, target in enumerate((tmp_path / "fifo", "/dev/zero", tmp_path / "adir")):
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        os.symlink(target, bad / WEIGHTS_NAME)
+        for src in (bad, bad / WEIGHTS_NAME) if i < 2 else (bad,):  # a link to a directory given is that directory
+            with pytest.raises(UnsafeCheckpointError, match="regular file"):
+                import_safetensors(src, tmp_path / "never")
+    (tmp_path / "huge.bin").write_bytes(struct.pack("<Q", 2**63) + b"{}")  # the header bound holds through a link
+    os.symlink(tmp_path / "huge.bin", tmp_path / "bad0" / "model-linked.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="header"):
+        import_safetensors(tmp_path / "bad0" / "model-linked.safetensors", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
 
 
 def test_hostile_headers_are_refused_before_the_library_parses_them(tmp_path: Path) -> None:
