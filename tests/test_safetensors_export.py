@@ -20,7 +20,14 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save, save_file
 
 from dcp_tiered import CompressedReader, CompressedWriter
-from dcp_tiered.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from dcp_tiered.inspect import INDEX_NAME, WEIGHTS_NAME, export_safetensors, import_safetensors, load_any
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers import Tier, TieredCheckpointer
@@ -269,6 +276,16 @@ def test_an_interrupted_overwrite_never_looks_like_a_whole_export(tmp_path: Path
     assert WEIGHTS_NAME not in os.listdir(tmp_path / "one")
     with pytest.raises(CheckpointNotFoundError):
         import_safetensors(tmp_path / "one", tmp_path / "mixed")
+
+
+def test_a_shard_the_disk_refuses_is_a_storage_error_naming_it(tmp_path: Path) -> None:
+    """``/proc/self`` takes no new file: the safetensors library's I/O error is a StorageError (exit 5) naming the
+    shard and DST, not an internal error."""
+    dcp.save({"model": {"w": torch.ones(4)}}, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    with pytest.raises(StorageError, match=r"/proc/self/model\.safetensors.*DST /proc/self"):
+        export_safetensors(tmp_path / "ck", "/proc/self", prefix="model.")
+    run = cli("export", tmp_path / "ck", "/proc/self", "--prefix", "model.")
+    assert run.returncode == 5 and "model.safetensors" in run.stderr and "internal error" not in run.stderr, run.stderr
 
 
 def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: dict) -> None:

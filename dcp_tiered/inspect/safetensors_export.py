@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
+from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, StorageError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.safetensors_files import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -272,6 +272,7 @@ def _write_shard(out: Storage, name: str, tensors: dict[str, Any], tmp: str) -> 
     """Serialize one shard with ``safetensors`` (no copy of the tensors) and publish it with
     :meth:`~dcp_tiered.storage.Storage.commit_file`: a reader never sees a half-written shard.
     A local shard is staged next to its place (a temp name), so that publishing it is a rename."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from dcp_tiered.storage.base import temp_name
@@ -279,8 +280,12 @@ def _write_shard(out: Storage, name: str, tensors: dict[str, Any], tmp: str) -> 
     staged = temp_name(out.path(name)) if out.is_local else posixpath.join(tmp, name)
     try:
         save_file(tensors, staged, metadata=SHARD_METADATA)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(staged):
             os.remove(staged)
+        if isinstance(exc, (SafetensorError, OSError)):  # the disk's error (ENOSPC, EIO, a read-only place)
+            place = f"DST {out.url}" if out.is_local else f"the local staging directory {tmp} (TMPDIR)"
+            raise StorageError(f"{out.url_of(name)}: writing the shard failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                               f"check that {place} is a writable directory with space for it") from exc
         raise
     out.commit_file(name, staged)
