@@ -288,6 +288,20 @@ def test_a_shard_the_disk_refuses_is_a_storage_error_naming_it(tmp_path: Path) -
     assert run.returncode == 5 and "model.safetensors" in run.stderr and "internal error" not in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("name", ["__metadata__", "a\tb", "x" * 5000])
+def test_a_name_import_would_refuse_is_refused_by_export_up_front(tmp_path: Path, name: str) -> None:
+    """One name rule for both: ``__metadata__`` (the header's own key: an unreadable file), a name that is not printable
+    or too long are refused before anything is written, naming the key and the way out (--exclude, --prefix)."""
+    dcp.save({"model": {name: torch.ones(2), "w": torch.ones(2)}}, storage_writer=CompressedWriter(tmp_path / "ck"),
+             no_dist=True)
+    with pytest.raises(ConfigError, match=r"--exclude.*--prefix") as raised:
+        export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.")
+    assert repr(f"model.{name}")[:60] in str(raised.value)
+    assert not (tmp_path / "hf").exists()
+    export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", exclude=[f"model.{name}"])
+    assert list(load_file(str(tmp_path / "hf" / WEIGHTS_NAME))) == ["w"]
+
+
 def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: dict) -> None:
     bucket, opts = s3_bucket
     dcp.save(_training_state(minilm), storage_writer=CompressedWriter(f"{bucket}/run/step_000000100", storage_options=opts),

@@ -27,6 +27,7 @@ from dcp_tiered.inspect.safetensors_files import (
     WEIGHTS_NAME,
     index_document,
     max_shard_bytes,
+    name_problem,
     plan_shards,
     shard_name,
 )
@@ -138,6 +139,11 @@ def _selected(md: Any, keys: dict[str, str], prefix: str, include: Sequence[str]
         if not isinstance(item, TensorStorageMetadata):
             skipped.append(key)
             continue
+        problem = name_problem(key[len(prefix):])
+        if problem:
+            raise ConfigError(f"tensor {key[:200]!r} would be named {key[len(prefix):][:200]!r}, which {problem} (import and "
+                              "safetensors' readers refuse it): leave it out with exclude=[...] (--exclude) or give "
+                              "another prefix= (--prefix) so that it exports under another name")
         if not storable(item.properties.dtype):
             raise ConfigError(f"tensor {key!r} is {item.properties.dtype}, which the installed safetensors cannot "
                               "store; leave it out with exclude=[...] (--exclude)")
