@@ -25,6 +25,7 @@ from dcp_tiered.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    MissingFileError,
     StorageError,
     UnsafeCheckpointError,
 )
@@ -300,6 +301,29 @@ def test_a_name_import_would_refuse_is_refused_by_export_up_front(tmp_path: Path
     assert not (tmp_path / "hf").exists()
     export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", exclude=[f"model.{name}"])
     assert list(load_file(str(tmp_path / "hf" / WEIGHTS_NAME))) == ["w"]
+
+
+def test_messages_say_what_is_wrong_and_what_to_do(tmp_path: Path) -> None:
+    """A shard size of 0, an index naming a shard that is not there, an empty DST (which wrote into the current
+    directory)."""
+    dcp.save({"model": {"w": torch.ones(4)}}, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    zero = cli("export", tmp_path / "ck", tmp_path / "hf", "--max-shard-size", "0")
+    assert zero.returncode == 2 and "--max-shard-size" in zero.stderr and "at least 1 byte" in zero.stderr, zero.stderr
+    lots = cli("export", tmp_path / "ck", tmp_path / "hf", "--max-shard-size", "lots")
+    assert lots.returncode == 2 and "cannot read 'lots' as a size" in lots.stderr, lots.stderr
+    with pytest.raises(ConfigError, match="empty"):
+        export_safetensors(tmp_path / "ck", "", prefix="model.")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    empty = subprocess.run([*CLI, "export", str(tmp_path / "ck"), ""], capture_output=True, text=True, cwd=work,
+                           timeout=scaled(180), env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert empty.returncode == 2 and "DST" in empty.stderr and os.listdir(work) == [], empty.stderr
+    hf = _shards(tmp_path)
+    _index(hf, {"a": "model-00001-of-00001.safetensors", "gone": "model-00002-of-00002.safetensors"})
+    with pytest.raises(MissingFileError, match=r"index\.json names model-00002-of-00002\.safetensors for tensor 'gone'"
+                       r".*re-download.*re-export"):
+        import_safetensors(hf, tmp_path / "ck2")
+    assert not (tmp_path / "ck2").exists()
 
 
 def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: dict) -> None:

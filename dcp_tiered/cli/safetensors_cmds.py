@@ -124,9 +124,11 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 def cmd_export(args: argparse.Namespace) -> int:
     try:
         max_shard_bytes(args.max_shard_size)
-    except ConfigError as exc:
-        raise CliError(f"--max-shard-size: cannot read {args.max_shard_size!r} as a size; use bytes or e.g. 500MB, "
-                       "5GB, 2GiB") from exc
+    except ConfigError as exc:  # its words, under the flag's name
+        raise CliError(f"--max-shard-size: {str(exc).removeprefix('max_shard_size: ')}") from exc
+    if not args.dst.strip():
+        raise CliError("DST is empty: give the output directory or URL (an empty one would write into the current "
+                       "directory)")
     src, options = resolve_source(args)
     try:
         res = ckpt.export_safetensors(

@@ -196,6 +196,9 @@ def export_safetensors(
     if dtype is not None:
         downcast_problem(torch.zeros(0), dtype)  # the dtype is checked before anything is read
     limit = max_shard_bytes(max_shard_size)
+    if not os.fspath(dst).strip():
+        raise ConfigError("dst is empty: give the output directory or URL (an empty one would write into the current "
+                          "directory)")
     src_text = src if isinstance(src, str) else os.fspath(src) if isinstance(src, os.PathLike) else src.storage.url
     if isinstance(src, (str, os.PathLike)) and is_torch_save_path(src):
         raise ConfigError(f"{src_text} is a torch.save file ({', '.join(TORCH_SAVE_SUFFIXES)}), not a checkpoint "

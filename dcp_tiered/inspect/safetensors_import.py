@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MissingFileError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.safetensors_export import normalize_prefix
 from dcp_tiered.inspect.safetensors_files import INDEX_NAME, WEIGHTS_NAME, check_header, check_name, read_index
@@ -194,6 +194,9 @@ def import_safetensors(
     placeholders: dict[str, Any] = {}
     for name, listed in by_file.items():
         url = folder.url_of(name)
+        if listed and not folder.exists(name):
+            raise MissingFileError(f"{folder.url_of(str(index))} names {name} for tensor {listed[0]!r}, which is missing "
+                                   f"({url}): re-download the checkpoint, or re-export it")
         with _opened(folder, name, safe_open) as f:
             present = list(f.keys())
             held = set(present)
