@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from dcp_tiered import CompressedReader, CompressedWriter, ConfigError, DowncastSavePlanner
-from dcp_tiered.dcp.planners import FP16_MAX, fp16_range_problem
+from dcp_tiered.dcp.planners import downcast_problem
 
 
 def train_state() -> dict:
@@ -150,18 +150,70 @@ def test_downcast_halves_stored_bytes(tmp_path) -> None:
     assert down.last_stats.stored_bytes < 0.6 * plain.last_stats.stored_bytes
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=200))
-def test_fp16_guard_never_lets_damage_through(values: list[float]) -> None:
-    x = torch.tensor(values, dtype=torch.float32)
-    problem = fp16_range_problem(x, underflow_tolerance=0.0)
-    h = x.half().float()
+def test_a_value_past_the_targets_range_keeps_the_tensor_for_bfloat16_too(tmp_path) -> None:
+    """bfloat16's max is about 3.39e38: fp32 3.4e38 and fp64 1e300 would become inf, fp64 1e-300 would become 0."""
+    sd = {"f32_big": torch.tensor([1.0, 3.4e38]), "f64_big": torch.tensor([1.0, 1e300], dtype=torch.float64),
+          "f64_tiny": torch.tensor([1.0, 1e-300], dtype=torch.float64), "ok": torch.tensor([1.0, 3.3e38, float("inf")])}
+    planner = DowncastSavePlanner(torch.bfloat16)
+    dcp.save(sd, storage_writer=CompressedWriter(tmp_path / "c"), planner=planner, no_dist=True)
+    assert planner.report.downcast == ["ok"]
+    assert "overflow" in planner.report.kept["f32_big"] and "overflow" in planner.report.kept["f64_big"]
+    assert "underflow" in planner.report.kept["f64_tiny"] and "bfloat16" in planner.report.kept["f64_big"]
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=CompressedReader(tmp_path / "c"), no_dist=True)
+    for k in ("f32_big", "f64_big", "f64_tiny"):
+        assert torch.equal(out[k], sd[k]), k
+    assert stored_dtypes(tmp_path / "c")["ok"] == "bfloat16"
+
+
+@pytest.mark.parametrize("dst", ["ck", "state.pt"])
+def test_convert_dtype_keeps_what_the_target_cannot_hold_and_says_so(tmp_path, dst: str) -> None:
+    """``convert --dtype bf16`` to this package's format and to a ``torch.save`` file: the same rule, optimizer
+    state left alone, what was kept listed."""
+    from dcp_tiered.inspect import convert, load_any
+
+    sd = {"model": {"w": torch.ones(4), "big": torch.tensor([1.0, 3.4e38]), "far": torch.tensor([1e300], dtype=torch.float64)},
+          "optim": {"exp_avg": torch.full((3,), 0.5)}}
+    dcp.save(sd, storage_writer=CompressedWriter(tmp_path / "src"), no_dist=True)
+    res = convert(tmp_path / "src", tmp_path / dst, dtype=torch.bfloat16)
+    assert sorted(res.saved["kept"]) == ["model.big", "model.far"] and "overflow" in res.saved["kept"]["model.big"]
+    back = torch.load(tmp_path / dst, weights_only=True) if dst.endswith(".pt") else None
+    if back is not None:
+        assert back["model"]["w"].dtype == torch.bfloat16 and back["optim"]["exp_avg"].dtype == torch.float32
+        assert back["model"]["big"].dtype == torch.float32 and back["model"]["far"].dtype == torch.float64
+    else:
+        assert stored_dtypes(tmp_path / dst)["model.big"] == "float32" and stored_dtypes(tmp_path / dst)["model.w"] == "bfloat16"
+    loaded = load_any(tmp_path / dst)
+    assert torch.equal(loaded["model"]["big"], sd["model"]["big"]) and torch.equal(loaded["model"]["far"], sd["model"]["far"])
+
+
+def test_the_range_check_reads_a_tensor_in_chunks_and_a_strided_one_too() -> None:
+    """A tensor longer than one chunk, and a transposed (non-contiguous) one, with the one bad value in the last chunk."""
+    from dcp_tiered.dcp.planners import RANGE_CHUNK
+
+    x = torch.zeros(RANGE_CHUNK * 2 + 5)
+    assert downcast_problem(x, torch.float16) is None
+    x[-1] = 1e5
+    assert "overflow" in downcast_problem(x, torch.float16)
+    y = torch.ones(RANGE_CHUNK // 512 + 3, 1024, dtype=torch.float64)
+    y[-1, -1] = 1e300
+    assert not y.t().is_contiguous() and "overflow" in downcast_problem(y.t(), torch.bfloat16)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float64]), st.sampled_from([torch.bfloat16, torch.float16]),
+       st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=200))
+def test_the_downcast_guard_never_lets_damage_through(src: torch.dtype, dtype: torch.dtype, values: list[float]) -> None:
+    """For either target and either source: a tensor the guard passes has no finite value that becomes inf and no
+    nonzero value that becomes 0 (tolerance 0); one with a finite value past the target's max is refused."""
+    x = torch.tensor(values, dtype=torch.float64).to(src)  # fp64 values past fp32's range become inf: not finite
+    problem = downcast_problem(x, dtype, underflow_tolerance=0.0)
+    h = x.to(dtype).to(src)
     finite = torch.isfinite(x)
     overflow = bool((torch.isinf(h) & finite).any())
     flushed = bool(((h == 0) & (x != 0) & finite).any())
     if problem is None:
         assert not overflow and not flushed
-    if bool((x[finite].abs() > FP16_MAX).any()):
+    if bool((x[finite].abs() > torch.finfo(dtype).max).any()):
         assert problem is not None and "overflow" in problem
-    # NaN stays NaN, Inf stays Inf
-    assert torch.equal(torch.isnan(h), torch.isnan(x))
+    assert torch.equal(torch.isnan(h), torch.isnan(x))  # NaN stays NaN, Inf stays Inf

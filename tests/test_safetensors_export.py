@@ -17,10 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from dcp_tiered import CompressedReader, CompressedWriter
-from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_tiered.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    MissingFileError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from dcp_tiered.inspect import INDEX_NAME, WEIGHTS_NAME, export_safetensors, import_safetensors, load_any
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers import Tier, TieredCheckpointer
@@ -158,13 +166,16 @@ def test_complex64_exports_and_a_dtype_safetensors_lacks_is_refused(tmp_path: Pa
 def test_dtype_downcast_is_the_safe_one(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     state = {"model": {"w": torch.randn(64, 32, generator=g), "ids": torch.arange(10), "h": torch.randn(8, generator=g).half(),
-                       "huge": torch.full((4,), 1e6)}}
+                       "huge": torch.full((4,), 1e6), "vast": torch.tensor([1.0, 3.4e38]),
+                       "tiny64": torch.tensor([1.0, 1e-300], dtype=torch.float64)}}
     dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
     bf = export_safetensors(tmp_path / "ck", tmp_path / "bf16", prefix="model.", dtype=torch.bfloat16)
     out = load_file(str(tmp_path / "bf16" / WEIGHTS_NAME))
     assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], state["model"]["w"].to(torch.bfloat16))
     assert torch.equal(out["ids"], state["model"]["ids"]) and torch.equal(out["h"], state["model"]["h"])
-    assert sorted(bf.downcast) == ["huge", "w"] and bf.kept == {}
+    assert sorted(bf.downcast) == ["huge", "w"] and sorted(bf.kept) == ["tiny64", "vast"]  # past bfloat16's range
+    assert "overflow" in bf.kept["vast"] and "underflow" in bf.kept["tiny64"]
+    assert out["vast"].dtype == torch.float32 and torch.equal(out["tiny64"], state["model"]["tiny64"])
     fp = export_safetensors(tmp_path / "ck", tmp_path / "fp16", prefix="model.", dtype=torch.float16)
     out = load_file(str(tmp_path / "fp16" / WEIGHTS_NAME))
     assert out["w"].dtype == torch.float16 and out["huge"].dtype == torch.float32  # 1e6 overflows float16
@@ -228,6 +239,91 @@ def test_an_overwrite_leaves_no_shard_of_the_old_export(tmp_path: Path) -> None:
     export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", overwrite=True)
     assert os.listdir(tmp_path / "hf") == [WEIGHTS_NAME]
     _same(load_file(str(tmp_path / "hf" / WEIGHTS_NAME)), state["model"])
+
+
+def test_an_interrupted_overwrite_never_looks_like_a_whole_export(tmp_path: Path, monkeypatch) -> None:
+    """An overwrite that dies after 2 of 4 shards: the old index (naming the new shards 1-2 and the old 3-4) is gone
+    before the first shard is replaced, so import refuses the directory instead of loading a mix of two exports."""
+    from dcp_tiered.inspect import safetensors_export
+
+    old = {"model": {f"l{i}": torch.zeros(1000) for i in range(4)}}
+    new = {"model": {f"l{i}": torch.ones(1000) for i in range(4)}}
+    for name, state in (("old", old), ("new", new)):
+        dcp.save(state, storage_writer=CompressedWriter(tmp_path / name), no_dist=True)
+    export_safetensors(tmp_path / "old", tmp_path / "hf", prefix="model.", max_shard_size=4000)
+    write, written = safetensors_export._write_shard, []
+
+    def crashing(*args, **kwargs):
+        if len(written) == 2:
+            raise KeyboardInterrupt("killed mid-export")
+        written.append(args[1])
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors_export, "_write_shard", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        export_safetensors(tmp_path / "new", tmp_path / "hf", prefix="model.", max_shard_size=4000, overwrite=True)
+    assert INDEX_NAME not in os.listdir(tmp_path / "hf")
+    with pytest.raises(CheckpointNotFoundError, match=INDEX_NAME):
+        import_safetensors(tmp_path / "hf", tmp_path / "mixed")
+    monkeypatch.undo()
+    export_safetensors(tmp_path / "new", tmp_path / "hf", prefix="model.", max_shard_size=4000, overwrite=True)
+    _same(_read_export(tmp_path / "hf")[0], new["model"])
+    # a sharded overwrite of a one-file export removes the old model.safetensors first: no old whole file to load
+    export_safetensors(tmp_path / "old", tmp_path / "one", prefix="model.")
+    monkeypatch.setattr(safetensors_export, "_write_shard", crashing)
+    written.clear()
+    with pytest.raises(KeyboardInterrupt):
+        export_safetensors(tmp_path / "new", tmp_path / "one", prefix="model.", max_shard_size=4000, overwrite=True)
+    assert WEIGHTS_NAME not in os.listdir(tmp_path / "one")
+    with pytest.raises(CheckpointNotFoundError):
+        import_safetensors(tmp_path / "one", tmp_path / "mixed")
+
+
+def test_a_shard_the_disk_refuses_is_a_storage_error_naming_it(tmp_path: Path) -> None:
+    """``/proc/self`` takes no new file: the safetensors library's I/O error is a StorageError (exit 5) naming the
+    shard and DST, not an internal error."""
+    dcp.save({"model": {"w": torch.ones(4)}}, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    with pytest.raises(StorageError, match=r"/proc/self/model\.safetensors.*DST /proc/self"):
+        export_safetensors(tmp_path / "ck", "/proc/self", prefix="model.")
+    run = cli("export", tmp_path / "ck", "/proc/self", "--prefix", "model.")
+    assert run.returncode == 5 and "model.safetensors" in run.stderr and "internal error" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("name", ["__metadata__", "a\tb", "x" * 5000])
+def test_a_name_import_would_refuse_is_refused_by_export_up_front(tmp_path: Path, name: str) -> None:
+    """One name rule for both: ``__metadata__`` (the header's own key: an unreadable file), a name that is not printable
+    or too long are refused before anything is written, naming the key and the way out (--exclude, --prefix)."""
+    dcp.save({"model": {name: torch.ones(2), "w": torch.ones(2)}}, storage_writer=CompressedWriter(tmp_path / "ck"),
+             no_dist=True)
+    with pytest.raises(ConfigError, match=r"--exclude.*--prefix") as raised:
+        export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.")
+    assert repr(f"model.{name}")[:60] in str(raised.value)
+    assert not (tmp_path / "hf").exists()
+    export_safetensors(tmp_path / "ck", tmp_path / "hf", prefix="model.", exclude=[f"model.{name}"])
+    assert list(load_file(str(tmp_path / "hf" / WEIGHTS_NAME))) == ["w"]
+
+
+def test_messages_say_what_is_wrong_and_what_to_do(tmp_path: Path) -> None:
+    """A shard size of 0, an index naming a shard that is not there, an empty DST (which wrote into the current
+    directory)."""
+    dcp.save({"model": {"w": torch.ones(4)}}, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    zero = cli("export", tmp_path / "ck", tmp_path / "hf", "--max-shard-size", "0")
+    assert zero.returncode == 2 and "--max-shard-size" in zero.stderr and "at least 1 byte" in zero.stderr, zero.stderr
+    lots = cli("export", tmp_path / "ck", tmp_path / "hf", "--max-shard-size", "lots")
+    assert lots.returncode == 2 and "cannot read 'lots' as a size" in lots.stderr, lots.stderr
+    with pytest.raises(ConfigError, match="empty"):
+        export_safetensors(tmp_path / "ck", "", prefix="model.")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    empty = subprocess.run([*CLI, "export", str(tmp_path / "ck"), ""], capture_output=True, text=True, cwd=work,
+                           timeout=scaled(180), env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert empty.returncode == 2 and "DST" in empty.stderr and os.listdir(work) == [], empty.stderr
+    hf = _shards(tmp_path)
+    _index(hf, {"a": "model-00001-of-00001.safetensors", "gone": "model-00002-of-00002.safetensors"})
+    with pytest.raises(MissingFileError, match=r"index\.json names model-00002-of-00002\.safetensors for tensor 'gone'"
+                       r".*re-download.*re-export"):
+        import_safetensors(hf, tmp_path / "ck2")
+    assert not (tmp_path / "ck2").exists()
 
 
 def test_export_from_and_import_to_s3(tmp_path: Path, s3_bucket: tuple, minilm: dict) -> None:
@@ -308,6 +404,53 @@ def test_hostile_indexes_are_refused_naming_the_file_and_key(tmp_path: Path) -> 
     index.write_text("[" * 100_000)
     with pytest.raises(CorruptCheckpointError, match="not a JSON index"):
         import_safetensors(index, tmp_path / "ck")
+
+
+def _hub_snapshot(root: Path, files: dict[str, bytes]) -> Path:
+    """The Hugging Face hub cache layout: ``blobs/<sha>`` files and ``snapshots/<rev>/<name>`` links to them."""
+    import hashlib
+
+    (root / "blobs").mkdir(parents=True)
+    snap = root / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for name, data in files.items():
+        sha = hashlib.sha256(data).hexdigest()
+        (root / "blobs" / sha).write_bytes(data)
+        os.symlink(f"../../blobs/{sha}", snap / name)
+    return snap
+
+
+def test_a_hugging_face_hub_snapshot_imports_as_is(tmp_path: Path, minilm_path: Path, minilm: dict) -> None:
+    """``snapshots/<rev>/*`` are links into ``blobs/``: import follows a link to a regular file (a directory, a file or
+    an index given), and still refuses links to a FIFO, a device or a directory."""
+    keys = sorted(minilm)
+    shards = {f"model-{i + 1:05d}-of-00002.safetensors": part for i, part in enumerate((keys[:40], keys[40:]))}
+    files = {name: save({k: minilm[k] for k in part}, metadata={"format": "pt"})
+             for name, part in shards.items()}
+    files[INDEX_NAME] = json.dumps({"metadata": {}, "weight_map": {k: n for n, part in shards.items() for k in part}}).encode()
+    snap = _hub_snapshot(tmp_path / "models--x", files)
+    for src in (snap, snap / INDEX_NAME):
+        res = import_safetensors(src, tmp_path / "ck" / src.name, prefix="model.")
+        assert res.tensors == len(minilm)
+        _same(load_any(tmp_path / "ck" / src.name)["model"], minilm)
+    one = _hub_snapshot(tmp_path / "models--one", {WEIGHTS_NAME: (minilm_path / WEIGHTS_NAME).read_bytes()})
+    for src in (one, one / WEIGHTS_NAME):
+        import_safetensors(src, tmp_path / "one" / src.name)
+        _same(load_any(tmp_path / "one" / src.name), minilm)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "adir").mkdir()
+    for i, target in enumerate((tmp_path / "fifo", "/dev/zero", tmp_path / "adir")):
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        os.symlink(target, bad / WEIGHTS_NAME)
+        for src in (bad, bad / WEIGHTS_NAME) if i < 2 else (bad,):  # a link to a directory given is that directory
+            with pytest.raises(UnsafeCheckpointError, match="regular file"):
+                import_safetensors(src, tmp_path / "never")
+    (tmp_path / "huge.bin").write_bytes(struct.pack("<Q", 2**63) + b"{}")  # the header bound holds through a link
+    os.symlink(tmp_path / "huge.bin", tmp_path / "bad0" / "model-linked.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="header"):
+        import_safetensors(tmp_path / "bad0" / "model-linked.safetensors", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
 
 
 def test_hostile_headers_are_refused_before_the_library_parses_them(tmp_path: Path) -> None:

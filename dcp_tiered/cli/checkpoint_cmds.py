@@ -20,6 +20,7 @@ from dcp_tiered.cli.output import (
     error_line,
     exit_code_for,
     human_bytes,
+    kept_line,
     one_line,
     print_json,
     progress_for,
@@ -218,6 +219,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         codec = res.saved.get("codec")
         print(f"converted {args.src} -> {args.dst} ({res.saved.get('format')}{', ' + codec if codec else ''}"
               f"{', ' + args.dtype if args.dtype else ''}): {human_bytes(res.src_bytes)} -> {human_bytes(res.dst_bytes)}")
+        if res.saved.get("kept"):
+            print(kept_line(res.saved["kept"]))
     return EXIT_OK
 
 

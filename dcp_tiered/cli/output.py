@@ -137,6 +137,11 @@ def human_bytes(n: float | int | None) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
+def kept_line(kept: dict[str, str], shown: int = 5) -> str:
+    """The line a safe downcast prints for the tensors it kept in their own dtype (``export``/``convert --dtype``)."""
+    return f"kept in their own dtype ({len(kept)}): " + "; ".join(f"{k}: {v}" for k, v in list(kept.items())[:shown])
+
+
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], right: Iterable[int] = ()) -> str:
     """Aligned plain-text table; columns in ``right`` are right-aligned."""
     right = set(right)

@@ -22,7 +22,7 @@ from dcp_tiered.cli.args import (
     storage_options_for,
     tiers_from_args,
 )
-from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, print_json, progress_for
+from dcp_tiered.cli.output import EXIT_NOT_FOUND, EXIT_OK, CliError, human_bytes, kept_line, print_json, progress_for
 from dcp_tiered.errors import CheckpointExistsError, CodecError, ConfigError
 from dcp_tiered.inspect.safetensors_files import max_shard_bytes
 from dcp_tiered.tiers.policy import restore_order
@@ -70,7 +70,7 @@ def add_parsers(sub: Any) -> None:
                    help=f"largest shard, bytes or e.g. 500MB, 2GiB (default {ckpt.DEFAULT_MAX_SHARD_SIZE}, as transformers)")
     add_dtype_arg(p, dtype_default=None, dtype_choices=DOWNCASTS,
                   dtype_help="bf16 or fp16: store floating tensors wider than 16 bits in 16 bits (safe downcast: "
-                             "a tensor fp16 cannot hold keeps its dtype); default: every dtype as stored")
+                             "a tensor with values past the target's range keeps its dtype); default: every dtype as stored")
     p.add_argument("--overwrite", action="store_true", help="replace an export at DST")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_tier_location_args(p, keep=False)
@@ -124,9 +124,11 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 def cmd_export(args: argparse.Namespace) -> int:
     try:
         max_shard_bytes(args.max_shard_size)
-    except ConfigError as exc:
-        raise CliError(f"--max-shard-size: cannot read {args.max_shard_size!r} as a size; use bytes or e.g. 500MB, "
-                       "5GB, 2GiB") from exc
+    except ConfigError as exc:  # its words, under the flag's name
+        raise CliError(f"--max-shard-size: {str(exc).removeprefix('max_shard_size: ')}") from exc
+    if not args.dst.strip():
+        raise CliError("DST is empty: give the output directory or URL (an empty one would write into the current "
+                       "directory)")
     src, options = resolve_source(args)
     try:
         res = ckpt.export_safetensors(
@@ -144,7 +146,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {src} -> {args.dst} (safetensors{', ' + args.dtype if args.dtype else ''}): "
           f"{res.tensors} tensors, {human_bytes(res.total_size)} in {files}")
     if res.kept:
-        print(f"kept in their own dtype ({len(res.kept)}): " + "; ".join(f"{k}: {v}" for k, v in list(res.kept.items())[:5]))
+        print(kept_line(res.kept))
     if res.skipped:
         print(f"left out (not tensors): {', '.join(res.skipped[:8])}{' ...' if len(res.skipped) > 8 else ''}")
     return EXIT_OK

@@ -3,9 +3,10 @@
 The planner keeps DCP's metadata in the original dtype and hands the storage writer a
 16-bit copy of each selected tensor.  Readers copy the 16-bit values into destinations of
 the original dtype (``copy_`` upcasts), and loading into an empty state dict creates
-tensors from the metadata, so the original dtypes come back either way.  float16 is
-range-checked per tensor: values that would overflow (|x| > 65504) or nonzero values that
-would flush to zero (beyond ``underflow_tolerance``) keep the tensor in its own dtype.
+tensors from the metadata, so the original dtypes come back either way.  Each tensor is
+range-checked against its target (:func:`downcast_problem`): a finite value past the target's
+largest (65504 for float16, about 3.39e38 for bfloat16; it would become inf) or nonzero values
+that would flush to zero (beyond ``underflow_tolerance``) keep the tensor in its own dtype.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*.square_avg",
 )
 _TARGETS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-FP16_MAX = 65504.0
-FP16_MIN_SUBNORMAL = 2.0**-24
-
+#: Elements the range check examines at a time: its temporaries stay a few MiB whatever the tensor's size.
+RANGE_CHUNK = 1 << 20
 
 @dataclass
 class DowncastReport:
@@ -60,24 +60,40 @@ class DowncastReport:
         }
 
 
-def fp16_range_problem(tensor: torch.Tensor, underflow_tolerance: float) -> str | None:
-    """Why ``tensor`` cannot be stored in float16 without damage, or None if it can.
-
-    NaN and Inf are representable in float16 and are not counted as overflow.
-    """
-    if tensor.numel() == 0:
-        return None
+def _chunks(tensor: torch.Tensor) -> Any:
+    """``tensor``'s elements as 1-D pieces of about :data:`RANGE_CHUNK`, views where the layout allows."""
     t = tensor.detach()
-    finite = torch.isfinite(t)
-    mag = torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device))
-    peak = float(mag.max())
-    if peak > FP16_MAX:
-        return f"overflow: max |x| = {peak:.3g} > {FP16_MAX:g}"
-    nonzero = int(torch.count_nonzero(mag))
-    if nonzero:
-        flushed = int(torch.count_nonzero((mag > 0) & (mag <= FP16_MIN_SUBNORMAL / 2)))
-        if flushed / nonzero > underflow_tolerance:
-            return f"underflow: {flushed} of {nonzero} nonzero values would become 0"
+    if t.is_contiguous() or t.dim() < 2:
+        flat = t.reshape(-1)  # a view, except for a strided 1-D tensor (a copy of it)
+        return (flat[i:i + RANGE_CHUNK] for i in range(0, flat.numel(), RANGE_CHUNK))
+    rows = max(1, RANGE_CHUNK // max(1, t[0].numel()))
+    return (t[i:i + rows].reshape(-1) for i in range(0, t.shape[0], rows))
+
+
+def range_problem(tensor: torch.Tensor, dtype: torch.dtype, underflow_tolerance: float) -> str | None:
+    """Why the values of ``tensor`` would not survive a cast to ``dtype``, or None if they would.
+
+    Refused: a finite value past ``dtype``'s largest (it would become inf, or at best round to the largest),
+    and more than ``underflow_tolerance`` of the nonzero values at or under half ``dtype``'s smallest
+    subnormal (they would become 0).  NaN and Inf stay what they are and count as neither.  Linear: a few
+    vectorised operations on one chunk of :data:`RANGE_CHUNK` elements at a time.
+    """
+    info = torch.finfo(dtype)
+    tiny = info.smallest_normal * info.eps / 2  # half the smallest subnormal: rounds to 0
+    name = _TARGETS.get(dtype, str(dtype))
+    nonzero = flushed = 0
+    for piece in _chunks(tensor):
+        mag = piece.abs().nan_to_num_(nan=0.0, posinf=0.0)
+        if not mag.numel():
+            continue
+        peak = float(mag.max())
+        if peak > info.max:
+            return f"overflow: max |x| = {peak:.3g} > {info.max:.4g}, the largest {name}"
+        zeros = mag.numel() - int(torch.count_nonzero(mag))
+        nonzero += mag.numel() - zeros
+        flushed += int(torch.count_nonzero(mag <= tiny)) - zeros
+    if nonzero and flushed / nonzero > underflow_tolerance:
+        return f"underflow: {flushed} of {nonzero} nonzero values would become 0 in {name}"
     return None
 
 
@@ -89,10 +105,11 @@ def narrows(src: torch.dtype) -> bool:
 
 def downcast_problem(tensor: torch.Tensor, dtype: torch.dtype, underflow_tolerance: float = 1e-3) -> str | None:
     """Why ``tensor`` (of a dtype that :func:`narrows`) must keep its own dtype rather than become ``dtype``,
-    or None when the downcast is safe: float16 only, its range (:func:`fp16_range_problem`)."""
+    or None when the downcast is safe: the one rule of the safe downcast, for either target
+    (:func:`range_problem`: no finite value becomes inf, few nonzero values become 0)."""
     if dtype not in _TARGETS:
         raise ConfigError(f"downcast dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    return fp16_range_problem(tensor, underflow_tolerance) if dtype == torch.float16 else None
+    return range_problem(tensor, dtype, underflow_tolerance)
 
 
 class DowncastSavePlanner(DefaultSavePlanner):
@@ -103,8 +120,8 @@ class DowncastSavePlanner(DefaultSavePlanner):
         include: glob patterns of (flattened, dot-joined) keys to downcast; default all.
         exclude: glob patterns never to downcast; default :data:`DEFAULT_EXCLUDE`
             (optimizer state). Pass ``()`` to downcast optimizer state too.
-        underflow_tolerance: float16 only: the fraction of nonzero values allowed to flush
-            to zero before a tensor is kept in its own dtype.
+        underflow_tolerance: the fraction of a tensor's nonzero values allowed to flush to
+            zero in ``dtype`` before the tensor is kept in its own dtype (0: none).
         **kwargs: passed to ``DefaultSavePlanner``.
     """
 

@@ -73,7 +73,8 @@ def save_any(sd: dict[str, Any], dst: str | os.PathLike[str], codec: str = "zstd
              storage_options: dict[str, Any] | None = None, *, overwrite: bool = False, safe_globals: Any = None,
              progress: ProgressFactory | None = None) -> dict[str, Any]:
     """Save ``sd`` to ``dst``: this package's format with ``codec``, stock DCP (``codec="stock"``), or a
-    ``torch.save`` file (``dst`` ending in ``.pt`` ...).  ``dtype``: safe downcast of floating tensors.
+    ``torch.save`` file (``dst`` ending in ``.pt`` ...).  ``dtype``: safe downcast of floating tensors (the rule of
+    :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner`; the tensors kept in their own dtype, and why, in ``kept``).
 
     Refuses to replace an existing ``dst`` unless ``overwrite`` (``CheckpointExistsError``; raised inside
     ``dcp.save`` for this package's format, so wrapped in DCP's ``CheckpointException`` like any error there).
@@ -99,11 +100,12 @@ def save_any(sd: dict[str, Any], dst: str | os.PathLike[str], codec: str = "zstd
         planner = _Counting(dtype) if dtype is not None else _Counting()
         if codec == STOCK:
             dcp.save(sd, storage_writer=_stock_writer(dst, storage_options, overwrite), planner=planner, no_dist=True)
-            return {"format": "stock DCP"}
+            return {"format": "stock DCP", **({"kept": dict(planner.report.kept)} if dtype is not None else {})}
         writer = CompressedWriter(dst, codec=codec, storage_options=storage_options, overwrite=overwrite, safe_globals=safe_globals)
         dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
     stats = writer.last_stats
-    return {"format": "dcp_tiered", "codec": writer.codec, **(stats.as_dict() if stats else {})}
+    kept = {"kept": dict(planner.report.kept)} if isinstance(planner, DowncastSavePlanner) else {}
+    return {"format": "dcp_tiered", "codec": writer.codec, **(stats.as_dict() if stats else {}), **kept}
 
 
 def _stock_writer(dst: str, storage_options: dict[str, Any] | None, overwrite: bool) -> Any:
@@ -132,25 +134,34 @@ def _save_torch_file(sd: dict[str, Any], dst: str, dtype: Any, storage_options: 
     fs, p = fsspec.core.url_to_fs(dst, **(storage_options or {}))
     if fs.exists(p) and not overwrite:
         raise CheckpointExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    kept: dict[str, str] = {}
     if dtype is not None:
-        sd = _cast_floats(sd, dtype)
+        sd = _cast_floats(sd, dtype, "", kept)
     with fsspec.open(dst, "wb", **(storage_options or {})) as f:
         torch.save(sd, f)
-    return {"format": "torch.save", "stored_bytes": fs.size(p)}
+    return {"format": "torch.save", "stored_bytes": fs.size(p), **({"kept": kept} if dtype is not None else {})}
 
 
-def _cast_floats(sd: Any, dtype: Any) -> Any:
+def _cast_floats(sd: Any, dtype: Any, key: str, kept: dict[str, str]) -> Any:
+    """``sd`` with the tensors that :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` would store in ``dtype``
+    cast to it (same keys, optimizer state and range rule); the others in ``kept`` (dotted key -> why)."""
+    import fnmatch
+
     import torch
 
-    from dcp_tiered.dcp.planners import narrows
+    from dcp_tiered.dcp.planners import DEFAULT_EXCLUDE, downcast_problem, narrows
 
-    if isinstance(sd, dict):
-        return {k: _cast_floats(v, dtype) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [_cast_floats(v, dtype) for v in sd]
-    if isinstance(sd, torch.Tensor) and narrows(sd.dtype):
-        return sd.to(dtype)
-    return sd
+    if isinstance(sd, (dict, list)):
+        items = sd.items() if isinstance(sd, dict) else enumerate(sd)
+        cast = {k: _cast_floats(v, dtype, f"{key}.{k}" if key else str(k), kept) for k, v in items}
+        return cast if isinstance(sd, dict) else list(cast.values())
+    if not isinstance(sd, torch.Tensor) or not narrows(sd.dtype) or any(fnmatch.fnmatchcase(key, p) for p in DEFAULT_EXCLUDE):
+        return sd
+    problem = downcast_problem(sd, dtype)
+    if problem:
+        kept[key] = problem
+        return sd
+    return sd.to(dtype)
 
 
 def _count_leaves(sd: Any) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
+from dcp_tiered.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, StorageError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.safetensors_files import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -27,6 +27,7 @@ from dcp_tiered.inspect.safetensors_files import (
     WEIGHTS_NAME,
     index_document,
     max_shard_bytes,
+    name_problem,
     plan_shards,
     shard_name,
 )
@@ -138,6 +139,11 @@ def _selected(md: Any, keys: dict[str, str], prefix: str, include: Sequence[str]
         if not isinstance(item, TensorStorageMetadata):
             skipped.append(key)
             continue
+        problem = name_problem(key[len(prefix):])
+        if problem:
+            raise ConfigError(f"tensor {key[:200]!r} would be named {key[len(prefix):][:200]!r}, which {problem} (import and "
+                              "safetensors' readers refuse it): leave it out with exclude=[...] (--exclude) or give "
+                              "another prefix= (--prefix) so that it exports under another name")
         if not storable(item.properties.dtype):
             raise ConfigError(f"tensor {key!r} is {item.properties.dtype}, which the installed safetensors cannot "
                               "store; leave it out with exclude=[...] (--exclude)")
@@ -169,8 +175,9 @@ def export_safetensors(
     ``include``/``exclude``: glob patterns of checkpoint keys (prefix included); ``exclude`` adds to
     :data:`DEFAULT_EXPORT_EXCLUDE` (optimizer state), which ``default_exclude=False`` drops.  Non-tensor
     items are left out (``skipped``).  ``dtype``: ``torch.bfloat16``/``torch.float16``, the safe downcast of
-    :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` (floats wider than 16 bits; a tensor float16
-    cannot hold keeps its dtype, in ``kept``, and may take its shard past ``max_shard_size``).
+    :class:`~dcp_tiered.dcp.planners.DowncastSavePlanner` (floats wider than 16 bits; a tensor the target
+    cannot hold, :func:`~dcp_tiered.dcp.planners.downcast_problem`, keeps its dtype, in ``kept``, and may take
+    its shard past ``max_shard_size``).
     ``max_shard_size``: bytes or ``"5GB"``/``"500MB"``; one file ``model.safetensors`` when everything
     fits, else numbered shards and ``model.safetensors.index.json``, written last.  Refuses a ``dst``
     that holds an export unless ``overwrite`` (:class:`CheckpointExistsError`).
@@ -189,6 +196,9 @@ def export_safetensors(
     if dtype is not None:
         downcast_problem(torch.zeros(0), dtype)  # the dtype is checked before anything is read
     limit = max_shard_bytes(max_shard_size)
+    if not os.fspath(dst).strip():
+        raise ConfigError("dst is empty: give the output directory or URL (an empty one would write into the current "
+                          "directory)")
     src_text = src if isinstance(src, str) else os.fspath(src) if isinstance(src, os.PathLike) else src.storage.url
     if isinstance(src, (str, os.PathLike)) and is_torch_save_path(src):
         raise ConfigError(f"{src_text} is a torch.save file ({', '.join(TORCH_SAVE_SUFFIXES)}), not a checkpoint "
@@ -241,13 +251,18 @@ def export_safetensors(
 
 
 def _claim(out: Storage, names: list[str], overwrite: bool) -> None:
-    """Refuse a ``dst`` holding an export (unless ``overwrite``); create it."""
+    """Refuse a ``dst`` holding an export (unless ``overwrite``); create it.
+
+    An overwrite first removes what makes the old export look whole (its index, and a ``model.safetensors``
+    that the new export does not replace): an export interrupted after some shards is then incomplete to
+    ``import`` and ``transformers``, never a mix of the old shards and the new under the old index."""
     held = [n for n in out.listdir() if n in (WEIGHTS_NAME, INDEX_NAME) or _is_shard(n)] if out.exists() else []
     if held and not overwrite:
         raise CheckpointExistsError(f"{out.url} already holds a safetensors export ({held[0]}); pass overwrite=True "
                                     "(--overwrite) to replace it, or export to a new directory")
-    if INDEX_NAME in held and names == [WEIGHTS_NAME]:
-        out.remove(INDEX_NAME)  # a one-file export must not leave an index naming the old shards
+    for entry in (INDEX_NAME, WEIGHTS_NAME):
+        if entry in held and entry not in names:
+            out.remove(entry)
     out.makedirs()
 
 
@@ -266,6 +281,7 @@ def _write_shard(out: Storage, name: str, tensors: dict[str, Any], tmp: str) -> 
     """Serialize one shard with ``safetensors`` (no copy of the tensors) and publish it with
     :meth:`~dcp_tiered.storage.Storage.commit_file`: a reader never sees a half-written shard.
     A local shard is staged next to its place (a temp name), so that publishing it is a rename."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from dcp_tiered.storage.base import temp_name
@@ -273,8 +289,12 @@ def _write_shard(out: Storage, name: str, tensors: dict[str, Any], tmp: str) -> 
     staged = temp_name(out.path(name)) if out.is_local else posixpath.join(tmp, name)
     try:
         save_file(tensors, staged, metadata=SHARD_METADATA)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(staged):
             os.remove(staged)
+        if isinstance(exc, (SafetensorError, OSError)):  # the disk's error (ENOSPC, EIO, a read-only place)
+            place = f"DST {out.url}" if out.is_local else f"the local staging directory {tmp} (TMPDIR)"
+            raise StorageError(f"{out.url_of(name)}: writing the shard failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                               f"check that {place} is a writable directory with space for it") from exc
         raise
     out.commit_file(name, staged)

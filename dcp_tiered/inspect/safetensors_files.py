@@ -67,12 +67,27 @@ def index_document(weight_map: Mapping[str, str], total_size: int) -> bytes:
                        indent=2, sort_keys=True) + "\n").encode()
 
 
-def check_name(name: object, where: str) -> str:
-    """A tensor name read from a file: a printable, non-empty string of at most :data:`MAX_NAME_CHARS`."""
+#: The key of a safetensors header that holds its metadata, never a tensor's name.
+HEADER_METADATA_KEY = "__metadata__"
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a tensor of a safetensors file, or None: the one rule of export and import
+    (a printable, non-empty string of at most :data:`MAX_NAME_CHARS`, not :data:`HEADER_METADATA_KEY`)."""
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or not name.isprintable():
-        shown = repr(name)[:200]
-        raise UnsafeCheckpointError(f"{where}: tensor name {shown} is not a printable name of 1 to {MAX_NAME_CHARS} "
-                                    "characters; the file is damaged or crafted, re-export it")
+        return f"is not a printable name of 1 to {MAX_NAME_CHARS} characters"
+    if name == HEADER_METADATA_KEY:
+        return f"is the header's own {HEADER_METADATA_KEY} key"
+    return None
+
+
+def check_name(name: object, where: str) -> str:
+    """A tensor name read from a file (untrusted): :func:`name_problem` says it is one."""
+    problem = name_problem(name)
+    if problem:
+        raise UnsafeCheckpointError(f"{where}: tensor name {repr(name)[:200]} {problem}; the file is damaged or "
+                                    "crafted, re-export it")
+    assert isinstance(name, str)
     return name
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, MissingFileError
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.safetensors_export import normalize_prefix
 from dcp_tiered.inspect.safetensors_files import INDEX_NAME, WEIGHTS_NAME, check_header, check_name, read_index
@@ -69,11 +69,26 @@ def _locate(src: str, options: dict[str, Any] | None) -> tuple[Storage, str | No
     return (folder, name, None) if name.endswith(".json") else (folder, None, name)
 
 
+def _followed(folder: Storage, name: str) -> tuple[Storage, str]:
+    """(directory, name) to read the file ``name`` of ``folder`` from: on a local filesystem, where its links
+    lead (a Hugging Face hub snapshot links each file into the cache's ``blobs/``), else ``name`` itself.
+
+    Import only reads files the user named, so links are followed; what they lead to is then read as any
+    file (refused unless a regular file, its header or index size bounded)."""
+    if not folder.is_local:
+        return folder, name
+    from dcp_tiered.storage import Storage
+
+    real = os.path.realpath(folder.path(name))
+    return Storage(os.path.dirname(real)), os.path.basename(real)
+
+
 @contextlib.contextmanager
 def _opened(folder: Storage, name: str, safe_open: Any) -> Iterator[Any]:
     """``safe_open`` on the file ``name`` (downloaded to a temporary file off local storage), header checked,
     its errors as :class:`CorruptCheckpointError` naming the file."""
     url = folder.url_of(name)
+    folder, name = _followed(folder, name)
     check_header(folder, name)
     with contextlib.ExitStack() as stack:
         if folder.is_local:
@@ -147,7 +162,8 @@ def import_safetensors(
     ``codec``, each under ``prefix`` (``"model."``: the key ``model.<name>``, as ``{"model": model.state_dict()}``
     saves it), so that a training run restores it as its first checkpoint.
 
-    ``src``: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory holding either.
+    ``src``: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory holding either (a
+    Hugging Face hub snapshot directory as it is: its links into ``blobs/`` are followed to regular files).
     Every file is untrusted: header lengths and the index are bounded, the index names files inside its
     directory, names are printable (:class:`CorruptCheckpointError`, :class:`UnsafeCheckpointError`).
     Refuses a committed checkpoint at ``dst`` unless ``overwrite`` (:class:`CheckpointExistsError`, before
@@ -170,7 +186,7 @@ def import_safetensors(
     if not overwrite and writer.storage.exists(METADATA_FILE):
         raise exists_error(writer.storage.url)  # here, not from inside dcp.save, which wraps it in a BaseException
     by_file: dict[str, list[str] | None] = {single: None} if single else {}
-    for key, file in (read_index(folder, index).items() if index else ()):
+    for key, file in (read_index(*_followed(folder, index)).items() if index else ()):
         listed = by_file.setdefault(file, [])
         assert listed is not None
         listed.append(key)
@@ -178,6 +194,9 @@ def import_safetensors(
     placeholders: dict[str, Any] = {}
     for name, listed in by_file.items():
         url = folder.url_of(name)
+        if listed and not folder.exists(name):
+            raise MissingFileError(f"{folder.url_of(str(index))} names {name} for tensor {listed[0]!r}, which is missing "
+                                   f"({url}): re-download the checkpoint, or re-export it")
         with _opened(folder, name, safe_open) as f:
             present = list(f.keys())
             held = set(present)
