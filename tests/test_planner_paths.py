@@ -85,3 +85,14 @@ def test_a_state_nested_deeper_than_readers_accept_is_refused_before_the_commit(
         dcp.save(deep, storage_writer=CompressedWriter(tmp_path / "ck", sync_files=False), no_dist=True)
     assert isinstance(root_cause(info.value), UnsupportedFormatError) and "at most 64 levels" in str(root_cause(info.value))
     assert not (tmp_path / "ck" / ".metadata").exists()
+
+
+def test_convert_of_a_list_with_an_empty_dict_says_why_it_cannot_rebuild(tmp_path):
+    """DCP's rebuild leaves None where the empty dict was and fails 'Missing key' (a builtin, found by the
+    harness on a crafted path): convert refuses first, naming the list, the slot and the way out."""
+    from dcp_tiered import UnsupportedFormatError
+    from dcp_tiered.inspect import convert
+
+    dcp.save({"l": [{}, torch.ones(2)]}, storage_writer=CompressedWriter(tmp_path / "ck", sync_files=False), no_dist=True)
+    with pytest.raises(UnsupportedFormatError, match=r"'l' has no item at \[0\].*dcp.load"):
+        convert(tmp_path / "ck", tmp_path / "out.pt")

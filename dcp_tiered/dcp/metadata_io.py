@@ -409,19 +409,14 @@ def _check_planner_data(pd: Any, source: str, sdm: dict) -> None:
         return
     if type(pd) is not dict:
         raise _bad(source, f"planner_data is a {type(pd).__name__}, not a dict")
-    children: dict[tuple, set] = {}  # each container's path: the names or indices directly inside it
-    leaves: dict[tuple, str] = {}
     for key, path in pd.items():
         if type(key) is not str or key not in sdm:
             raise _bad(source, f"planner_data names {str(key)[:80]!r}, which state_dict_metadata does not list")
         if type(path) not in (tuple, list) or not 0 < len(path) <= MAX_PATH_PARTS or not set(map(type, path)) <= {str, int}:
             raise _bad(source, f"planner_data of {key!r} is not a path of at most {MAX_PATH_PARTS} names and indices")
-        path = tuple(path)
         if ".".join(map(str, path)) != key:
-            raise _bad(source, f"planner_data gives {key!r} the path {str(path)[:80]}, which does not spell it")
-        leaves[path] = key
-        for n in range(len(path)):
-            children.setdefault(path[:n], set()).add(path[n])
+            raise _bad(source, f"planner_data gives {key!r} the path {str(tuple(path))[:80]}, which does not spell it")
+    children, leaves = _containers(pd)
     gaps = 0  # list slots no item fills (an empty dict in a list leaves no path): rebuilding allocates them
     for prefix, inside in children.items():
         if prefix in leaves:
@@ -437,6 +432,33 @@ def _check_planner_data(pd: Any, source: str, sdm: dict) -> None:
         if gaps > MAX_LIST_GAPS:
             raise _bad(source, f"planner_data leaves over {MAX_LIST_GAPS} list slots empty (the list {name[:80]!r} "
                                f"has indices up to {max(inside)} for {len(inside)} items)")
+
+
+def _containers(pd: dict) -> tuple[dict[tuple, set], dict[tuple, str]]:
+    """Each container's path in ``pd``'s paths with the names or indices directly inside it, and each leaf's
+    path with its key."""
+    children: dict[tuple, set] = {}
+    leaves: dict[tuple, str] = {}
+    for key, path in pd.items():
+        path = tuple(path)
+        leaves[path] = key
+        for n in range(len(path)):
+            children.setdefault(path[:n], set()).add(path[n])
+    return children, leaves
+
+
+def rebuild_problem(md: Metadata) -> "str | None":
+    """Why DCP cannot rebuild ``md``'s state dict from its (checked) ``planner_data`` alone (``convert``:
+    its rebuild leaves None in a list slot no path fills, then fails 'Missing key'), or None."""
+    pd = getattr(md, "planner_data", None)
+    if not pd:
+        return None
+    for prefix, inside in _containers(pd)[0].items():
+        if inside and type(next(iter(inside))) is int and max(inside) + 1 != len(inside):
+            missing = sorted(set(range(max(inside) + 1)) - inside)
+            return (f"the list {'.'.join(map(str, prefix))[:80]!r} has no item at {missing[:4]}"
+                    f"{' ...' if len(missing) > 4 else ''} (an empty dict there saves nothing)")
+    return None
 
 
 def _check_storage_meta(meta: Any, source: str) -> None:

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dcp_tiered.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UnsafeCheckpointError
+from dcp_tiered.errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, UnsafeCheckpointError,
+                               UnsupportedFormatError)
 from dcp_tiered.inspect.progress import ProgressFactory, progress_bar
 from dcp_tiered.inspect.sources import is_torch_save_path, reader_for, stored_size
 
@@ -31,9 +32,16 @@ def load_any(path: str | os.PathLike[str], storage_options: dict[str, Any] | Non
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    from dcp_tiered.dcp.metadata_io import rebuild_problem
+
     reader = reader_for(path, storage_options, safe_globals=safe_globals)
+    md = reader.read_metadata()
+    problem = rebuild_problem(md)
+    if problem is not None:
+        raise UnsupportedFormatError(f"{path}: {problem}; its state dict cannot be rebuilt from the checkpoint "
+                                     "alone: load it with dcp.load into a state dict of its shape")
     sd: dict[str, Any] = {}
-    with progress_bar(progress, len(reader.read_metadata().storage_data), "read") as counter:
+    with progress_bar(progress, len(md.storage_data), "read") as counter:
         class _Counting(_EmptyStateDictLoadPlanner):
             def commit_tensor(self, read_item: Any, tensor: Any) -> None:
                 super().commit_tensor(read_item, tensor)
