@@ -1116,8 +1116,8 @@ def hostile_child(work: str, seed: int, cases: list[int], journal: str, case_tim
             signal.setitimer(signal.ITIMER_REAL, case_timeout)
             return
         if NOTE.get("case") == current[0] and "entry_t" in NOTE:
-            # a case that notes when it entered is timed from there, with the extra time it was granted
-            # (the filesystem's own measured cost of what it built: deep trees delete as slowly as made)
+            # timed from the case's entry (its ``how``), with the extra time it was granted (the
+            # filesystem's own measured cost of what it built: deep trees delete as slowly as made)
             left = NOTE["entry_t"] + case_timeout + NOTE.get("extra_s", 0.0) - time.monotonic()
             if left > 0.01:
                 signal.setitimer(signal.ITIMER_REAL, left)

@@ -70,8 +70,17 @@ from dcp_tiered import (
 from dcp_tiered.codecs import checksum
 from tools.crash_harness import FAST_RETRY, _error_of, _from_dcp_planner, _mutate
 
-#: What the running case does (``how``: its mutation), for the journal when the case must be interrupted.
-NOTE: dict[str, Any] = {}
+class _Note(dict):
+    """What the running case does (``how``: its mutation), for the journal when the case must be
+    interrupted; setting ``how`` marks the case's entry point (``entry_t``), where its clock starts."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "how" and "entry_t" not in self:
+            super().__setitem__("entry_t", time.monotonic())
+        super().__setitem__(key, value)
+
+
+NOTE: dict[str, Any] = _Note()
 _MAGIC = b"\x00dcp_tiered.md1"
 _WIDTHS = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _HUGE = (2**31, 2**32, 2**40, 2**62, 2**63, 2**64 - 1)
@@ -607,7 +616,10 @@ def mutate_paths(md: Any, rng: random.Random) -> str:
             return how
     elif how == "negative_index":
         at = rng.choice(ints) if ints else len(path) - 1
-        path[at] = rng.choice((-1, -2, -10**9, -2**63))
+        if path:  # an earlier mutation of this case may have emptied it
+            path[at] = rng.choice((-1, -2, -10**9, -2**63))
+        else:
+            path = [rng.choice((-1, -2))]
     elif how == "empty":
         path = []
     elif how == "collide":  # two items on one path
@@ -1297,10 +1309,9 @@ def deepdir_case(fx: Fixtures, rng: random.Random) -> str:
     except OSError as exc:
         return f"skipped ({exc.strerror})"
     # Deleting the trees costs the filesystem about what making them did (1-2 ms a directory here):
-    # that time is the filesystem's, granted on top of the case's clock, which starts here; a walk
+    # that time is the filesystem's, granted on top of the case's clock, which starts at ``how``; a walk
     # that is not linear in the directories still runs past it.
     NOTE["extra_s"] = 2 * (time.monotonic() - t0)
-    NOTE["entry_t"] = time.monotonic()
     NOTE["how"] = how
     try:
         infos = {i.step: i for i in list_tier(tier)}
