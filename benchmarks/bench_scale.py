@@ -420,8 +420,9 @@ def writers(planned: tuple[list[SavePlan], Metadata], base: str, best: Best, run
         blob = best.time(f"{who}.bcast_pickle", functools.partial(pickle.dumps, md))
         row[f"{who}.bcast_bytes"] = len(blob)
         received = best.time(f"{who}.bcast_unpickle", functools.partial(pickle.loads, blob))
-    for _ in range(runs):  # a node leader of a node-local tier: its view (node copies) of what it received
-        best.time("node_commit", functools.partial(node_leader_commit, received, n_ranks=len(glob)))
+    leader_md, leader = with_node_copies(received, n_ranks=len(glob))  # as the save hands it to a node leader
+    for _ in range(runs):  # a node leader of a node-local tier: its view (node copies) and the bytes it commits
+        best.time("node_commit", lambda: metadata_io.encode_metadata(node_view(leader_md, range(leader, leader + 8))[0]))
     del finished, blob
     row["ours.file_bytes"] = os.path.getsize(os.path.join(ours_dir, METADATA_FILE))
     row["stock.file_bytes"] = os.path.getsize(os.path.join(stock_dir, METADATA_FILE))
@@ -434,23 +435,21 @@ def writers(planned: tuple[list[SavePlan], Metadata], base: str, best: Best, run
     return row
 
 
-def node_leader_commit(received: Metadata, n_ranks: int) -> bytes:
-    """What the leader of the second node does after a save to a node-local tier: its view of the
-    save's ``Metadata`` (each replicated item, one chunk covering its tensor or a non-tensor value,
-    pointing to a node copy in its own file) and the ``.metadata`` bytes it commits."""
+def with_node_copies(received: Metadata, n_ranks: int) -> tuple[Metadata, int]:
+    """``received`` as a save to a node-local tier returns it to the leader of the second node (a rank of
+    the first 8 ranks' next directory): with node copies of the replicated items (each one chunk covering
+    its tensor, or a non-tensor value) in that leader's file; and the leader's rank."""
     md = copy.copy(received)
     sdm, leader = md.state_dict_metadata, min(8, n_ranks - 1)
+    plain = record_table.PackedRecords(sdm, md.storage_data.packed)
     copies = []
     for fqn, entry in sdm.items():
-        whole = not hasattr(entry, "chunks") or (len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.size)
-        if whole:
+        if not hasattr(entry, "chunks") or (len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.size):
             index = MetadataIndex(fqn, entry.chunks[0].offsets if hasattr(entry, "chunks") else None)
-            copies.append(index)
-    plain = record_table.PackedRecords(sdm, md.storage_data.packed)
-    setattr(md, NODE_COPIES, tuple((i, {**plain[i], "file": data_file(node_copies_prefix(rank_prefix(leader)))})
-                                   for i in copies if i in plain))
-    view, _copied = node_view(md, range(leader, leader + 8))
-    return metadata_io.encode_metadata(view)
+            if index in plain:
+                copies.append((index, {**plain[index], "file": data_file(node_copies_prefix(rank_prefix(leader)))}))
+    setattr(md, NODE_COPIES, tuple(copies))
+    return md, leader
 
 
 def tiered(planned: tuple[list[SavePlan], Metadata], results: list[list[WriteResult]], sizes: dict[str, int],
