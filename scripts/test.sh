@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (reused on a rerun) and run the test suite. Extra arguments go to pytest.
 # Test files run in DCP_TIERED_TEST_WORKERS parallel workers (default 2; pytest-xdist, one
-# file per worker so module fixtures stay whole): on 2 cores 6.5 min instead of 10, since many
-# tests wait on child processes. DCP_TIERED_TEST_WORKERS=0 runs everything in this process.
+# file per worker so module fixtures stay whole): on 2 cores about 9 min (3 workers are no faster),
+# since many tests wait on child processes. DCP_TIERED_TEST_WORKERS=0 runs everything in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
