@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from types import TracebackType
 from typing import Any
 
@@ -30,6 +31,7 @@ LOADER_MODULES = (("lightning.pytorch.core.saving", "lightning.fabric.plugins.io
 #: while any is open (``_originals``) and put back when the last one closes, in whatever order.
 _open: list[PluginCheckpointReading] = []
 _originals: list[tuple[Any, Any]] = []  # (module, the pl_load it had before the first handle)
+_LOCK = threading.Lock()  # handles opened and closed from several threads patch and restore once
 
 
 def _loaders() -> list[tuple[Any, Any]]:
@@ -62,6 +64,10 @@ class PluginCheckpointReading:
 
     def __init__(self, checkpoint_io: CompressedCheckpointIO) -> None:
         self.checkpoint_io = checkpoint_io
+        with _LOCK:
+            self._register()
+
+    def _register(self) -> None:
         if not _open:
             found = _loaders()
             if not found:
@@ -76,12 +82,13 @@ class PluginCheckpointReading:
 
     def close(self) -> None:
         """End this handle (again: nothing); the last one open puts Lightning's loaders back."""
-        if self in _open:
-            _open.remove(self)
-            if not _open:
-                for module, original in _originals:
-                    module.pl_load = original
-                _originals.clear()
+        with _LOCK:
+            if self in _open:
+                _open.remove(self)
+                if not _open:
+                    for module, original in _originals:
+                        module.pl_load = original
+                    _originals.clear()
 
     def __enter__(self) -> PluginCheckpointReading:
         return self
