@@ -503,3 +503,23 @@ def test_a_closed_promoter_refuses_work_with_a_promotion_error(tmp_path: Path) -
     with pytest.raises(PromotionError, match="closed") as info:
         p.retention(tier)
     assert not isinstance(info.value, OSError)
+
+
+def test_a_step_whose_commit_is_still_owed_is_kept_by_every_rank_of_its_directory(tmp_path: Path) -> None:
+    """The coordinator's intent, once its own data file is copied, owes only the commit (``meta``).
+    Another rank of the node applies retention to the same node-local directory after its own
+    copy: it must keep the step, since the coordinator still reads its ``.metadata``."""
+    from dcp_tiered.tiers.catalog import list_tier
+    from dcp_tiered.tiers.retention import Retention
+
+    tiers = two_tiers(tmp_path)
+    crash_save(tiers, 5)
+    doc = json.loads(_intent_path(tmp_path).read_bytes())
+    assert doc["targets"] == ["shared"] and doc["meta"] == ["shared"]
+    doc["targets"] = []  # its data file is on the shared tier; the commit waits for other ranks' files
+    _intent_path(tmp_path).write_text(json.dumps(doc))
+    crash_save(tiers, 6)
+    assert [i.pending_promotions for i in list_tier(tiers[0]) if i.step == 5] == [("shared",)]
+    local = Tier("local", str(tmp_path / "local"), every_steps=1, keep=1, codec="lz4")
+    other_rank = Retention([local, tiers[1]], rank=1, is_coordinator=False)
+    assert 5 not in {i.step for i in other_rank.plan(local).victims}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dcp_tiered.errors import DcpTieredError
@@ -54,9 +54,11 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with_metadata: bool = True,
-                       holds: Callable[[str], bool] | None = None) -> CheckpointInfo:
+                       holds: Callable[[str], bool] | None = None,
+                       known: Collection[str] | None = None) -> CheckpointInfo:
     """Describe one checkpoint directory ``name`` of ``tier``; ``holds``: which data files the
-    directory must hold to be ``complete`` (a node-local directory: its ranks' files), default all."""
+    directory must hold to be ``complete`` (a node-local directory: its ranks' files), default all;
+    ``known``: the job's tier names, so that an intent naming another tier counts as invalid."""
     step = parse_step(name)
     child = storage.child(name)
     if child.is_link():  # never followed: not listed (nor deleted, nor written) through the link
@@ -75,7 +77,8 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
     for fname in files:
         if INTENT_FILE.match(fname):
             try:  # untrusted input: validated, an invalid one is ignored (and left for gc)
-                pending += read_intent(child, fname, dir_name=name, source=tier.name)["targets"]
+                doc = read_intent(child, fname, dir_name=name, source=tier.name, tiers=known)
+                pending += doc["targets"] + doc["meta"]  # a commit still owed reads this step's .metadata
             except (DcpTieredError, ValueError) as exc:
                 log.warning("unreadable promotion intent %s/%s: %s", child.url, fname, exc)
     info.pending_promotions = tuple(sorted(set(pending)))
@@ -107,11 +110,12 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
 
 
 def list_tier(tier: Tier, index: int = 0, rank: int = 0, node: int = 0, with_metadata: bool = True,
-              holds: Callable[[str], bool] | None = None) -> list[CheckpointInfo]:
-    """Every checkpoint directory of ``tier`` (newest step first); ``holds`` as for :func:`inspect_checkpoint`."""
+              holds: Callable[[str], bool] | None = None, known: Collection[str] | None = None) -> list[CheckpointInfo]:
+    """Every checkpoint directory of ``tier`` (newest step first); ``holds`` and ``known`` as for
+    :func:`inspect_checkpoint`."""
     storage = tier_storage(tier, rank, node)
     names = [n for n in storage.listdir() if parse_step(n) is not None]
-    infos = [inspect_checkpoint(storage, tier, index, n, with_metadata, holds) for n in names]
+    infos = [inspect_checkpoint(storage, tier, index, n, with_metadata, holds, known) for n in names]
     return sorted(infos, key=lambda i: i.step, reverse=True)
 
 
@@ -120,7 +124,7 @@ def list_tiers(tiers: Sequence[Tier], rank: int = 0, node: int = 0, with_metadat
     out: list[CheckpointInfo] = []
     for i, t in enumerate(tiers):
         try:
-            out += list_tier(t, i, rank, node, with_metadata)
+            out += list_tier(t, i, rank, node, with_metadata, known=[k.name for k in tiers])
         except DcpTieredError as exc:
             log.warning("cannot list tier %s (%s): %s", t.name, t.url, exc)
     return out

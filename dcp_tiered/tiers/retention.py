@@ -96,7 +96,8 @@ class Retention:
         """List ``tier`` and decide what to delete; raises :class:`~dcp_tiered.errors.DcpTieredError` if it cannot list."""
         storage = tier_storage(tier, self.rank, self.node)
         pinned_before = self.marks.pinned(tier.name)  # a save pinned during the listing may have committed since
-        infos = list_tier(tier, self.tiers.index(tier), self.rank, self.node, with_metadata=bool(self.optimizer_keys))
+        infos = list_tier(tier, self.tiers.index(tier), self.rank, self.node, with_metadata=bool(self.optimizer_keys),
+                          known=[t.name for t in self.tiers])
         ages = storage.file_ages(time.time()) if self.leftover_grace > 0 else {}
         busy_now = set(busy) | pinned_before | self.marks.pinned(tier.name)
         own = self.marks.own(tier.name)
