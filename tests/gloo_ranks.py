@@ -1,10 +1,9 @@
 """Starting gloo process groups for multi-rank tests: one start runs several checks, each rank
 records ``ok`` or its traceback per check, and a hang becomes a failure instead of a stuck run.
 
-The ranks fork from a forkserver that has imported torch, DCP and dcp_tiered once per test process
-(a spawned rank would import them again, seconds of CPU each); each rank still starts from a clean
-interpreter state (nothing of the test process is inherited but what the arguments carry) and takes
-the caller's current environment and working directory, as a spawned one would."""
+The ranks fork from the tests' forkserver (:mod:`forked`), which imported torch, DCP and dcp_tiered
+once per test process; each rank takes the caller's current environment and working directory, as a
+spawned one would."""
 
 from __future__ import annotations
 
@@ -15,20 +14,13 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
+import forked
 import torch.multiprocessing as mp
 from speed import scaled
 
-# imported once in the forkserver; every rank forks from it
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "dcp_tiered", "dcp_tiered.tiers", "gloo_ranks"]
-
-
 def rank_context():
     """The forkserver context every multi-rank test starts its ranks from (torch and dcp_tiered preloaded)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    return forked.context()
 
 
 def _entry(rank: int, fn, world_size: int, store: str, args: tuple, pg_timeout: float, env: dict, cwd: str) -> None:

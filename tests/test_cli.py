@@ -1,8 +1,10 @@
-"""Every `dcp-tiered` command through its real entry point, in a subprocess.
+"""Every `dcp-tiered` command through its real entry point, in a child process.
 
-Checkpoints are prepared in-process with the library; the commands then run as users
-run them (the installed `dcp-tiered` script, else `python -m dcp_tiered.cli`).  Calls
-that do not depend on each other run concurrently to keep the suite short.
+Checkpoints are prepared in-process with the library; the commands then run as users run
+them: the console script's ``main()`` with its arguments, in a child forked from the tests'
+forkserver (:mod:`forked`, which imported torch once), or the installed `dcp-tiered` script
+itself where a test needs a tty.  Calls that do not depend on each other run concurrently to
+keep the suite short.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked import run_cli, start_cli
 from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,18 +38,13 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def cli(*args: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=_env(), timeout=scaled(timeout))
+    return run_cli(*args, env=_env(), cwd=cwd, timeout=timeout)
 
 
 def cli_parallel(*calls: list) -> list[subprocess.CompletedProcess]:
     """Run independent commands concurrently; results in order."""
-    procs = [subprocess.Popen([*CLI, *map(str, c)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-             for c in calls]
-    out = []
-    for c, p in zip(calls, procs):
-        stdout, stderr = p.communicate(timeout=scaled(180))
-        out.append(subprocess.CompletedProcess([*CLI, *c], p.returncode, stdout, stderr))
-    return out
+    runs = [start_cli(*c, env=_env()) for c in calls]
+    return [r.communicate(scaled(180)) for r in runs]
 
 
 def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

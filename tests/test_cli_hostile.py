@@ -1,8 +1,8 @@
 """`dcp-tiered` on hostile checkpoints and unexpected errors: one line, the documented exit code.
 
 Every hostile invocation runs the real CLI in a child process with a timeout and a memory
-limit (``python -m dcp_tiered.cli``, or ``main()`` in a child through tests/isolated.py), so a
-crash or a hang fails one test.  A traceback never reaches the user; ``--debug`` or
+limit (the console script's ``main()`` in a child forked from the tests' forkserver, see
+tests/forked.py, or in a child through tests/isolated.py), so a crash or a hang fails one test.  A traceback never reaches the user; ``--debug`` or
 ``DCP_TIERED_DEBUG=1`` shows it.
 """
 
@@ -12,14 +12,13 @@ import json
 import os
 import pickle
 import re
-import resource
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked import start_cli
 from speed import scaled
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,8 +29,7 @@ from dcp_tiered import CompressedWriter
 from dcp_tiered.cli import output as common
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "dcp_tiered.cli"]
-TIMEOUT = 300  # generous: 2 shared CPU cores, and every child imports torch
+TIMEOUT = 300  # generous: 2 shared CPU cores
 MEMORY = 4 << 30
 
 
@@ -43,23 +41,17 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
-
-
 def cli_parallel(*calls: list, env: dict | None = None) -> list[subprocess.CompletedProcess]:
-    """Run CLI invocations concurrently, each with a timeout and a memory limit; results in order."""
-    procs = [subprocess.Popen([*CLI, *map(str, c)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(env), preexec_fn=_limit_memory, start_new_session=True) for c in calls]
+    """Run CLI invocations concurrently, each with a timeout and a memory limit, in a session of its own; results in order."""
+    runs = [start_cli(*c, env=_env(env), memory=MEMORY, new_session=True) for c in calls]
     out = []
-    for c, p in zip(calls, procs):
+    for c, r in zip(calls, runs):
         try:
-            stdout, stderr = p.communicate(timeout=scaled(TIMEOUT))
+            out.append(r.communicate(scaled(TIMEOUT)))
         except subprocess.TimeoutExpired:
-            for q in procs:
+            for q in runs:
                 q.kill()
             pytest.fail(f"{c} hung for {TIMEOUT} s")
-        out.append(subprocess.CompletedProcess([*CLI, *map(str, c)], p.returncode, stdout, stderr))
     return out
 
 

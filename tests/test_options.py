@@ -6,14 +6,12 @@ mistyped keys give a short error naming the field.  Also the one due-tier decisi
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from speed import scaled
+from forked import run_cli
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
@@ -184,9 +182,7 @@ def test_from_yaml_takes_an_options_object_as_the_base_the_file_applies_to(tmp_p
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "dcp_tiered.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=scaled(600))
+    return run_cli(*args, timeout=600)
 
 
 def test_train_accepts_the_options_the_api_accepts_and_refuses_string_bools(tmp_path):

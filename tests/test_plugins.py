@@ -178,7 +178,7 @@ def _path(*folders: Path) -> str:
 
 
 def _child(code: str, *folders: Path, **env: str):
-    """Run ``code`` in a child whose ``sys.path`` holds only the repository and ``folders``."""
+    """Run ``code`` in a child with ``folders`` (installed plugins) on ``sys.path``."""
     res = run_isolated(code, timeout=120, env={"PYTHONPATH": _path(*folders), **env})
     assert res.returncode == 0, res.describe()
     return res.result

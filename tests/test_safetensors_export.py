@@ -11,7 +11,6 @@ import json
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,13 @@ from dcp_tiered.errors import (
 from dcp_tiered.inspect import INDEX_NAME, WEIGHTS_NAME, export_safetensors, import_safetensors, load_any
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers import Tier, TieredCheckpointer
+from forked import run_cli
 from isolated import run_isolated
-from speed import scaled
 
-_SCRIPT = Path(sys.executable).with_name("dcp-tiered")
-CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "dcp_tiered.cli"]
-
-
-def cli(*args: object) -> subprocess.CompletedProcess:
+def cli(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``dcp-tiered ARGS`` in a forked child (tests/forked.py)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=scaled(180))
+    return run_cli(*args, env=env, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -315,8 +311,7 @@ def test_messages_say_what_is_wrong_and_what_to_do(tmp_path: Path) -> None:
         export_safetensors(tmp_path / "ck", "", prefix="model.")
     work = tmp_path / "cwd"
     work.mkdir()
-    empty = subprocess.run([*CLI, "export", str(tmp_path / "ck"), ""], capture_output=True, text=True, cwd=work,
-                           timeout=scaled(180), env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    empty = cli("export", tmp_path / "ck", "", cwd=work)
     assert empty.returncode == 2 and "DST" in empty.stderr and os.listdir(work) == [], empty.stderr
     hf = _shards(tmp_path)
     _index(hf, {"a": "model-00001-of-00001.safetensors", "gone": "model-00002-of-00002.safetensors"})

@@ -1,0 +1,155 @@
+"""Fresh child processes forked from one forkserver per test process, which imported torch, DCP
+and dcp_tiered once.
+
+A spawned interpreter imports them again, 2-3 CPU seconds each on the CI machine; the suite
+starts hundreds of children (gloo ranks, CLI runs), so that alone was minutes of its time.  A
+child forked from the server starts in milliseconds, from a clean state: nothing of the test
+process but what its arguments carry, the caller's environment and working directory as a
+spawned one would have them, and no threads.
+
+:func:`run_cli` and :func:`start_cli` run ``dcp-tiered`` this way: the console script's own
+``main()``, with ``sys.argv`` set, its exit code and its stdout/stderr captured at the file
+descriptors; :func:`start_code` runs code as ``python -c`` would (tests/isolated.py).  Tests that need the installed script itself (a tty, signals while it runs, no
+torch, plugins found through ``PYTHONPATH``) start it with :mod:`subprocess` instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+from typing import Any
+
+from speed import scaled
+
+# imported once in the forkserver; every child forks from it
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "dcp_tiered", "dcp_tiered.tiers",
+           "dcp_tiered.cli.__main__", "forked", "gloo_ranks"]
+SCRIPT = "dcp-tiered"
+
+
+def context() -> Any:
+    """The forkserver context every child of the tests starts from (torch and dcp_tiered preloaded)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _enter(env: dict, cwd: str, out: str, err: str, memory: int | None, new_session: bool) -> None:
+    """In the child: its output to the files, its session, memory limit, environment, directory and
+    warning filters, and ``PYTHONPATH`` on ``sys.path``, as a new interpreter would have them."""
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    if new_session:
+        os.setsid()
+    if memory:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    warnings.resetwarnings()
+    warnings._processoptions([w for w in env.get("PYTHONWARNINGS", "").split(",") if w])  # type: ignore[attr-defined]
+
+
+def _run_main(fn: Any) -> None:
+    try:
+        code: Any = fn()
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+        traceback.print_exc()
+        code = 1
+    sys.exit(code)  # the child's bootstrap maps it as the interpreter would, after joining threads
+
+
+def _cli_child(argv: list[str], *enter: Any) -> None:
+    _enter(*enter)
+    sys.argv = [SCRIPT, *argv]
+    from dcp_tiered.cli.__main__ import main
+
+    _run_main(main)
+
+
+def _code_child(code: str, *enter: Any) -> None:
+    _enter(*enter)
+    sys.argv = ["-c"]
+    _run_main(lambda: exec(compile(code, "<string>", "exec"), {"__name__": "__main__"}))
+
+
+class Child:
+    """One child forked from the tests' forkserver, its stdout and stderr captured at the file descriptors."""
+
+    def __init__(self, target: Any, first: Any, args: list[str], env: dict | None = None,
+                 cwd: "str | os.PathLike[str] | None" = None, memory: int | None = None,
+                 new_session: bool = False) -> None:
+        self.args = args
+        self.new_session = new_session
+        fd_out, self._out = tempfile.mkstemp(prefix="child-out-")
+        fd_err, self._err = tempfile.mkstemp(prefix="child-err-")
+        os.close(fd_out)
+        os.close(fd_err)
+        self.proc = context().Process(
+            target=target, args=(first, dict(os.environ if env is None else env), os.fspath(cwd or os.getcwd()),
+                                 self._out, self._err, memory, new_session))
+        self.proc.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def communicate(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait at most ``timeout`` seconds (as given: scale it first); ``subprocess.TimeoutExpired`` after killing it."""
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+            raise subprocess.TimeoutExpired(self.args, timeout, self._read(self._out), self._read(self._err))
+        return subprocess.CompletedProcess(self.args, self.proc.exitcode, self._read(self._out), self._read(self._err))
+
+    def kill(self) -> None:
+        """SIGKILL the child (and its session's processes, in a session of its own) and reap it."""
+        if self.new_session:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # not in its session yet, or gone
+                pass
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(scaled(10))
+
+    @staticmethod
+    def _read(path: str) -> str:
+        try:
+            with open(path, encoding="utf-8", errors="backslashreplace") as f:
+                return f.read()
+        finally:
+            os.unlink(path)
+
+
+def start_code(code: str, *, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,
+               memory: int | None = None, new_session: bool = False) -> Child:
+    """Run ``code`` as ``python -c`` would (``__main__``, ``sys.argv == ["-c"]``) in a forked child."""
+    return Child(_code_child, code, [sys.executable, "-c", code], env, cwd, memory, new_session)
+
+
+def start_cli(*argv: object, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,
+              memory: int | None = None, new_session: bool = False) -> Child:
+    """Start ``dcp-tiered ARGV`` in a forked child with ``env`` (default: this process's) in ``cwd``;
+    ``memory``: its address-space limit in bytes; ``new_session``: in a session of its own."""
+    args = [str(a) for a in argv]
+    return Child(_cli_child, args, [SCRIPT, *args], env, cwd, memory, new_session)
+
+
+def run_cli(*argv: object, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,
+            timeout: float = 180.0, memory: int | None = None, new_session: bool = False) -> subprocess.CompletedProcess:
+    """Run ``dcp-tiered ARGV`` to its end (``timeout``: quiet-machine seconds, :func:`speed.scaled` here),
+    as ``subprocess.run(..., capture_output=True, text=True)`` would."""
+    return start_cli(*argv, env=env, cwd=cwd, memory=memory, new_session=new_session).communicate(scaled(timeout))
