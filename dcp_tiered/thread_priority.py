@@ -1,9 +1,11 @@
-"""Lower CPU priority for background threads (encoding, promotion), so training gets the cores first."""
+"""Lower CPU priority for background threads (encoding, promotion), so training gets the cores and
+the GIL first."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -27,6 +29,22 @@ def lower_thread_priority(nice: int | None) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, target)
     except (AttributeError, OSError):
         pass
+
+
+#: How long a background save sleeps as it starts (see :func:`yield_to_caller`).
+YIELD_S = 0.001
+
+
+def yield_to_caller() -> None:
+    """On a thread other than the main one, sleep :data:`YIELD_S` once, as a save starts there.
+
+    ``dcp.async_save`` starts a new thread for every save and returns only when it gets the GIL
+    back. Without a pause the new thread keeps the GIL for the interpreter's switch interval
+    (5 ms) or until it blocks, and the training loop waits that long.  A zero sleep is not
+    enough: the thread that drops the GIL often takes it again before the waiting one wakes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(YIELD_S)
 
 
 def run_lowered(nice: int | None, fn: Callable[[], T]) -> T:

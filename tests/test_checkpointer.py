@@ -271,6 +271,34 @@ def test_async_save_captures_values_at_the_call(tmp_path: Path) -> None:
     ckpt.close()
 
 
+def test_async_saves_write_on_one_long_lived_thread_that_close_stops(tmp_path: Path, monkeypatch) -> None:
+    """``maybe_save`` hands each async save to the checkpointer's one save thread: starting a thread per
+    save (as ``dcp.async_save`` does) blocks the call until the new thread hands the GIL back."""
+    from dcp_tiered.tiers.save.writer import TieredWriter
+
+    ran_on: list[int] = []
+    finish = TieredWriter.finish
+
+    def recording(self, *args, **kwargs):
+        ran_on.append(threading.get_ident())
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(TieredWriter, "finish", recording)
+    model, opt = make_model()
+    ckpt = TieredCheckpointer([Tier("local", str(tmp_path / "l"), every_steps=1, keep=5)], async_save=True)
+    before = {t.ident for t in threading.enumerate()}
+    for step in (1, 2, 3):
+        train_step(model, opt)
+        assert ckpt.maybe_save(step, state(model, opt)).async_save
+        ckpt.wait()
+    assert len(set(ran_on)) == 1 and ran_on[0] != threading.get_ident(), ran_on
+    assert ran_on[0] in {t.ident for t in threading.enumerate()} - before  # still there for the next save
+    ckpt.close()
+    assert ran_on[0] not in {t.ident for t in threading.enumerate()}, "close() leaves the save thread running"
+    out = load_flat(str(tmp_path / "l" / "step_000000003"), state(model, opt))
+    assert all(torch.equal(out["model"][k], v) for k, v in model.state_dict().items())
+
+
 def test_background_failure_is_raised_then_next_save_is_synchronous(tmp_path: Path) -> None:
     tiers = [Tier("local", f"faulty://{tmp_path}/l", every_steps=1, keep=5)]
     model, opt = make_model()

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
-from dcp_tiered.thread_priority import lower_thread_priority, run_lowered
+from dcp_tiered.thread_priority import lower_thread_priority, run_lowered, yield_to_caller
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, get_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
 from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, write_items
@@ -248,6 +248,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     # -- DCP protocol ---------------------------------------------------------------
 
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+        yield_to_caller()  # the first call of a save: dcp.async_save's caller returns now
         if checkpoint_id:
             self.storage = Storage(checkpoint_id, self.storage_options)
         self.save_id = self._fixed_save_id or uuid.uuid4().hex

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, NoReturn
 
@@ -119,6 +119,7 @@ class TieredCheckpointer:
         self._failed: BaseException | None = None
         self._sync_next = self._closed = False
         self._stager: KeepStaged | None = None
+        self._save_thread: ThreadPoolExecutor | None = None  # runs the async saves, one after another
         # Unfinished promotions of an earlier run resume once the restore that usually follows construction has
         # finished (or at the first save, wait or close): never while ranks are choosing and loading a checkpoint.
         self._resume_pending = opts.resume_promotions
@@ -304,7 +305,7 @@ class TieredCheckpointer:
         if bg:
             self._stager = self._stager or KeepStaged(StagingOptions(torch.cuda.is_available(), False, False, False))
             try:
-                fut = dcp.async_save(sd, async_stager=self._stager.again(sd) if staged else self._stager, **kwargs)
+                fut = self._save_in_background(sd, self._stager.again(sd) if staged else self._stager, kwargs)
             except BaseException:
                 self.promoter.set_writing(due, step, False)
                 raise
@@ -328,6 +329,18 @@ class TieredCheckpointer:
         self._complete(report, writer, planner, metadata)
         self.reports.append(report)
         return report
+
+    def _save_in_background(self, sd: Mapping[str, Any], stager: AsyncStager, kwargs: dict[str, Any]) -> Future:
+        """``dcp.async_save`` in thread mode, on this checkpointer's one save thread: stage ``sd`` now, then
+        ``dcp.save`` the staged copy there.  (``dcp.async_save`` starts a new thread per call, and the call
+        then waits for that thread to hand the GIL back: up to the 5 ms switch interval, per save.)"""
+        staged = stager.stage(sd)
+        if self._save_thread is None:
+            self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-tiered-save")
+        fut = self._save_thread.submit(dcp.save, staged, **kwargs)
+        if stager.should_synchronize_after_execute:
+            stager.synchronize_staging()
+        return fut
 
     def _payload(self, step: int, state_dict: Mapping[str, Any], full: bool) -> tuple[dict[str, Any], bool]:
         """What this save holds (``Stateful`` objects expanded at any depth, as restore expects them;
@@ -444,6 +457,8 @@ class TieredCheckpointer:
         self.promoter.close(wait=False, timeout=2.0)
         if self._stager is not None and self._inflight is None:
             self._stager.close()
+        if self._save_thread is not None:  # a save still running (a failed close) finishes, then the thread ends
+            self._save_thread.shutdown(wait=self._inflight is None)
 
     def __enter__(self) -> "TieredCheckpointer":
         return self

@@ -32,6 +32,7 @@ from dcp_tiered.dcp.writer import (
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
 from dcp_tiered.names import data_file, node_copies_prefix, rank_prefix
 from dcp_tiered.storage import Storage, safe_relative_name
+from dcp_tiered.thread_priority import yield_to_caller
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.save.budget import check_save_fits
 from dcp_tiered.tiers.save.node_commit import (
@@ -182,6 +183,7 @@ class TieredWriter(StorageWriter):
     # -- DCP protocol -------------------------------------------------------------
 
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+        yield_to_caller()  # the first call of a save: dcp.async_save's caller returns now
         if checkpoint_id is not None:
             name = os.fspath(checkpoint_id)
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
