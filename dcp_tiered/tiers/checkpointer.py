@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, StagingOptions
 
 from dcp_tiered.checks import check_timeout
 from dcp_tiered.dcp.objects import normalize_safe_globals
@@ -47,6 +47,7 @@ from dcp_tiered.tiers.replicas.replicate import Replicator
 from dcp_tiered.tiers.restore import Restorer
 from dcp_tiered.tiers.config import Tier, check_step, load_tiers_yaml, validate_tiers
 from dcp_tiered.tiers.save.budget import budget_applies, save_budget_error
+from dcp_tiered.tiers.save.staging import KeepStaged
 from dcp_tiered.tiers.save.writer import TieredWriter
 from dcp_tiered.tiers.topology import node_of
 
@@ -546,36 +547,6 @@ def fall_back(report: SaveReport, exc: BaseException, events: EventLog) -> bool:
                  "error": describe_error(exc, 2000)})
     report.tiers = list(rest)
     return True
-
-
-class KeepStaged(DefaultStager):
-    """``DefaultStager`` that keeps the last staged state (its buffers are reused by the next stage)."""
-
-    staged: Any = None
-
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        self.staged = super().stage(state_dict, **kwargs)
-        return self.staged
-
-    def again(self, staged: Any) -> "AlreadyStaged":
-        """A stager for writing ``staged`` (a state this stager staged) once more, kept as :attr:`staged`."""
-        self.staged = staged
-        return AlreadyStaged()
-
-
-class AlreadyStaged(AsyncStager):
-    """Stages nothing: for a state that is a staged copy already (the fallback of an async save)."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: Any) -> Any:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def without_paths(state_dict: Mapping[str, Any], paths: Sequence[str]) -> tuple[dict[str, Any], bool]:
