@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -326,26 +327,37 @@ def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
     script = tmp_path / "ddp_fit.py"
     script.write_text(_DDP_SCRIPT.format(tests=str(ROOT / "tests")))
 
-    def fit(max_steps: int, seed: int, tiered: str, root: str = "ck") -> list[dict]:
-        r = _run([str(script), str(tmp_path / root), str(max_steps), str(seed), tiered], timeout=600)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    def start(max_steps: int, seed: int, tiered: str, root: str = "ck") -> subprocess.Popen:
+        with socket.socket() as s:  # two runs at once: each its own rendezvous port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        return subprocess.Popen([sys.executable, str(script), str(tmp_path / root), str(max_steps), str(seed), tiered],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(proc: subprocess.Popen) -> list[dict]:
+        try:
+            stdout, stderr = proc.communicate(timeout=scaled(600))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
         # the two ranks print concurrently: their lines may interleave
-        out = [json.loads(m) for m in re.findall(r"@@RESULT@@(\{[^{}]*\})", r.stdout)]
-        assert sorted(o["rank"] for o in out) == [0, 1], r.stdout[-2000:] + r.stderr[-2000:]
+        out = [json.loads(m) for m in re.findall(r"@@RESULT@@(\{[^{}]*\})", stdout)]
+        assert sorted(o["rank"] for o in out) == [0, 1], stdout[-2000:] + stderr[-2000:]
         return out
 
-    first = fit(4, 0, "1")
+    # independent runs go two at a time: the uninterrupted one beside the first, both resumes together
+    first, straight = map(result, [start(4, 0, "1"), start(8, 0, "0", root="unused")])
     assert all(o["restored"] is None for o in first)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000002", "step_000000004"]
     shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
-    resumed = fit(8, 5, "1")
-    assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
-    straight = fit(8, 0, "0")
-    assert {o["digest"] for o in resumed} == {o["digest"] for o in straight} and len({o["digest"] for o in straight}) == 1
-    # the same with broadcast=True: one rank reads, the other receives
-    resumed = fit(8, 5, "broadcast", root="ck2")
-    assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed), resumed
-    assert {o["digest"] for o in resumed} == {o["digest"] for o in straight}
+    # the second with broadcast=True: one rank reads, the other receives
+    resumed, broadcast = map(result, [start(8, 5, "1"), start(8, 5, "broadcast", root="ck2")])
+    assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed + broadcast), (resumed, broadcast)
+    assert len({o["digest"] for o in straight}) == 1
+    assert {o["digest"] for o in resumed} == {o["digest"] for o in broadcast} == {o["digest"] for o in straight}
 
 
 def test_lightning_example_runs() -> None:
