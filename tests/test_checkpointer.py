@@ -299,6 +299,60 @@ def test_async_saves_write_on_one_long_lived_thread_that_close_stops(tmp_path: P
     assert all(torch.equal(out["model"][k], v) for k, v in model.state_dict().items())
 
 
+def test_a_state_that_cannot_be_staged_fails_the_async_save_as_a_save_error(tmp_path: Path) -> None:
+    ck = TieredCheckpointer([Tier("local", str(tmp_path / "l"), every_steps=1, keep=5)], async_save=True)
+    with pytest.raises(SaveError, match="step 1"):
+        ck.maybe_save(1, {"w": torch.ones(4), "lock": threading.Lock()})
+    assert [r.ok for r in ck.reports] == [False]
+    report = ck.maybe_save(2, {"w": torch.ones(4)})
+    assert report.ok and not report.async_save  # the save after a failure is synchronous
+    ck.close()
+
+
+_CTRL_C = """
+    import os, signal, threading, torch
+    import torch.distributed.checkpoint as dcp
+    from dcp_tiered import CompressedReader, Tier, TieredCheckpointer
+    from dcp_tiered.tiers.save.writer import TieredWriter
+
+    gate = threading.Event()
+    write = TieredWriter.write_data
+    def slow(self, plan, planner):
+        gate.wait(120)
+        return write(self, plan, planner)
+    TieredWriter.write_data = slow
+    ck = TieredCheckpointer([Tier("local", {root!r}, every_steps=1, keep=5)], async_save=True)
+    w = torch.ones(1000)
+    ck.maybe_save(1, {{"w": w}})
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        ck.wait()
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    w.fill_(2.0)  # the caller goes on after Ctrl-C
+    gate.set()
+    ck.maybe_save(2, {{"w": w}})  # waits for step 1 before staging into its buffers
+    ck.close()
+    values = []
+    for step in (1, 2):
+        out = {{"w": torch.zeros(1000)}}
+        dcp.load(out, storage_reader=CompressedReader(os.path.join({root!r}, f"step_{{step:09d}}")), no_dist=True)
+        values.append(sorted(set(out["w"].tolist())))
+    emit({{"interrupted": interrupted, "values": values}})
+"""
+
+
+def test_ctrl_c_while_waiting_for_an_async_save_leaves_it_in_flight(tmp_path: Path) -> None:
+    """A KeyboardInterrupt in ``wait()`` does not drop the save in flight: the next save waits for it
+    instead of staging into the buffers it is still writing (which committed a torn step 1)."""
+    from isolated import run_isolated
+
+    res = run_isolated(_CTRL_C.format(root=str(tmp_path / "l")), timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert res.result == {"interrupted": True, "values": [[1.0], [2.0]]}, res.result
+
+
 def test_background_failure_is_raised_then_next_save_is_synchronous(tmp_path: Path) -> None:
     tiers = [Tier("local", f"faulty://{tmp_path}/l", every_steps=1, keep=5)]
     model, opt = make_model()

@@ -125,3 +125,53 @@ def test_any_tree_of_containers_tensors_and_values_stages_to_an_equal_copy(tree)
                 assert w.numel() == 0 or g.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
             else:
                 assert g == w
+
+
+def test_tied_weights_share_one_buffer_as_with_dcp_s_stager() -> None:
+    w = torch.randn(4, 3)
+    live = {"embed": w, "lm_head": w, "view": w[1:], "model": torch.nn.Linear(3, 4).state_dict()}
+    live["model"]["alias"] = live["model"]["weight"]  # two keys, one tensor object
+    staged = _stager().stage(live)
+    assert staged["embed"] is staged["lm_head"]
+    assert staged["model"]["alias"] is staged["model"]["weight"]
+    assert torch.equal(staged["view"], w[1:]) and staged["view"] is not staged["embed"]
+
+
+def test_saves_with_and_without_the_optimizer_reuse_each_other_s_buffers() -> None:
+    """``optimizer_every``: the structure alternates; the model's buffers serve both, the optimizer's stay."""
+    stager = _stager()
+    full = _state(1.0)
+    light = {k: v for k, v in full.items() if k != "optim"}
+
+    def ptrs(staged) -> set:
+        return {t.data_ptr() for t in _leaves(staged) if isinstance(t, torch.Tensor)}
+
+    a = ptrs(stager.stage(full))
+    b = ptrs(stager.stage(light))
+    c = ptrs(stager.stage(full))
+    assert b < a and c == a
+
+
+def test_a_save_under_inference_mode_leaves_buffers_that_later_saves_can_fill() -> None:
+    stager = _stager()
+    w = torch.randn(5)
+    with torch.inference_mode():
+        first = stager.stage({"w": w * 1})
+    assert not first["w"].is_inference()
+    later = stager.stage({"w": w})
+    assert torch.equal(later["w"], w)
+
+
+def test_dcp_s_stager_is_closed_once_the_fast_path_serves_again(monkeypatch) -> None:
+    """DCP's stager caches a copy of every storage it staged: it is closed (and dropped) as soon as the
+    fast path stages again, so the host never holds both copies."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    closed = []
+    close = DefaultStager.close
+    monkeypatch.setattr(DefaultStager, "close", lambda self: (closed.append(self), close(self)))
+    stager = _stager()
+    slow = stager.stage({"obj": Custom(torch.ones(8)), "w": torch.zeros(8)})
+    assert isinstance(slow["obj"], Custom) and not closed
+    stager.stage({"w": torch.zeros(8)})
+    assert len(closed) == 1

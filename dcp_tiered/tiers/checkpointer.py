@@ -307,9 +307,12 @@ class TieredCheckpointer:
             self._stager = self._stager or KeepStaged(StagingOptions(torch.cuda.is_available(), False, False, False))
             try:
                 fut = self._save_in_background(sd, self._stager.again(sd) if staged else self._stager, kwargs)
-            except BaseException:
+            except BaseException as exc:  # staging failed: nothing runs in the background
                 self.promoter.set_writing(due, step, False)
-                raise
+                if not isinstance(exc, Exception):
+                    raise
+                self._sync_next = True  # as after a failed background save
+                self._fail_save(report, exc, t0)
             self._inflight = (fut, report, t0, writer, planner)  # type: ignore[assignment]
             if not staged:
                 report.blocked_s = report.waited_s + time.perf_counter() - t0
@@ -336,8 +339,10 @@ class TieredCheckpointer:
         ``dcp.save`` the staged copy there.  (``dcp.async_save`` starts a new thread per call, and the call
         then waits for that thread to hand the GIL back: up to the 5 ms switch interval, per save.)"""
         staged = stager.stage(sd)
+        if isinstance(staged, Future):  # a stager with use_async_staging (not the checkpointer's own)
+            staged = staged.result()
         if self._save_thread is None:
-            self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-tiered-save")
+            self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_tiered-save")
         fut = self._save_thread.submit(dcp.save, staged, **kwargs)
         if stager.should_synchronize_after_execute:
             stager.synchronize_staging()
@@ -380,15 +385,16 @@ class TieredCheckpointer:
         if self._inflight is None:
             return
         fut, report, t0, writer, planner = self._inflight  # type: ignore[misc]
-        if wait and deadline is not None:
+        if wait:
             try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                raise SaveError(f"the save of step {report.step} to tier {report.tiers[0]!r} is still in flight "
-                                "when the timeout ran out") from None
-            except BaseException:  # noqa: BLE001 - handled below
-                pass
-        if not wait and not fut.done():
+                fut.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except BaseException as exc:  # the save's own failure is handled below
+                if not fut.done():  # the wait ended first (timeout, Ctrl-C): the save stays in flight, its buffers kept
+                    if isinstance(exc, FutureTimeout):
+                        raise SaveError(f"the save of step {report.step} to tier {report.tiers[0]!r} is still in "
+                                        "flight when the timeout ran out") from None
+                    raise
+        if not fut.done():
             return
         self._inflight = None
         staged, self._stager.staged = self._stager.staged, None  # type: ignore[union-attr]
@@ -460,6 +466,7 @@ class TieredCheckpointer:
             self._stager.close()
         if self._save_thread is not None:  # a save still running (a failed close) finishes, then the thread ends
             self._save_thread.shutdown(wait=self._inflight is None)
+            self._save_thread = None
 
     def __enter__(self) -> "TieredCheckpointer":
         return self

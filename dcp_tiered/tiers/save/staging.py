@@ -3,9 +3,11 @@
 DCP's ``DefaultStager`` deep-copies the state object by object in Python, so a state of many
 tensors pays a per-tensor cost above the copy itself (1.5x one ``copy_()`` of a 64 MiB state of
 530 tensors).  :class:`KeepStaged` stages a state that is a tree of dicts, lists and tuples over
-dense CPU tensors and plain values with one walk and one ``copy_`` per tensor, into the buffers
-of the last stage of the same structure; anything else goes through ``DefaultStager``, whose
-guarantees the fast path keeps: nothing of the copy is shared with the live state.  The buffers
+dense CPU tensors and plain values with one walk and one ``copy_`` per tensor, into buffers kept
+per path (a save without the optimizer and the next full one reuse each other's); tensors that
+are views of the same memory (tied weights) share one buffer, as with ``DefaultStager``.
+Anything else goes through a ``DefaultStager``, whose guarantees the fast path keeps: nothing of
+the copy is shared with the live state.  Only one of the two holds buffers at a time.  The buffers
 are reused only by the next save, which the checkpointer starts after the last one finished.
 """
 
@@ -15,35 +17,27 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 # Values shared as they are by the staged copy: immutable.
 _VALUES = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
-_CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
-def _walk(obj: Any, tensors: list[torch.Tensor], shape: list) -> bool:
-    """Append the tensors of ``obj`` and its structure (types, keys, tensor shapes and dtypes) in order;
-    False where it holds anything the fast path does not stage."""
+def _walk(obj: Any, path: tuple, tensors: list[tuple[tuple, torch.Tensor]]) -> bool:
+    """Append ``(path, tensor)`` for each tensor of ``obj`` in order; False where it holds anything the
+    fast path does not stage."""
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized or obj.is_meta:
             return False
-        tensors.append(obj)
-        shape.append((obj.shape, obj.dtype))
+        tensors.append((path, obj))
         return True
     if kind in _VALUES:
-        shape.append(kind)
         return True
     if kind is dict or kind is OrderedDict:
-        keys = tuple(obj)
-        if not all(type(k) in _VALUES for k in keys):
-            return False
-        shape.append((kind, keys))
-        return all(_walk(v, tensors, shape) for v in obj.values())
+        return all(type(k) in _VALUES and _walk(v, (*path, k), tensors) for k, v in obj.items())
     if kind is list or kind is tuple:
-        shape.append((kind, len(obj)))
-        return all(_walk(v, tensors, shape) for v in obj)
+        return all(_walk(v, (*path, i), tensors) for i, v in enumerate(obj))
     return False
 
 
@@ -59,31 +53,64 @@ def _rebuild(obj: Any, buffers: Any) -> Any:
     return obj
 
 
-class KeepStaged(DefaultStager):
+def _memory(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same values in the same memory (tied weights, one tensor under two keys)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class KeepStaged(AsyncStager):
     """A stager that keeps the last staged state (:attr:`staged`: the fallback of a refused async save
-    writes it again) and reuses its buffers for the next state of the same structure."""
+    writes it again) and reuses its buffers for the next save (see the module docstring)."""
 
     staged: Any = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._kept: tuple[list, list[torch.Tensor]] | None = None  # (structure, buffers) of the last fast stage
+    def __init__(self, options: StagingOptions) -> None:
+        self.options = options
+        self._kept: dict[tuple, torch.Tensor] = {}  # (path, shape, dtype) -> buffer, of the last two stages
+        self._last: set[tuple] = set()
+        self._fallback: DefaultStager | None = None
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._fallback is not None and self._fallback.should_synchronize_after_execute
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        tensors: list[torch.Tensor] = []
-        shape: list = []
-        if not _walk(state_dict, tensors, shape):
-            self._kept = None
-            self.staged = super().stage(state_dict, **kwargs)
+        tensors: list[tuple[tuple, torch.Tensor]] = []
+        if not _walk(state_dict, (), tensors):
+            self._kept, self._last = {}, set()
+            self._fallback = self._fallback or DefaultStager(self.options)
+            self.staged = self._fallback.stage(state_dict, **kwargs)
             return self.staged
-        if self._kept is None or self._kept[0] != shape:
-            self._kept = (shape, [torch.empty_like(t, memory_format=torch.preserve_format) for t in tensors])
-        buffers = self._kept[1]
-        with torch.no_grad():
-            for buffer, t in zip(buffers, tensors):
-                buffer.copy_(t)
+        if self._fallback is not None:  # its cached copy of the state goes
+            self._fallback.close()
+            self._fallback = None
+        try:
+            # buffers made inside an inference_mode block would refuse later copies outside it
+            with torch.inference_mode(False), torch.no_grad():
+                buffers, used, alias = [], set(), {}
+                for path, t in tensors:
+                    same = alias.get(_memory(t))
+                    if same is None:
+                        key = (path, t.shape, t.dtype)
+                        same = self._kept.get(key)
+                        if same is None:
+                            same = self._kept[key] = torch.empty_like(t, memory_format=torch.preserve_format)
+                        same.copy_(t)
+                        used.add(key)
+                        alias[_memory(t)] = same
+                    buffers.append(same)
+        except BaseException:
+            self._kept, self._last = {}, set()
+            raise
+        keep = used | self._last  # this save's and the one before's: saves with and without the optimizer alternate
+        self._kept = {k: v for k, v in self._kept.items() if k in keep}
+        self._last = used
         self.staged = _rebuild(state_dict, iter(buffers))
         return self.staged
+
+    def synchronize_staging(self) -> None:
+        if self._fallback is not None:
+            self._fallback.synchronize_staging()
 
     def again(self, staged: Any) -> "AlreadyStaged":
         """A stager for writing ``staged`` (a state this stager staged) once more, kept as :attr:`staged`."""
@@ -91,8 +118,10 @@ class KeepStaged(DefaultStager):
         return AlreadyStaged()
 
     def close(self) -> None:
-        self._kept = None
-        super().close()
+        self._kept, self._last = {}, set()
+        if self._fallback is not None:
+            self._fallback.close()
+            self._fallback = None
 
 
 class AlreadyStaged(AsyncStager):
