@@ -9,12 +9,17 @@ spawned one would have them, and no threads.
 
 :func:`run_cli` and :func:`start_cli` run ``dcp-tiered`` this way: the console script's own
 ``main()``, with ``sys.argv`` set, its exit code and its stdout/stderr captured at the file
-descriptors; :func:`start_code` runs code as ``python -c`` would (tests/isolated.py).  Tests that need the installed script itself (a tty, signals while it runs, no
+descriptors; :func:`start_code` runs code as ``python -c`` would (tests/isolated.py).  A child
+given an environment variable read only as a process starts (:data:`AT_START`) is a new
+interpreter instead.  What a fork does not exercise: the imports themselves (their time, their
+warnings, their failures); tests of those start the interpreter (tests/test_no_torch.py,
+test_integrations.py's import test, the plugin and tty tests).  Tests that need the installed script itself (a tty, signals while it runs, no
 torch, plugins found through ``PYTHONPATH``) start it with :mod:`subprocess` instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import resource
@@ -56,7 +61,7 @@ def _enter(env: dict, cwd: str, out: str, err: str, memory: int | None, new_sess
     os.environ.update(env)
     os.chdir(cwd)
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    warnings.resetwarnings()
+    # the server's filters are a new interpreter's; PYTHONWARNINGS goes on top, as it would at a start
     warnings._processoptions([w for w in env.get("PYTHONWARNINGS", "").split(",") if w])  # type: ignore[attr-defined]
 
 
@@ -68,6 +73,7 @@ def _run_main(fn: Any) -> None:
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()  # type: ignore[attr-defined]  # as the interpreter does at exit
     sys.exit(code)  # the child's bootstrap maps it as the interpreter would, after joining threads
 
 
@@ -83,6 +89,49 @@ def _code_child(code: str, *enter: Any) -> None:
     _enter(*enter)
     sys.argv = ["-c"]
     _run_main(lambda: exec(compile(code, "<string>", "exec"), {"__name__": "__main__"}))
+
+
+#: Prefixes of environment variables that take effect only as a process starts (glibc's allocator, the
+#: loader, the interpreter's options, locale, OpenMP and torch's import-time settings): a child whose
+#: environment sets one otherwise than this process is a new interpreter, not a fork.
+AT_START = ("MALLOC_", "GLIBC_", "LD_", "PYTHONMALLOC", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDEVMODE",
+            "PYTHONIOENCODING", "PYTHONUTF8", "LC_", "LANG", "OMP_", "MKL_", "TORCH_")
+
+
+def needs_new_interpreter(env: dict) -> bool:
+    """Whether ``env`` sets a variable of :data:`AT_START` otherwise than this process's environment."""
+    keys = {k for k in (*env, *os.environ) if k.startswith(AT_START)}
+    return any(env.get(k) != os.environ.get(k) for k in keys)
+
+
+class Spawned:
+    """A new interpreter running ``command``, with :class:`Child`'s ``communicate`` and ``kill``."""
+
+    def __init__(self, command: list[str], env: dict, cwd: "str | os.PathLike[str] | None",
+                 memory: int | None, new_session: bool) -> None:
+        self.args = command
+        self.new_session = new_session
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_AS, (memory, memory))) if memory else None
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=cwd, start_new_session=new_session, preexec_fn=limit)
+
+    def communicate(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, err = self.proc.communicate()
+            raise subprocess.TimeoutExpired(self.args, timeout, out, err) from None
+        return subprocess.CompletedProcess(self.args, self.proc.returncode, out, err)
+
+    def kill(self) -> None:
+        if self.new_session:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.proc.wait(scaled(10))
 
 
 class Child:
@@ -137,6 +186,9 @@ class Child:
 def start_code(code: str, *, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,
                memory: int | None = None, new_session: bool = False) -> Child:
     """Run ``code`` as ``python -c`` would (``__main__``, ``sys.argv == ["-c"]``) in a forked child."""
+    env = dict(os.environ if env is None else env)
+    if needs_new_interpreter(env):
+        return Spawned([sys.executable, "-c", code], env, cwd, memory, new_session)  # type: ignore[return-value]
     return Child(_code_child, code, [sys.executable, "-c", code], env, cwd, memory, new_session)
 
 
@@ -145,6 +197,9 @@ def start_cli(*argv: object, env: dict | None = None, cwd: "str | os.PathLike[st
     """Start ``dcp-tiered ARGV`` in a forked child with ``env`` (default: this process's) in ``cwd``;
     ``memory``: its address-space limit in bytes; ``new_session``: in a session of its own."""
     args = [str(a) for a in argv]
+    env = dict(os.environ if env is None else env)
+    if needs_new_interpreter(env):
+        return Spawned([sys.executable, "-m", "dcp_tiered.cli", *args], env, cwd, memory, new_session)  # type: ignore[return-value]
     return Child(_cli_child, args, [SCRIPT, *args], env, cwd, memory, new_session)
 
 

@@ -11,12 +11,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from forked import Child, start_code
+from forked import start_code
 from speed import scaled
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -55,35 +54,13 @@ class Isolated:
         return f"child {how}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
 
 
-#: Prefixes of environment variables that take effect only when a process starts (glibc's allocator, the
-#: dynamic loader, the interpreter's own options): a child given one is a new interpreter, not a fork.
-AT_START = ("MALLOC_", "GLIBC_", "LD_", "PYTHONMALLOC", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDEVMODE")
-
-
-class _Spawned:
-    """``python -c src`` in a session of its own, with :class:`forked.Child`'s ``communicate``."""
-
-    def __init__(self, src: str, env: dict, cwd: "str | os.PathLike[str] | None") -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env, cwd=cwd, start_new_session=True)
-
-    def communicate(self, timeout: float) -> subprocess.CompletedProcess:
-        try:
-            out, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            out, err = self.proc.communicate()
-            raise subprocess.TimeoutExpired(self.proc.args, timeout, out, err) from None
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
-
-
 def run_isolated(code: str, *, timeout: float = 60.0, memory_mb: int = 4096, env: dict | None = None,
                  cwd: "str | os.PathLike[str] | None" = None) -> Isolated:
     """Run ``code`` (dedented) as ``python -c`` would, under ``RLIMIT_AS = memory_mb`` and a wall-clock ``timeout``
     (quiet-machine seconds, :func:`speed.scaled` here; the child inherits the factor through the environment),
     in a child forked from the tests' forkserver (:func:`forked.start_code`: torch is imported already), in a
-    session of its own that a timeout kills whole.  ``env`` naming a variable read as a process starts
-    (:data:`AT_START`: the allocator's, the interpreter's) gets a new interpreter instead.
+    session of its own that a timeout kills whole (a new interpreter where ``env`` sets a variable read
+    only as a process starts: :data:`forked.AT_START`).
 
     The code may call ``emit(value)`` to hand a JSON value back (``Isolated.result``). The
     memory limit is set inside the child before ``code`` runs, after the imports of the prelude.
@@ -91,10 +68,7 @@ def run_isolated(code: str, *, timeout: float = 60.0, memory_mb: int = 4096, env
     src = _PRELUDE + f"\n_limit({int(memory_mb)} << 20)\n" + textwrap.dedent(code)
     child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
     child_env.update(env or {})
-    if any(k.startswith(AT_START) for k in env or {}):  # read as the interpreter starts: a fork would ignore it
-        child: "Child | _Spawned" = _Spawned(src, child_env, cwd)
-    else:
-        child = start_code(src, env=child_env, cwd=cwd, new_session=True)
+    child = start_code(src, env=child_env, cwd=cwd, new_session=True)
     timed_out = False
     try:
         done = child.communicate(scaled(timeout))
