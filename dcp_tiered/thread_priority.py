@@ -1,5 +1,6 @@
-"""Lower CPU priority for background threads (encoding, promotion), so training gets the cores and
-the GIL first."""
+"""Background threads (encoding, promotion, async saves) yield to the training loop: a lower CPU
+priority, so training gets the cores first, and a pause as a save starts off the main thread, so
+the caller that started it gets the GIL back at once."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ YIELD_S = 0.001
 
 
 def yield_to_caller() -> None:
-    """On a thread other than the main one, sleep :data:`YIELD_S` once, as a save starts there.
+    """On a thread other than the main one, sleep :data:`YIELD_S`: called as a save starts there.
 
     ``dcp.async_save`` starts a new thread for every save and returns only when it gets the GIL
     back. Without a pause the new thread keeps the GIL for the interpreter's switch interval

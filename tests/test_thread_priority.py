@@ -55,3 +55,29 @@ def test_nice_lowers_only_owned_threads_once():
     assert r["after_sync"] == r["base"] and r["after_all"] == r["base"]  # the caller keeps its priority
     assert r["sync_encoders"] == [want]  # encoders lowered by exactly nice, not nice twice
     assert r["background"] == [want]  # async encoders and promotion re-encodes alike
+
+
+def test_a_save_off_the_main_thread_first_hands_the_gil_back(tmp_path, monkeypatch) -> None:
+    """``dcp.async_save`` with either writer: DCP's first call on its thread sleeps once (so the
+    training loop, waiting to return from ``async_save``, gets the GIL); a save on the main thread never."""
+    import threading
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_tiered import CompressedWriter, Tier
+    from dcp_tiered import thread_priority
+    from dcp_tiered.tiers.save.writer import TieredWriter
+
+    slept: list[tuple[bool, float]] = []
+    sleep = thread_priority.time.sleep
+    monkeypatch.setattr(thread_priority.time, "sleep",
+                        lambda s: (slept.append((threading.current_thread() is threading.main_thread(), s)), sleep(s)))
+    state = {"w": torch.arange(8.0)}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "sync"), no_dist=True)
+    assert slept == []
+    dcp.async_save(state, storage_writer=CompressedWriter(tmp_path / "async"), no_dist=True).result()
+    assert slept == [(False, thread_priority.YIELD_S)]
+    tiers = [Tier("local", str(tmp_path / "tiers"))]
+    dcp.async_save(state, storage_writer=TieredWriter(tiers), checkpoint_id="step_000000001", no_dist=True).result()
+    assert slept == [(False, thread_priority.YIELD_S)] * 2

@@ -248,7 +248,6 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     # -- DCP protocol ---------------------------------------------------------------
 
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
-        yield_to_caller()  # the first call of a save: dcp.async_save's caller returns now
         if checkpoint_id:
             self.storage = Storage(checkpoint_id, self.storage_options)
         self.save_id = self._fixed_save_id or uuid.uuid4().hex
@@ -320,7 +319,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             expected = expected_sizes(views.values())  # each rank checked its own files (write_data)
             stats = stats_from_records((i.fqn, r) for i, r in views.items())
             metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md, stats)
-            metadata.storage_meta = self.storage_meta()
+            metadata.storage_meta = self._storage_meta()
             encoded = encode_metadata(metadata)
         committed = False
         try:
@@ -337,6 +336,10 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                     self.storage.remove(name)
 
     def storage_meta(self) -> StorageMeta | None:
+        yield_to_caller()  # DCP's first call of every save: a caller waiting for the GIL gets it now
+        return self._storage_meta()
+
+    def _storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=self.storage.url, save_id=self.save_id)
 
     def _check_written(self, results: list[WriteResult]) -> None:

@@ -32,6 +32,8 @@ class CheckpointInfo:
     codec: str | None = None
     keys: frozenset[str] | None = None
     complete: bool = False  # every file the metadata names is visible with its full size
+    #: Tiers some rank's promotion intent still owes this step: its data file, or the commit of its
+    #: ``.metadata`` (which reads this step's ``.metadata``); a promotion pins its step until both are done.
     pending_promotions: tuple[str, ...] = ()
     problem: str | None = None
     files: dict[str, int] = field(default_factory=dict, repr=False)

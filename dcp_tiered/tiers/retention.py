@@ -37,7 +37,8 @@ def checkpoint_facts(info: CheckpointInfo, *, ages: dict[str, float], busy: Coll
     """The retention facts of one (usable) checkpoint directory.
 
     Busy: in ``busy``, or with a pending intent naming a known tier (one naming no known tier
-    pins nothing), or uncommitted with promotion fragments (an incoming promotion).  Committed
+    pins nothing; a listing given the job's tiers, ``list_tier(known=)``, already drops intents
+    naming another), or uncommitted with promotion fragments (an incoming promotion).  Committed
     means ``.metadata`` is there, on every rank: each node's directory of a node-local tier gets
     its own once that node's files are in (``tiers/save/node_commit.py``).  A step in ``own`` has an infinite
     age (no grace period); else the age of its newest file, from ``ages`` (path -> seconds).

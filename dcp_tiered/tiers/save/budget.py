@@ -273,7 +273,7 @@ def budget_error(tier: Any, per_node: Mapping[int, int], checkpoint: str | None,
     for url, r in sorted(ranks.items()):
         store = Storage(url, tier.storage_options)
         root, local = root or store.root, local or store.is_local
-        infos = list_tier(tier, 0, r, node, with_metadata=bool(optimizer_keys))
+        infos = list_tier(tier, 0, r, node, with_metadata=bool(optimizer_keys), known=known_tiers)
         ages = store.file_ages(time.time()) if grace > 0 else {}
         replicated = newest_replicated(tier, store, infos, r, world)  # retention keeps it too
         held += held_bytes(infos, tier.keep, checkpoint, busy=busy, own=own, ages=ages, grace=grace,

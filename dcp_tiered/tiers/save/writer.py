@@ -183,7 +183,6 @@ class TieredWriter(StorageWriter):
     # -- DCP protocol -------------------------------------------------------------
 
     def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
-        yield_to_caller()  # the first call of a save: dcp.async_save's caller returns now
         if checkpoint_id is not None:
             name = os.fspath(checkpoint_id)
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
@@ -328,6 +327,7 @@ class TieredWriter(StorageWriter):
                            step=parse_step(self.name))
 
     def storage_meta(self) -> StorageMeta | None:
+        yield_to_caller()  # DCP's first call of every save: a caller waiting for the GIL gets it now
         return None
 
     @classmethod
