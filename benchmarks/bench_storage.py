@@ -10,7 +10,7 @@ plus (``--small``) the real MiniLM weights alone in fp32 and bf16.  Every save a
 runs in a fresh process (benchmarks/isolate.py) that reports its peak RSS above the state dict.
 
       .venv/bin/python -m benchmarks.bench_storage --shards [--shard-mib 16,64,256] [--shard-ranks 1,2]
-      [--shard-repeat 5] [--no-shard-warmup]
+      [--shard-repeat 5] [--shard-profile-runs 3] [--no-shard-warmup]
 
 runs only the per-process shard rows and writes the section "shards" (and the result "shards"): each
 process saves and cold-loads its own shard of one real state (MiniLM fp32 with every key, ``DTensor``
@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shard-mib", default="16,64,256", help="MiB per process of the shard rows")
     ap.add_argument("--shard-ranks", default="1,2", help="rank counts of the shard rows (gloo on 127.0.0.1 above 1)")
     ap.add_argument("--shard-repeat", type=int, default=5, help="interleaved rounds of the shard rows (median, range)")
+    ap.add_argument("--shard-profile-runs", type=int, default=3,
+                    help="fresh-process runs (median) per writer and rank count of the phase profile")
     ap.add_argument("--shard-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="an untimed tiny save and load in each fresh process before the timed one")
     ap.add_argument("--shard-render", action="store_true",
@@ -813,6 +815,7 @@ def shard_main(args: argparse.Namespace) -> dict:
     worlds = [int(x) for x in args.shard_ranks.split(",") if x]
     cmd = (f".venv/bin/python -m benchmarks.bench_storage --shards --shard-mib {args.shard_mib} "
            f"--shard-ranks {args.shard_ranks} --shard-repeat {args.shard_repeat}"
+           + ("" if args.shard_profile_runs == 3 else f" --shard-profile-runs {args.shard_profile_runs}")
            + ("" if args.shard_warmup else " --no-shard-warmup"))
     cores = len(os.sched_getaffinity(0))
     load0 = os.getloadavg()
@@ -825,8 +828,8 @@ def shard_main(args: argparse.Namespace) -> dict:
     disk: dict[int, list[tuple[float, float, int | None]]] = {m: [] for m in sizes}
     profile: dict[str, dict] = {}
     try:
-        # profile first: 3 x (save, cold load) per writer at the smallest size, 1 process, then one cProfile of ours
-        for rnd in range(3):
+        # profile first: runs x (save, cold load) per writer at the smallest size, then one cProfile of ours
+        for rnd in range(args.shard_profile_runs):
             for world in worlds:
                 for label in SHARD_WRITERS[:: 1 if rnd % 2 == 0 else -1]:
                     path = str(base / "profile")
@@ -932,6 +935,7 @@ def write_shards(raw: dict) -> dict:
                       [[w, lb, f"{fixed[(w, lb, 'save')] * 1e3:.0f}", f"{fixed[(w, lb, 'load')] * 1e3:.0f}"]
                        for w in worlds for lb in SHARD_WRITERS])
     ptable, fixed_top = profile_table(profile)
+    profile_runs = len(next(iter(profile.values()))["save"]) if profile else 0
     met = sum(v[-1] == "met" for v in verdicts)
     unsettled = sum(c.endswith("ranges overlap)") for v in verdicts for c in v[2:4])
     busy = statistics.median(r[f"{op}_busy"] for rs in runs.values() for r in rs for op in ("save", "load"))
@@ -997,7 +1001,7 @@ Fixed cost per call (intercept of time against bytes over {", ".join(f"{m}" for 
 
 ### Where the time of one {sizes[0]} MiB save and load goes
 
-Median of 3 fresh-process runs per writer and rank count (interleaved), ms, on rank 0 (the coordinator); each DCP
+Median of {profile_runs} fresh-process runs per writer and rank count (interleaved), ms, on rank 0 (the coordinator); each DCP
 call into the storage writer/reader and the planner timed on its own (futures waited for), `fsync` = all
 `os.fsync`/`os.fdatasync` calls inside them, "DCP glue" = the rest of `dcp.save`/`dcp.load` (with several ranks:
 its collectives and the wait for the other rank).

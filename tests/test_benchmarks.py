@@ -194,10 +194,12 @@ def test_storage_bench_shard_rows_at_tiny_sizes_write_their_section(monkeypatch,
 
     monkeypatch.setattr(common, "DOC", tmp_path / "benchmarks.md")
     monkeypatch.setattr(common, "RESULTS", tmp_path / "bench_results")
-    bench_storage.main(["--shards", "--shard-mib", "1", "--shard-ranks", "1,2", "--shard-repeat", "1"])
+    bench_storage.main(["--shards", "--shard-mib", "1", "--shard-ranks", "1,2", "--shard-repeat", "1",
+                        "--shard-profile-runs", "1"])
     text = (tmp_path / "benchmarks.md").read_text()
     assert "<!-- bench:shards:start -->" in text
-    assert "`.venv/bin/python -m benchmarks.bench_storage --shards --shard-mib 1 --shard-ranks 1,2 --shard-repeat 1`" in text
+    assert ("`.venv/bin/python -m benchmarks.bench_storage --shards --shard-mib 1 --shard-ranks 1,2 --shard-repeat 1 "
+            "--shard-profile-runs 1`") in text and "Median of 1 fresh-process runs" in text
     assert "stock time ÷ our time, so above 1 means ours is faster" in text and "shared" in text
     for ranks in (1, 2):
         assert f"| 1 MiB | {ranks} | " in text
