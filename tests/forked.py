@@ -12,9 +12,9 @@ spawned one would have them, and no threads.
 descriptors; :func:`start_code` runs code as ``python -c`` would (tests/isolated.py).  A child
 given an environment variable read only as a process starts (:data:`AT_START`) is a new
 interpreter instead.  What a fork does not exercise: the imports themselves (their time, their
-warnings, their failures); tests of those start the interpreter (tests/test_no_torch.py,
-test_integrations.py's import test, the plugin and tty tests).  Tests that need the installed script itself (a tty, signals while it runs, no
-torch, plugins found through ``PYTHONPATH``) start it with :mod:`subprocess` instead.
+warnings, their failures) and the installed script; tests of those (tests/test_no_torch.py,
+test_integrations.py's import test, the plugin and tty tests, SIGTERM while it runs) start it
+with :mod:`subprocess`.
 """
 
 from __future__ import annotations
@@ -104,6 +104,13 @@ def needs_new_interpreter(env: dict) -> bool:
     return any(env.get(k) != os.environ.get(k) for k in keys)
 
 
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # not in its session yet, or gone
+        pass
+
+
 class Spawned:
     """A new interpreter running ``command``, with :class:`Child`'s ``communicate`` and ``kill``."""
 
@@ -126,10 +133,7 @@ class Spawned:
 
     def kill(self) -> None:
         if self.new_session:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_session(self.proc.pid)
         self.proc.kill()
         self.proc.wait(scaled(10))
 
@@ -151,10 +155,6 @@ class Child:
                                  self._out, self._err, memory, new_session))
         self.proc.start()
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def communicate(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait at most ``timeout`` seconds (as given: scale it first); ``subprocess.TimeoutExpired`` after killing it."""
         self.proc.join(timeout)
@@ -166,10 +166,7 @@ class Child:
     def kill(self) -> None:
         """SIGKILL the child (and its session's processes, in a session of its own) and reap it."""
         if self.new_session:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # not in its session yet, or gone
-                pass
+            _kill_session(self.proc.pid)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(scaled(10))
@@ -183,24 +180,29 @@ class Child:
             os.unlink(path)
 
 
-def start_code(code: str, *, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,
-               memory: int | None = None, new_session: bool = False) -> Child:
-    """Run ``code`` as ``python -c`` would (``__main__``, ``sys.argv == ["-c"]``) in a forked child."""
+def _start(target: Any, first: Any, args: list[str], command: list[str], env: dict | None,
+           cwd: "str | os.PathLike[str] | None", memory: int | None, new_session: bool) -> "Child | Spawned":
+    """A forked child running ``target(first, ...)``, or a new interpreter running ``command`` (:data:`AT_START`)."""
     env = dict(os.environ if env is None else env)
     if needs_new_interpreter(env):
-        return Spawned([sys.executable, "-c", code], env, cwd, memory, new_session)  # type: ignore[return-value]
-    return Child(_code_child, code, [sys.executable, "-c", code], env, cwd, memory, new_session)
+        return Spawned(command, env, cwd, memory, new_session)
+    return Child(target, first, args, env, cwd, memory, new_session)
+
+
+def start_code(code: str, *, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,
+               memory: int | None = None, new_session: bool = False) -> "Child | Spawned":
+    """Run ``code`` as ``python -c`` would (``__main__``, ``sys.argv == ["-c"]``) in a forked child."""
+    command = [sys.executable, "-c", code]
+    return _start(_code_child, code, command, command, env, cwd, memory, new_session)
 
 
 def start_cli(*argv: object, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,
-              memory: int | None = None, new_session: bool = False) -> Child:
+              memory: int | None = None, new_session: bool = False) -> "Child | Spawned":
     """Start ``dcp-tiered ARGV`` in a forked child with ``env`` (default: this process's) in ``cwd``;
     ``memory``: its address-space limit in bytes; ``new_session``: in a session of its own."""
     args = [str(a) for a in argv]
-    env = dict(os.environ if env is None else env)
-    if needs_new_interpreter(env):
-        return Spawned([sys.executable, "-m", "dcp_tiered.cli", *args], env, cwd, memory, new_session)  # type: ignore[return-value]
-    return Child(_cli_child, args, [SCRIPT, *args], env, cwd, memory, new_session)
+    return _start(_cli_child, args, [SCRIPT, *args], [sys.executable, "-m", "dcp_tiered.cli", *args], env, cwd,
+                  memory, new_session)
 
 
 def run_cli(*argv: object, env: dict | None = None, cwd: "str | os.PathLike[str] | None" = None,

@@ -124,9 +124,10 @@ def list_tier(tier: Tier, index: int = 0, rank: int = 0, node: int = 0, with_met
 def list_tiers(tiers: Sequence[Tier], rank: int = 0, node: int = 0, with_metadata: bool = True) -> list[CheckpointInfo]:
     """Every checkpoint of every tier, tier by tier (fastest first), newest first within a tier."""
     out: list[CheckpointInfo] = []
+    known = [t.name for t in tiers]
     for i, t in enumerate(tiers):
         try:
-            out += list_tier(t, i, rank, node, with_metadata, known=[k.name for k in tiers])
+            out += list_tier(t, i, rank, node, with_metadata, known=known)
         except DcpTieredError as exc:
             log.warning("cannot list tier %s (%s): %s", t.name, t.url, exc)
     return out

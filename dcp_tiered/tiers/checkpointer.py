@@ -338,9 +338,7 @@ class TieredCheckpointer:
         """``dcp.async_save`` in thread mode, on this checkpointer's one save thread: stage ``sd`` now, then
         ``dcp.save`` the staged copy there.  (``dcp.async_save`` starts a new thread per call, and the call
         then waits for that thread to hand the GIL back: up to the 5 ms switch interval, per save.)"""
-        staged = stager.stage(sd)
-        if isinstance(staged, Future):  # a stager with use_async_staging (not the checkpointer's own)
-            staged = staged.result()
+        staged = stager.stage(sd)  # KeepStaged or AlreadyStaged: a state, never a Future
         if self._save_thread is None:
             self._save_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp_tiered-save")
         fut = self._save_thread.submit(dcp.save, staged, **kwargs)

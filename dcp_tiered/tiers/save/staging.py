@@ -89,7 +89,8 @@ class KeepStaged(AsyncStager):
             with torch.inference_mode(False), torch.no_grad():
                 buffers, used, alias = [], set(), {}
                 for path, t in tensors:
-                    same = alias.get(_memory(t))
+                    memory = _memory(t)
+                    same = alias.get(memory)
                     if same is None:
                         key = (path, t.shape, t.dtype)
                         same = self._kept.get(key)
@@ -97,7 +98,7 @@ class KeepStaged(AsyncStager):
                             same = self._kept[key] = torch.empty_like(t, memory_format=torch.preserve_format)
                         same.copy_(t)
                         used.add(key)
-                        alias[_memory(t)] = same
+                        alias[memory] = same
                     buffers.append(same)
         except BaseException:
             self._kept, self._last = {}, set()
