@@ -403,7 +403,9 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         ) as pool:
             sources = (self._item_source(item, planner, group) for item in ordered)
             coders = GatedPool(pool, self.cpu_slots) if self.cpu_slots is not None else pool
-            write_items(f, sources, codec_for, self.frame_size, coders, (2 * threads + 2) * self.frame_size, on_item)
+            # threads + 2 frames submitted and not written: each encoding one holds its planes and their
+            # compressed copy, so the save's extra memory is (2 x threads + 2) frames
+            write_items(f, sources, codec_for, self.frame_size, coders, (threads + 2) * self.frame_size, on_item)
         return results
 
     def _result(self, file_name: str, src: ItemSource, start: int, lengths: list, sums: list) -> WriteResult:
