@@ -47,7 +47,7 @@ from dcp_tiered.dcp.format import (
     is_native_record,
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
-from dcp_tiered.dcp.item_table import check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
+from dcp_tiered.dcp.item_table import BroadcastItems, check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, RecordTable, is_table, pack_storage, unpack_storage
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
@@ -65,6 +65,7 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
     Raises :class:`MetadataTooLargeError` (before anything is committed) when readers would refuse the
     result: more records or chunks than ``MAX_METADATA_RECORDS``, or more bytes than ``MAX_METADATA_BYTES``;
     :class:`UnsupportedFormatError` for a chunk layout readers cannot verify (:mod:`~dcp_tiered.dcp.tiling`)."""
+    metadata, items = _plain(metadata)
     records, chunks = _counts(metadata)
     if max(records, chunks) > MAX_METADATA_RECORDS:
         raise MetadataTooLargeError(
@@ -76,7 +77,7 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
     except CorruptCheckpointError as exc:
         raise UnsupportedFormatError(f"readers would refuse this save ({exc}); nothing was committed. Keep the "
                                      f"state dict at most {MAX_PATH_PARTS} levels deep") from None
-    packed = _packed(metadata)
+    packed = _packed(metadata, items)
     problem = _tiling_problem(metadata, packed)  # what readers check, checked first
     if problem is not None:
         raise UnsupportedFormatError(f"{where}: tensor {problem[0]!r}: {problem[1]}; readers would refuse this "
@@ -126,8 +127,20 @@ def _counts(md: Metadata) -> tuple[int, int]:
     return records, chunks
 
 
-def _packed(metadata: Metadata) -> Metadata:
-    """``metadata`` as format 2 stores it: records, items and planner paths as tables in the head record."""
+def _plain(metadata: Metadata) -> tuple[Metadata, "dict | None"]:
+    """``metadata`` with a plain dict in place of the :class:`~dcp_tiered.dcp.item_table.BroadcastItems` a
+    save returns (never pickled into a file), and the item table it had made already."""
+    sdm = metadata.state_dict_metadata
+    if type(sdm) is not BroadcastItems:
+        return metadata, None
+    out = copy.copy(metadata)
+    out.state_dict_metadata = dict(sdm)
+    return out, sdm.table
+
+
+def _packed(metadata: Metadata, items: "dict | None" = None) -> Metadata:
+    """``metadata`` as format 2 stores it: records, items and planner paths as tables in the head record
+    (``items``: its item table where made already)."""
     sdm, storage = metadata.state_dict_metadata, metadata.storage_data
     if type(storage) is RecordTable:  # a decoded checkpoint's, saved again
         storage = dict(storage)
@@ -144,7 +157,7 @@ def _packed(metadata: Metadata) -> Metadata:
     out = _as_dict(metadata, packed)
     first, head = next(iter(packed.items()))
     packed[first] = head = dict(head)  # the head gains the item tables; the caller's stays as it was
-    items = pack_items(sdm)
+    items = pack_items(sdm) if items is None else items
     if items is not None:
         head["items"] = items
         out.state_dict_metadata = {first.fqn: sdm[first.fqn]}  # a format-1 reader reaches the head, asks to upgrade

@@ -33,6 +33,7 @@ from dcp_tiered.dcp.format import (
     expected_sizes, record_view,
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
+from dcp_tiered.dcp.item_table import BroadcastItems
 from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.record_table import PackedRecords
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
@@ -318,6 +319,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                     views[wr.index] = record_view(wr.storage_data)
             expected = expected_sizes(views.values())  # each rank checked its own files (write_data)
             stats = stats_from_records((i.fqn, r) for i, r in views.items())
+            # what DCP broadcasts to every rank: the items and the records as their tables
+            metadata.state_dict_metadata = BroadcastItems.of(metadata.state_dict_metadata)
             metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md, stats)
             metadata.storage_meta = self._storage_meta()
             encoded = encode_metadata(metadata)
