@@ -575,8 +575,9 @@ def _refuse_duplicate(cols: dict, fqns: list, chunk_lists: list, source: str) ->
 
 
 #: The fields of a row that are the same for many rows (strings, item size, frame size): the rules on
-#: them are checked once per distinct combination, by the per-record checks themselves.
-_STATIC = ("fmt", "kind", "itemsize", "frame", *_NAMES)
+#: them are checked once per distinct combination, by the per-record checks themselves.  The data file
+#: counts only as named or not: each rank has its own, and its name is checked once per file.
+_STATIC = ("fmt", "kind", "itemsize", "frame", *(c for c in _NAMES if c != "file"))
 _BIG = 1 << 62
 
 
@@ -586,13 +587,18 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
     record against the tensor table) would refuse, in time linear in the rows and frames.
 
     ``check_record`` itself checks one record of each distinct combination of the static fields
-    (:data:`_STATIC`), which covers every rule on strings, codecs, dtypes, item and frame sizes; the
+    (:data:`_STATIC`), which covers every rule on strings, codecs, dtypes, item and frame sizes, and
+    each data file's name is checked once (``safe_relative_name``, as for each record); the
     rules on each row's own numbers (sizes, frame count, each frame's stored size against its codec's
     bounds, shape against raw bytes, kind against the tensor table, the non-tensor size cap) run over
     the columns.  The first row these refuse is checked again by the per-record functions, so the
     error is theirs.  (``records``: the rows as built, ``(index, record)`` in row order.)"""
     n = len(records)
-    first, combo = _combinations([cols[c] for c in _STATIC])
+    first, combo = _combinations([cols[c] for c in _STATIC] + [(cols["file"] != 0).astype(np.uint8)])
+    files, at = np.unique(cols["file"], return_index=True)
+    for f, r in zip(files.tolist(), at.tolist()):
+        if f:  # a row without a file is its combination's: check_record refuses it
+            safe_relative_name(names[f], f"record of {records[r][0].fqn!r} in {checkpoint}")
     headers, steps, full_lo = (np.empty(len(first), dtype=np.uint64) for _ in range(3))
     for c, r in enumerate(first.tolist()):
         rec = _check_one(records[int(r)], sdm, checkpoint, max_object_bytes)
