@@ -303,17 +303,25 @@ from test_integrations import _Tiny, _tiny_data
 
 warnings.filterwarnings("ignore")
 
-if __name__ == "__main__":
-    root, max_steps, seed, tiered = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] != "0"
-    cb = TieredCheckpointCallback([Tier("local", root, every_steps=2, keep=3)], broadcast=sys.argv[4] == "broadcast")
+
+def fit(name, root, max_steps, seed, tiered):
+    cb = TieredCheckpointCallback([Tier("local", root, every_steps=2, keep=3)], broadcast=tiered == "broadcast")
     model = _Tiny(seed)
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[cb] if tiered else [])
+                        callbacks=[cb] if tiered != "0" else [])
     trainer.fit(model, _tiny_data(16, 2))  # 4 batches per rank and epoch
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    print("@@RESULT@@" + json.dumps({{"rank": trainer.global_rank, "restored": cb.restored_step,
+    print("@@RESULT@@" + json.dumps({{"run": name, "rank": trainer.global_rank, "restored": cb.restored_step,
                                      "step": trainer.global_step, "digest": digest}}), flush=True)
+
+
+if __name__ == "__main__":
+    # each argument one fit, "name:root:max_steps:seed:tiered" (tiered "0", "1" or "broadcast"), one after the
+    # other on the same 2 DDP ranks (the second Trainer finds their process group set up)
+    for arg in sys.argv[1:]:
+        name, root, max_steps, seed, tiered = arg.split(":")
+        fit(name, root, int(max_steps), int(seed), tiered)
 """
 
 
@@ -327,34 +335,45 @@ def test_lightning_ddp_two_ranks_resume_exactly(tmp_path: Path) -> None:
     script = tmp_path / "ddp_fit.py"
     script.write_text(_DDP_SCRIPT.format(tests=str(ROOT / "tests")))
 
-    def start(max_steps: int, seed: int, tiered: str, root: str = "ck") -> subprocess.Popen:
-        with socket.socket() as s:  # two runs at once: each its own rendezvous port
+    def start(*fits: tuple[str, str, int, int, str]) -> list[subprocess.Popen]:
+        """Both ranks of one DDP job, started here as torchrun would (LOCAL_RANK set: Lightning launches
+        nothing), so that they import at once instead of rank 1 only once rank 0's fit began."""
+        with socket.socket() as s:  # its own rendezvous port
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        return subprocess.Popen([sys.executable, str(script), str(tmp_path / root), str(max_steps), str(seed), tiered],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        args = [f"{name}:{tmp_path / root}:{max_steps}:{seed}:{tiered}" for name, root, max_steps, seed, tiered in fits]
+        return [subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
+                                          MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank)))
+                for rank in range(2)]
 
-    def result(proc: subprocess.Popen) -> list[dict]:
-        try:
-            stdout, stderr = proc.communicate(timeout=scaled(600))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
-        # the two ranks print concurrently: their lines may interleave
+    def result(procs: list[subprocess.Popen], *names: str) -> dict[str, list[dict]]:
+        outs = []
+        for proc in procs:
+            try:
+                outs.append(proc.communicate(timeout=scaled(600)))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise
+        stdout, stderr = "".join(o for o, _ in outs), "".join(e for _, e in outs)
+        assert [p.returncode for p in procs] == [0, 0], stdout[-2000:] + stderr[-4000:]
         out = [json.loads(m) for m in re.findall(r"@@RESULT@@(\{[^{}]*\})", stdout)]
-        assert sorted(o["rank"] for o in out) == [0, 1], stdout[-2000:] + stderr[-2000:]
-        return out
+        by_run = {run: [o for o in out if o["run"] == run] for run in names}
+        assert all(sorted(o["rank"] for o in r) == [0, 1] for r in by_run.values()), stdout[-2000:] + stderr[-2000:]
+        return by_run
 
-    # independent runs go two at a time: the uninterrupted one beside the first, both resumes together
-    first, straight = map(result, [start(4, 0, "1"), start(8, 0, "0", root="unused")])
+    # One DDP job (2 ranks) per pair of fits, one after the other in it: the uninterrupted run and the
+    # first one, then in a new job (a restart: processes that never saw the first run) both resumes.
+    runs = result(start(("straight", "unused", 8, 0, "0"), ("first", "ck", 4, 0, "1")), "straight", "first")
+    first, straight = runs["first"], runs["straight"]
     assert all(o["restored"] is None for o in first)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000002", "step_000000004"]
     shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
     # the second with broadcast=True: one rank reads, the other receives
-    resumed, broadcast = map(result, [start(8, 5, "1"), start(8, 5, "broadcast", root="ck2")])
+    runs = result(start(("resumed", "ck", 8, 5, "1"), ("broadcast", "ck2", 8, 5, "broadcast")), "resumed", "broadcast")
+    resumed, broadcast = runs["resumed"], runs["broadcast"]
     assert all(o["restored"] == 4 and o["step"] == 8 for o in resumed + broadcast), (resumed, broadcast)
     assert len({o["digest"] for o in straight}) == 1
     assert {o["digest"] for o in resumed} == {o["digest"] for o in broadcast} == {o["digest"] for o in straight}
