@@ -288,8 +288,10 @@ def forkserver():
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "dcp_tiered.tiers.checkpointer",
-                                "test_replication_kills"])
+    # torch._dynamo: DTensor.from_local imports it on its first call, about 1 CPU second in each of the 4
+    # ranks of every run (4 s of wall time per run on 2 cores) unless the server imported it once
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo",
+                                "dcp_tiered.tiers.checkpointer", "test_replication_kills"])
     return ctx
 
 
