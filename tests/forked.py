@@ -33,8 +33,10 @@ from typing import Any
 
 from speed import scaled
 
-# imported once in the forkserver; every child forks from it
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "dcp_tiered", "dcp_tiered.tiers",
+# imported once in the forkserver; every child forks from it.  torch._dynamo: an optimizer's step and
+# DTensor.from_local import it on their first call (about 1 CPU second in every child that trains or
+# builds a DTensor: `dcp-tiered train`, gloo ranks)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "dcp_tiered", "dcp_tiered.tiers",
            "dcp_tiered.cli.__main__", "forked", "gloo_ranks"]
 SCRIPT = "dcp-tiered"
 
