@@ -13,7 +13,7 @@ descriptors; :func:`start_code` runs code as ``python -c`` would (tests/isolated
 given an environment variable read only as a process starts (:data:`AT_START`) is a new
 interpreter instead.  What a fork does not exercise: the imports themselves (their time, their
 warnings, their failures) and the installed script; tests of those (tests/test_no_torch.py,
-test_integrations.py's import test, the plugin and tty tests, SIGTERM while it runs) start it
+test_integrations.py's import test, the plugin tests' first look-ups, the tty tests, SIGTERM while it runs) start it
 with :mod:`subprocess`.
 """
 
