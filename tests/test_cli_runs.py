@@ -46,7 +46,8 @@ def test_train_with_s3_durable_tier_metrics_event_log_and_resume(tmp_path: Path,
     durable = f"{bucket}/run"
     port = _free_port()
     events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
-    args = ["train", "--steps", "30", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
+    # one layer: the restore and promotions through the S3 server cost per item (a request each)
+    args = ["train", "--steps", "30", "--d-model", "32", "--layers", "1", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
             "--local-path", tmp_path / "local", "--durable-path", durable, "--s3-endpoint-url", moto_server.endpoint_url,
             "--checkpoint-every-steps", "5", "--durable-every-steps", "10", "--async-checkpoint", "--compression", "zstd",
             "--metrics-port", port, "--metrics-addr", "127.0.0.1", "--metrics-linger-s", "60",
@@ -90,7 +91,7 @@ def test_train_with_s3_durable_tier_metrics_event_log_and_resume(tmp_path: Path,
 
     # resume from the s3 tier alone, in a new process; listing and verifying it too
     resumed, ls_s3 = cli_parallel(
-        ["train", "--steps", "33", "--d-model", "32", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
+        ["train", "--steps", "33", "--d-model", "32", "--layers", "1", "--vocab", "128", "--seq-len", "16", "--log-every", "0",
          "--durable-path", durable, "--s3-endpoint-url", moto_server.endpoint_url, "--durable-every-steps", "10",
          "--compression", "zstd", "--resume", "--json"],
         ["verify", f"{durable}/step_000000030", "--s3-endpoint-url", moto_server.endpoint_url])
