@@ -162,12 +162,20 @@ def _cost_json(args: list, env: dict | None = None) -> dict:
 def test_cli_cost_prices_what_retention_keeps_with_optimizer_every(tmp_path) -> None:
     """optimizer_every=4, keep=2: the tier holds 2 model-only checkpoints plus the newest full one
     (retention keeps it); `cost` used to price only the newest 2 (review 14h)."""
+    import json
+
+    from forked import start_cli
+
     d = _saved_tier(tmp_path)
     on_disk = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-    tier = _cost_json(["-m", "dcp_tiered.cli", "cost", "--tiers", str(tmp_path / "t.yaml"), "--json"])["tiers"][0]
+    # both runs at once, forked from the tests' forkserver (torch imported once: this test needs torch)
+    runs = [start_cli("cost", *args, "--json") for args in (["--tiers", tmp_path / "t.yaml"], ["--local-path", d, "--keep-local", "2"])]
+    by_yaml, by_flags = (r.communicate(scaled(300)) for r in runs)
+    assert by_yaml.returncode == 0 and by_flags.returncode == 0, by_yaml.stderr + by_flags.stderr
+    tier = json.loads(by_yaml.stdout)["tiers"][0]
     assert tier["kept_bytes"] >= 0.9 * on_disk, (tier["kept_bytes"], on_disk)
     # without the YAML's optimizer_every, the model-only checkpoints are told apart by their keys
-    flags = _cost_json(["-m", "dcp_tiered.cli", "cost", "--local-path", str(d), "--keep-local", "2", "--json"])
+    flags = json.loads(by_flags.stdout)
     assert flags["tiers"][0]["kept_bytes"] == tier["kept_bytes"]
     # the fp32 baseline is the full checkpoint's (model + optimizer: 150k floats), not the model-only newest
     assert tier["fp32_bytes"] >= 150_000 * 4 and tier["fp32_kept_bytes"] == 2 * tier["fp32_bytes"]
