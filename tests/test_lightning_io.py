@@ -46,11 +46,17 @@ def run_child(args: dict, timeout: float = 240) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """Two uninterrupted 12-step runs with checkpoints every 3 steps: the plugin's and stock TorchCheckpointIO's."""
+    """Two uninterrupted 12-step runs with checkpoints every 3 steps: the plugin's and stock TorchCheckpointIO's;
+    then, in the same child (one Lightning import), the plugin's run into ``killed`` that is SIGKILLed inside
+    its 3rd save of last.ckpt (test_sigkill_during_save_and_resume_from_last_is_bit_exact resumes it)."""
     tmp = tmp_path_factory.mktemp("lightning_io")
-    proc = run_child({"runs": [{"dir": str(tmp / name), "io": io, "max_steps": 12, "out": str(tmp / f"{name}.pt")}
-                               for name, io in (("ours", "compressed"), ("stock", "torch"))]})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_child({"runs": [*({"dir": str(tmp / name), "io": io, "max_steps": 12, "out": str(tmp / f"{name}.pt")}
+                                 for name, io in (("ours", "compressed"), ("stock", "torch"))),
+                               {"dir": str(tmp / "killed"), "io": "compressed", "max_steps": 12,
+                                "out": str(tmp / "killed.pt"), "kill_in_save": 3}]})
+    assert (tmp / "ours.pt").is_file() and (tmp / "stock.pt").is_file(), proc.stderr[-3000:]  # both ran to the end
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]  # the last run was killed
+    assert not (tmp / "killed.pt").exists()
     return tmp
 
 
@@ -71,10 +77,10 @@ def assert_same_final_state(a_file: Path, b_file: Path) -> None:
 def test_sigkill_during_save_and_resume_from_last_is_bit_exact(runs, tmp_path):
     # 3 batches per epoch: every checkpoint ends an epoch (mid-epoch, Lightning replays the epoch's batches
     # unless the dataloader is stateful, with any CheckpointIO)
-    run = tmp_path / "run"
+    # the fixture's run "killed" (the same args, with kill_in_save 3) was SIGKILLed in the re-save of last.ckpt at
+    # step 9, before its commit
+    run = runs / "killed"
     args = {"dir": str(run), "io": "compressed", "max_steps": 12, "out": str(tmp_path / "b.pt")}
-    killed = run_child({**args, "kill_in_save": 3})  # in the re-save of last.ckpt at step 9, before its commit
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     names = sorted(p.name for p in run.iterdir())
     assert [n for n in names if not n.startswith(".")] == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt",
                                                            "epoch=2-step=9.ckpt", "last.ckpt"]
