@@ -109,9 +109,9 @@ class BroadcastItems(dict):
 
     __slots__ = ("table",)
 
-    def __init__(self, sdm: dict, table: dict) -> None:
+    def __init__(self, sdm: Any = (), table: "dict | None" = None) -> None:
         super().__init__(sdm)
-        self.table = table
+        self.table = table  # None (made as a dict is, e.g. by dataclasses.asdict): pickled as a dict
 
     @classmethod
     def of(cls, sdm: Any) -> Any:
@@ -120,7 +120,7 @@ class BroadcastItems(dict):
         return sdm if table is None else cls(sdm, table)
 
     def __reduce__(self) -> tuple:
-        return items_from_table, (self.table,)
+        return (items_from_table, (self.table,)) if self.table is not None else (dict, (dict(self),))
 
 
 def items_from_table(table: dict) -> dict:
