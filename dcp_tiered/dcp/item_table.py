@@ -111,7 +111,7 @@ class BroadcastItems(dict):
 
     def __init__(self, sdm: Any = (), table: "dict | None" = None) -> None:
         super().__init__(sdm)
-        self.table = table  # None (made as a dict is, e.g. by dataclasses.asdict): pickled as a dict
+        self.table = table  # None (made as a dict is, by code copying one): pickled as a dict
 
     @classmethod
     def of(cls, sdm: Any) -> Any:
