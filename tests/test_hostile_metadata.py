@@ -396,9 +396,6 @@ TABLE_CASES = {
     "paths-id-out-of-range": lambda head, t, md: head["paths"].__setitem__("ids", b"\x63" * len(head["paths"]["ids"])),
     "paths-4097-parts": lambda head, t, md: head["paths"].update(nparts=_u([4097] * 3), ids=bytes(3 * 4097)),
     "paths-not-a-dict": lambda head, t, md: head.__setitem__("paths", ()),
-    "paths-order-repeats-a-key": lambda head, t, md: head["paths"].__setitem__("order", _u([0, 0, 1])),
-    "paths-order-out-of-range": lambda head, t, md: head["paths"].__setitem__("order", _u([0, 1, 3])),
-    "paths-order-short": lambda head, t, md: head["paths"].__setitem__("order", _u([1, 0])),
 }
 
 

@@ -9,8 +9,8 @@ head record then holds:
   the distinct ``TensorProperties``, its number of dimensions and of chunks; then the sizes,
   and the chunk offsets and sizes, of all tensors as flat columns;
 * ``paths``: per item the length of its planner path, and ids into a tuple of the distinct
-  path parts (``str`` or ``int``); ``order``, when ``planner_data`` lists the items in another
-  order, the item of each of its keys.
+  path parts (``str`` or ``int``), in the items' order (``planner_data`` read back lists its keys
+  so, whatever order DCP gave them).
 
 ``state_dict_metadata`` on disk keeps only the entry of the head record's item (so a format-1
 reader reaches that record and asks for an upgrade) and ``planner_data`` is None.  Either
@@ -73,19 +73,14 @@ def pack_items(sdm: dict) -> "dict | None":
 
 
 def pack_paths(planner_data: Any, fqns: list) -> "dict | None":
-    """The path table of ``planner_data`` (its keys the items' names, in any order: ``order`` gives each
-    key's item when it is not the items' own), or None when it does not fit."""
-    if type(planner_data) is not dict or len(planner_data) != len(fqns):
+    """The path table of ``planner_data`` (its keys the items' names, in any order: DCP's dedup moves
+    replicated items behind the ranks' own; stored, and read back, in the items' order), or None when
+    it does not fit."""
+    if type(planner_data) is not dict or len(planner_data) != len(fqns) or not all(f in planner_data for f in fqns):
         return None
-    order = None
-    if list(planner_data) != fqns:  # DCP's dedup moves replicated items behind the ranks' own
-        at = {fqn: i for i, fqn in enumerate(fqns)}
-        order = [at.get(fqn) for fqn in planner_data]
-        if None in order:
-            return None
     parts: dict[tuple, int] = {}
     counts, ids = [], []
-    for path in planner_data.values():
+    for path in (planner_data[f] for f in fqns):
         if type(path) is not tuple:
             return None
         counts.append(len(path))
@@ -93,10 +88,7 @@ def pack_paths(planner_data: Any, fqns: list) -> "dict | None":
             if type(part) not in (str, int):
                 return None
             ids.append(parts.setdefault((type(part), part), len(parts)))
-    table = {"parts": tuple(v for _, v in parts), "nparts": _column(counts), "ids": _column(ids)}
-    if order is not None:
-        table["order"] = _column(order)
-    return table
+    return {"parts": tuple(v for _, v in parts), "nparts": _column(counts), "ids": _column(ids)}
 
 
 class BroadcastItems(dict):
@@ -227,14 +219,8 @@ def unpack_paths(paths: Any, fqns: list, source: str) -> dict:
     _limits({"nparts": counts}, {"nparts": 4096}, source, "path")
     ids = _read(paths, "ids", int(counts.sum(dtype=np.uint64)), source)
     _limits({"ids": ids}, {"ids": len(parts) - 1}, source, "path")
-    keys = fqns
-    if "order" in paths:
-        order = _read(paths, "order", len(fqns), source)
-        if len(order) and (int(order.max()) >= len(fqns) or int(np.bincount(order.astype(np.int64)).max()) > 1):
-            raise _bad(source, "path column 'order' is not an order of the items")
-        keys = [fqns[i] for i in order.tolist()]
     ids, out, at = ids.tolist(), {}, 0
-    for fqn, k in zip(keys, counts.tolist()):
+    for fqn, k in zip(fqns, counts.tolist()):
         out[fqn] = tuple(parts[i] for i in ids[at:at + k])
         at += k
     return out
