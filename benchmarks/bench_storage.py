@@ -954,9 +954,9 @@ def write_shards(raw: dict) -> dict:
                  " (no warm-up: first-call costs such as lazy imports and thread pools are in the time)")
     body = f"""## Per-process shards: 16–256 MiB per process, 1 process and 2 gloo ranks
 
-`{cmd}` — {raw["machine"]}. Runtime {runtime / 60:.1f} min. **The machine was shared** with other work while this
-ran (a long test harness at nice 10 and other sessions; load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end),
-so times are noisy; the rounds are interleaved so that both writers meet the same noise.
+`{cmd}` — {raw["machine"]}. Runtime {runtime / 60:.1f} min. Load average {load0[0]:.1f} before the benchmark's own
+processes started ({"other work was running, so times are noisy" if load0[0] >= 0.5 else "no other work to speak of"}),
+{load1[0]:.1f} at the end (its own processes included); the rounds are interleaved so that both writers meet the same noise.
 
 Each row saves, then loads, one real state: the MiniLM fp32 weights with *every* key kept, each tensor cut to the same
 fraction of its leading rows (repeated whole under new keys above 91 MB), so a row holds the {len(every_key_state(minilm_weights(), sizes[0] * MIB))}+
