@@ -33,8 +33,11 @@ from dcp_tiered.dcp.format import (
     dtype_from_name,
     native_files,
     record_view,
+    expected_sizes,
+    record_sizes,
     records_in_file,
 )
+from dcp_tiered.dcp.save_stats import stats_from_records
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
 from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
@@ -90,6 +93,19 @@ def test_builtin_and_json_round_trip(rec: dict) -> None:
     assert ItemRecord.from_json(json.loads(json.dumps(item.to_json())), "w", "intent") == item
     assert record_view(rec) == item and record_view(item) is item
     assert item.native and item.end == rec["offset"] + rec["length"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(records(), min_size=1, max_size=5))
+def test_sizes_of_plain_records_are_those_of_their_typed_views(recs: list) -> None:
+    """A coordinator sums plain records without typed views: the same sizes, totals and file ends."""
+    typed = [ItemRecord.from_checked(r) for r in recs]
+    for rec, item in zip(recs, typed):
+        assert record_sizes(rec) == record_sizes(item) == (
+            item.file, item.length, item.raw_length, item.orig_raw_length, item.downcast)
+    keyed = [(f"k{i}", r) for i, r in enumerate(recs)]
+    assert stats_from_records(keyed) == stats_from_records((k, ItemRecord.from_checked(r)) for k, r in keyed)
+    assert expected_sizes(recs) == expected_sizes(typed)
 
 
 @settings(max_examples=100, deadline=None)

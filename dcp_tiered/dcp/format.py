@@ -314,14 +314,34 @@ class ItemRecord:
     @property
     def downcast(self) -> bool:
         """Whether a tensor was stored in a narrower dtype than its original one."""
-        return self.kind == KIND_TENSOR and self.orig_dtype is not None and self.orig_dtype != self.dtype
+        return _downcast(self.kind, self.dtype, self.orig_dtype)
 
     @property
     def orig_raw_length(self) -> int:
         """Raw bytes in the original dtype (before any downcast)."""
-        if not self.downcast:
-            return self.raw_length
-        return self.raw_length // self.itemsize * dtype_from_name(self.orig_dtype).itemsize
+        return _orig_raw(self.raw_length, self.itemsize, self.kind, self.dtype, self.orig_dtype)
+
+
+def _downcast(kind: Any, dtype: Any, orig_dtype: Any) -> bool:
+    return kind == KIND_TENSOR and orig_dtype is not None and orig_dtype != dtype
+
+
+def _orig_raw(raw: int, itemsize: int, kind: Any, dtype: Any, orig_dtype: Any) -> int:
+    if not _downcast(kind, dtype, orig_dtype):
+        return raw
+    return raw // itemsize * dtype_from_name(orig_dtype).itemsize
+
+
+def record_sizes(value: Any) -> tuple[str, int, int, int, bool]:
+    """``(file, length, raw_length, orig_raw_length, downcast)`` of one validated native record, plain or
+    typed: what a save's totals and file sizes need, without building a typed view of a plain record
+    (a coordinator sums hundreds of thousands of them)."""
+    if type(value) is dict:
+        get = value.get
+        kind, raw, dtype, orig = value["kind"], value["raw"], get("dtype"), get("orig_dtype")
+        return (value["file"], value["length"], raw, _orig_raw(raw, value["itemsize"], kind, dtype, orig),
+                _downcast(kind, dtype, orig))
+    return value.file, value.length, value.raw_length, value.orig_raw_length, value.downcast
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,9 +389,13 @@ def expected_sizes(records: "Iterable[Any]", holds: "Callable[[str], bool] | Non
         return {f: end for f, end in ends.items() if holds is None or holds(f)}
     out: dict[str, int] = {}
     for value in records:
-        rec = record_view(value)
-        if holds is None or holds(rec.file):
-            out[rec.file] = max(out.get(rec.file, 0), rec.end)
+        if type(value) is dict:  # a native record as stored: no typed view needed
+            file, end = value["file"], value["offset"] + value["length"]
+        else:
+            rec = record_view(value)
+            file, end = rec.file, rec.end
+        if (holds is None or holds(file)) and out.get(file, -1) < end:
+            out[file] = end
     return out
 
 

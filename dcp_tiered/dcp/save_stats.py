@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dcp_tiered.dcp.format import ItemRecord, record_view
+from dcp_tiered.dcp.format import ItemRecord, record_sizes
 
 
 @dataclass
@@ -38,14 +38,16 @@ def stats_from_records(records: Iterable[tuple[str, "dict | ItemRecord"]]) -> Sa
     """Sum native records ``(key, record)`` (plain or typed) into :class:`SaveStats`."""
     stats = SaveStats()
     files = set()
+    items = encoded = stored = raw = 0
     for key, value in records:
-        rec: ItemRecord = record_view(value)  # type: ignore[assignment]
-        stats.items += 1
-        stats.encoded_bytes += rec.raw_length
-        stats.stored_bytes += rec.length
-        files.add(rec.file)
-        if rec.downcast:
+        file, length, raw_length, orig_raw, downcast = record_sizes(value)
+        items += 1
+        encoded += raw_length
+        stored += length
+        files.add(file)
+        if downcast:
             stats.downcast.append(key)
-        stats.raw_bytes += rec.orig_raw_length
+        raw += orig_raw
+    stats.items, stats.encoded_bytes, stats.stored_bytes, stats.raw_bytes = items, encoded, stored, raw
     stats.files = len(files)
     return stats

@@ -311,14 +311,9 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with gc_paused():
-            storage_md = {}
-            views = {}
-            for wr_list in results:
-                for wr in wr_list:
-                    storage_md[wr.index] = wr.storage_data
-                    views[wr.index] = record_view(wr.storage_data)
-            expected = expected_sizes(views.values())  # each rank checked its own files (write_data)
-            stats = stats_from_records((i.fqn, r) for i, r in views.items())
+            storage_md = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+            expected = expected_sizes(storage_md.values())  # each rank checked its own files (write_data)
+            stats = stats_from_records((i.fqn, r) for i, r in storage_md.items())
             # what DCP broadcasts to every rank: the items and the records as their tables
             metadata.state_dict_metadata = BroadcastItems.of(metadata.state_dict_metadata)
             metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md, stats)
@@ -348,7 +343,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     def _check_written(self, results: list[WriteResult]) -> None:
         """This rank's data file, once written, has the size its records need, as the storage sees it: a
         check of every rank's own file (the coordinator stat-ing each in turn would keep every rank waiting)."""
-        for name, size in expected_sizes(record_view(r.storage_data) for r in results).items():
+        for name, size in expected_sizes(r.storage_data for r in results).items():
             actual = self.storage.size(name)
             if actual != size:
                 raise StorageError(
