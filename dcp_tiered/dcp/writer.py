@@ -30,7 +30,7 @@ from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, write_items
 from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name,
-    expected_sizes, record_view,
+    expected_sizes,
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.item_table import BroadcastItems
