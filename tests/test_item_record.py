@@ -268,9 +268,11 @@ def _layout(recs: list, data: st.DataObject) -> tuple[dict, dict]:
         else:
             sdm[fqn] = BytesStorageMetadata()
             index = MetadataIndex(fqn, None, data.draw(st.sampled_from([None, 0])))
-        odd = data.draw(st.sampled_from([None, None, None, "extra", "stock"]))
+        odd = data.draw(st.sampled_from([None, None, None, "extra", "stock", "float", "bool"]))
         if odd == "extra":
             rec["future_field"] = 1
+        elif odd in ("float", "bool"):  # equal as a number, not an int: kept as it is, not in the table
+            rec["frame" if odd == "float" else "fmt"] = float(rec["frame"]) if odd == "float" else True
         storage[index] = _StorageInfo("__0_0.distcp", 0, 1) if odd == "stock" else rec
     return sdm, storage
 
@@ -284,7 +286,8 @@ def test_record_table_round_trips_exactly(recs: list, data: st.DataObject) -> No
     assert back == storage
     assert {i: (i.index, list(r) if type(r) is dict else r) for i in back for r in [back[i]]} == \
         {i: (i.index, list(r) if type(r) is dict else r) for i in storage for r in [storage[i]]}
-    fits = [r for r in storage.values() if type(r) is dict and "future_field" not in r]
+    fits = [r for r in storage.values() if type(r) is dict and "future_field" not in r
+            and type(r["frame"]) is int and type(r["fmt"]) is int]
     assert is_table(packed) == bool(fits) and len(packed) == len(storage) - max(len(fits) - 1, 0)
 
 

@@ -60,6 +60,13 @@ def _column(values: "list | np.ndarray") -> bytes:
     return np.array(values, dtype=np.uint64).astype(_WIDTHS[width]).tobytes()
 
 
+def _stacked(columns: np.ndarray) -> list[bytes]:
+    """Each row of the uint64 array ``columns`` as :func:`_column` stores it (one array pass, not one per column)."""
+    tops = columns.max(axis=1).tolist() if columns.shape[1] else [0] * len(columns)
+    return [col.astype(_WIDTHS[next(w for w in _WIDTHS if top < 1 << (8 * w))]).tobytes()
+            for col, top in zip(columns, tops)]
+
+
 def _uint(v: Any) -> bool:
     return type(v) is int and 0 <= v < _U64
 
@@ -71,8 +78,9 @@ def _uints(values: Any) -> bool:
 
 
 class _Packer:
-    """The rows of one record table.  With ``deferred``, the frame tables' values are checked once over
-    the whole column by :meth:`table` (None if one is not an exact int in range: pack again without)."""
+    """The rows of one record table.  With ``deferred``, the values of the int fields and the frame
+    tables are checked once per column by :meth:`table` (None if one is not an exact int in range: pack
+    again without), not record by record: a coordinator packs hundreds of thousands of records."""
 
     def __init__(self, sdm: dict, deferred: bool = False) -> None:
         self.sdm = sdm
@@ -103,30 +111,25 @@ class _Packer:
         """Append ``rec`` as a row when it fits the table exactly; False leaves it to be stored as is."""
         if type(rec) is not dict or type(index) is not MetadataIndex or not _REQUIRED <= rec.keys() <= _ALLOWED:
             return False
-        fqn = index.fqn
-        item = self.items.get(fqn)
+        item = self.items.get(index.fqn)
         frames, sums, kind = rec["frames"], rec["sums"], rec["kind"]
-        if item is None or kind not in _KINDS:
+        if item is None or kind not in _KINDS or type(frames) is not tuple or type(sums) is not tuple \
+                or len(frames) != len(sums):
             return False
-        if self.deferred:
-            if type(frames) is not tuple or type(sums) is not tuple or len(frames) != len(sums):
-                return False
-        elif not (_uints(frames) and _uints(sums) and len(frames) == len(sums)):
+        ints = (rec["fmt"], rec["offset"], rec["raw"], rec["itemsize"], rec["frame"])
+        if not self.deferred and not (_uints(frames) and _uints(sums) and _uints(ints) and ints[0] in _FMTS):
             return False
         try:
             length = sum(frames)  # deferred: frames not yet known to be ints (TypeError: not numbers)
         except TypeError:
             return False
-        fmt, offset, raw, itemsize, frame = rec["fmt"], rec["offset"], rec["raw"], rec["itemsize"], rec["frame"]
-        if not (type(fmt) is int and type(offset) is int and type(raw) is int and type(itemsize) is int
-                and type(frame) is int and 0 <= offset < _U64 and 0 <= raw < _U64 and 0 <= itemsize < _U64
-                and 0 <= frame < _U64) or fmt not in (1, TABLE_VERSION) or rec["length"] != length:
+        if rec["length"] != length:
             return False
         if kind == "tensor":
             entry = self.entries[item]
             if type(entry) is not TensorStorageMetadata or index.offset is None:
                 return False
-            found = self._chunk(fqn, entry, index.offset)
+            found = self._chunk(index.fqn, entry, index.offset)
             if found is None or rec.get("shape") != found[1]:
                 return False
             chunk = found[0]
@@ -145,17 +148,38 @@ class _Packer:
         if names is None:
             return False
         self.rows.append((item, chunk, 0 if hint is None else hint + 1, 0 if kind == "tensor" else 1, len(frames),
-                          fmt, offset, raw, itemsize, frame, *names))
+                          *ints, *names))
         self.frames.extend(frames)
         self.sums.extend(sums)
         return True
 
     def table(self) -> "dict | None":
-        if self.deferred and not (_uints(tuple(self.frames)) and _uints(tuple(self.sums))):
-            return None
         columns = list(zip(*self.rows))
-        return {"n": len(self.rows), "names": tuple(self.names), **{c: _column(list(v)) for c, v in zip(_ROW, columns)},
-                "frames": _column(self.frames), "sums": _column(self.sums)}
+        try:
+            frames, sums = _uint_array(self.frames), _uint_array(self.sums)
+            if self.deferred:  # the int fields' columns, checked as the frames are
+                for j in _INT_COLUMNS:
+                    _uint_array(columns[j])
+                if not set(columns[_FMT_COLUMN]) <= _FMTS:
+                    return None
+        except (TypeError, OverflowError):
+            return None
+        rows = np.array(columns, dtype=np.uint64)  # every value now known to be an int in range
+        return {"n": len(self.rows), "names": tuple(self.names), **dict(zip(_ROW, _stacked(rows))),
+                "frames": _column(frames), "sums": _column(sums)}
+
+
+def _uint_array(values: "list | tuple") -> np.ndarray:
+    """``values`` as uint64, when each is an exact int in ``[0, 2**64)``: TypeError for another type,
+    OverflowError out of range (numpy alone would take floats and bools)."""
+    if values and set(map(type, values)) != {int}:
+        raise TypeError("not exact ints")
+    return np.array(values, dtype=np.uint64)
+
+
+_INT_COLUMNS = tuple(range(_ROW.index(_INTS[0]), _ROW.index(_INTS[-1]) + 1))
+_FMT_COLUMN = _ROW.index("fmt")
+_FMTS = frozenset((1, TABLE_VERSION))
 
 
 def pack_storage(sdm: dict, storage: dict) -> dict:
