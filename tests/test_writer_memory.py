@@ -72,15 +72,27 @@ def _state() -> dict:
             "t": torch.randn(64, 64, generator=g).t(), "n": torch.zeros(0), "step": 7}
 
 
-def test_the_device_path_writes_the_same_bytes(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("codec,threads", [("zstd:1", 1), ("zstd:1", 4), ("none", 4)])
+def test_the_device_path_writes_the_same_bytes(tmp_path, monkeypatch, codec: str, threads: int) -> None:
     """Frame-by-frame staging (the path of CUDA tensors, forced here on CPU tensors) writes exactly the
-    bytes the in-memory path writes, and they load back bit for bit."""
-    for name, staged in (("cpu", False), ("staged", True)):
+    bytes the in-memory path writes, and they load back bit for bit: also when a save takes host buffers
+    of several sizes that an earlier save gave back (largest first), and with frames stored raw."""
+    g = torch.Generator().manual_seed(5)
+    big = {f"big{i}": torch.randn(100_000 + 1000 * i, generator=g) for i in range(4)}  # a frame each, all sizes
+
+    def state(reverse: bool) -> dict:
+        return {**_state(), **dict(reversed(big.items()) if reverse else big.items())}
+
+    for name, staged, reverse in (("cpu", False, False), ("staged", True, False), ("cpu_r", False, True),
+                                  ("staged_r", True, True)):
         monkeypatch.setattr(tensors, "staged_by_frame", lambda t, _s=staged: _s)
-        dcp.save(_state(), storage_writer=CompressedWriter(tmp_path / name, codec="zstd:1", frame_size=64 << 10),
-                 no_dist=True)
-    assert (tmp_path / "cpu" / "__0_0.distcp").read_bytes() == (tmp_path / "staged" / "__0_0.distcp").read_bytes()
-    back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in _state().items()}
-    dcp.load(back, storage_reader=CompressedReader(tmp_path / "staged"), no_dist=True)
-    for k, v in _state().items():
+        dcp.save(state(reverse), storage_writer=CompressedWriter(tmp_path / name, codec=codec, frame_size=1 << 20,
+                                                                 threads=threads), no_dist=True)
+    for name in ("", "_r"):
+        assert (tmp_path / f"cpu{name}" / "__0_0.distcp").read_bytes() == \
+            (tmp_path / f"staged{name}" / "__0_0.distcp").read_bytes()
+    saved = state(True)
+    back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "staged_r"), no_dist=True)
+    for k, v in saved.items():
         assert torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, k

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 from dcp_tiered.codecs import FrameCodec, frame_bounds
 from dcp_tiered.codecs.frames import EncodedFrame, record_frame_size
+from dcp_tiered.dcp.tensors import DeviceBytes
 from dcp_tiered.storage.base import write_pieces
 from dcp_tiered.storage.writeback import IOV_MAX
 
@@ -43,10 +44,13 @@ def _encode(fc: FrameCodec, data: Any, s: int, e: int) -> EncodedFrame:
     (:class:`~dcp_tiered.dcp.tensors.DeviceBytes`) the slice is its copy to a host buffer, given back
     once encoded."""
     raw = data[s:e]
-    frame = fc.encode(raw)
-    release = getattr(data, "release", None)
-    if release is not None:
-        release(raw, frame.pieces)
+    if not isinstance(data, DeviceBytes):
+        return fc.encode(raw)
+    frame = None
+    try:
+        frame = fc.encode(raw)
+    finally:  # a failed encode gives its buffer back too
+        data.release(raw, frame.pieces if frame is not None else ())
     return frame
 
 

@@ -20,10 +20,9 @@ class _HostBuffers:
 
     def get(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
         """An array of ``n`` bytes and the tensor it is (to copy into)."""
-        with self._lock:
-            whole = next((b for b in self._free if b.numel() >= n), None)
-            if whole is not None:
-                self._free.remove(whole)
+        with self._lock:  # by position: list.remove would compare tensors element by element
+            at = next((i for i, b in enumerate(self._free) if b.numel() >= n), None)
+            whole = self._free.pop(at) if at is not None else None
         if whole is None:
             whole = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         part = whole[:n]
