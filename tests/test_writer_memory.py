@@ -20,7 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_tiered.dcp.tensors as tensors
+import dcp_tiered.dcp.writer as writer_mod
 from dcp_tiered import CompressedReader, CompressedWriter
+from dcp_tiered.errors import SaveError, StorageError
+from failures import failure_of
 from isolated import run_isolated
 
 FRAME = 4 << 20
@@ -96,3 +99,26 @@ def test_the_device_path_writes_the_same_bytes(tmp_path, monkeypatch, codec: str
     dcp.load(back, storage_reader=CompressedReader(tmp_path / "staged_r"), no_dist=True)
     for k, v in saved.items():
         assert torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, k
+
+
+@pytest.mark.parametrize("fail", ["copy", "stage"])
+def test_a_failed_device_copy_names_the_tensor_not_a_write(tmp_path, monkeypatch, fail: str) -> None:
+    """A device copy that fails on an encoder thread (a CUDA error), or a tensor that cannot be staged
+    (out of memory in ``contiguous``), fails the save as a SaveError naming the tensor and the file, not as
+    a storage write failure (which would send the user after the disk), and nothing is committed."""
+    monkeypatch.setattr(tensors, "staged_by_frame", lambda t: True)
+
+    def broken(*_a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+    if fail == "copy":
+        monkeypatch.setattr(tensors.DeviceBytes, "__getitem__", broken)
+    else:
+        monkeypatch.setattr(writer_mod, "tensor_bytes", broken)
+    state = {"a": torch.ones(10), "emb": torch.randn(300_000)}
+    err = failure_of(lambda: dcp.save(state, storage_writer=CompressedWriter(tmp_path / "c", codec="zstd:1", threads=2),
+                                      no_dist=True))
+    assert isinstance(err, SaveError) and not isinstance(err, StorageError), repr(err)
+    msg = str(err)
+    assert "'a'" in msg or "'emb'" in msg
+    assert "__0_0.distcp" in msg and "illegal memory access" in msg and "nothing was committed" in msg
+    assert not (tmp_path / "c" / ".metadata").exists()

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 from dcp_tiered.codecs import FrameCodec, frame_bounds
 from dcp_tiered.codecs.frames import EncodedFrame, record_frame_size
 from dcp_tiered.dcp.tensors import DeviceBytes
+from dcp_tiered.errors import DcpTieredError, SaveError
 from dcp_tiered.storage.base import write_pieces
 from dcp_tiered.storage.writeback import IOV_MAX
 
@@ -130,6 +131,13 @@ class PieceWriter:
 OnItem = Callable[[ItemSource, int, list, list], None]
 
 
+def encode_error(key: str, where: str, exc: BaseException) -> SaveError:
+    """What a save raises when item ``key`` could not be read or encoded for the data file ``where`` (a
+    device copy, an allocation, a codec), as its own error, not as a failed write of the file."""
+    return SaveError(f"saving {key!r} to {where} failed while reading or encoding it: {type(exc).__name__}: {exc}; "
+                     "nothing was committed. Free memory (host or device) or fix the tensor and save again")
+
+
 def write_items(
     f: BinaryIO,
     sources: Iterable[ItemSource],
@@ -138,12 +146,14 @@ def write_items(
     pool: "ThreadPoolExecutor | GatedPool",
     max_inflight_bytes: int,
     on_item: OnItem,
+    where: str = "the data file",
 ) -> None:
-    """Encode every item's frames on ``pool`` and write them to ``f`` in item order.
+    """Encode every item's frames on ``pool`` and write them to ``f`` (the data file ``where``) in item order.
 
     At most about ``max_inflight_bytes`` raw bytes are submitted and not yet written, counted per
     frame: the extra memory of a save is bounded by its frames in flight, whatever its largest item.
-    ``fields["frame_size"]`` is set on each item's fields before its frames are cut.
+    ``fields["frame_size"]`` is set on each item's fields before its frames are cut.  A frame whose
+    encode fails raises :func:`encode_error`; errors of ``f`` itself pass as they are.
     """
     out = PieceWriter(f)
     # frames in file order: (item, the job encoding it or None for an item without frames, index, raw bytes)
@@ -168,7 +178,12 @@ def write_items(
             fut = job.future if isinstance(job, _Batch) else job
             if not fut.done():
                 out.flush()  # hand the gathered bytes to the kernel while the encoders finish
-            enc = fut.result()[index] if index >= 0 else fut.result()
+            try:
+                enc = fut.result()[index] if index >= 0 else fut.result()
+            except DcpTieredError:
+                raise
+            except Exception as exc:
+                raise encode_error(item.source.item.index.fqn, where, exc) from exc
             out.add(enc)
             offset += enc.stored_len
             item.lengths.append(enc.stored_len)

@@ -26,7 +26,7 @@ from dcp_tiered.dcp.protocol import UrlCheckpointId, completed
 from dcp_tiered.thread_priority import lower_thread_priority, run_lowered, yield_to_caller
 from dcp_tiered.codecs import CHECKSUM_ALGORITHM, DEFAULT_FRAME_SIZE, FrameCodec, filter_for, get_codec
 from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_frame_size  # noqa: F401  (importable from here)
-from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, write_items
+from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, encode_error, write_items
 from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
     DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name,
@@ -40,7 +40,7 @@ from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_gl
 from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.checks import check_count, check_frame_size  # noqa: F401  (importable from here, as before)
-from dcp_tiered.errors import CheckpointExistsError, ConfigError, StorageError
+from dcp_tiered.errors import CheckpointExistsError, ConfigError, DcpTieredError, StorageError
 from dcp_tiered.names import LOCK_FILE, data_file, rank_prefix
 from dcp_tiered.ranks import default_threads
 from dcp_tiered.storage import FileLock, Storage
@@ -353,6 +353,15 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
 
     # -- encoding -------------------------------------------------------------------
 
+    def _checked_source(self, item: WriteItem, planner: SavePlanner, group: bool, where: str) -> ItemSource:
+        """:meth:`_item_source`, whose failures (a device copy, an allocation) name the item, not the file's write."""
+        try:
+            return self._item_source(item, planner, group)
+        except DcpTieredError:
+            raise
+        except Exception as exc:
+            raise encode_error(item.index.fqn, where, exc) from exc
+
     def _item_source(self, item: WriteItem, planner: SavePlanner, group: bool) -> ItemSource:
         """Resolve one item to its raw bytes and its :class:`ItemRecord` fields (``group``: byte-group floats)."""
         data = planner.resolve_data(item)
@@ -399,11 +408,12 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         with self.storage.open_write(file_name, durable=self.sync_files) as f, ThreadPoolExecutor(
             threads, thread_name_prefix="dcp_tiered-encode", initializer=lower_thread_priority, initargs=(self.nice,)
         ) as pool:
-            sources = (self._item_source(item, planner, group) for item in ordered)
+            where = self.storage.url_of(file_name)
+            sources = (self._checked_source(item, planner, group, where) for item in ordered)
             coders = GatedPool(pool, self.cpu_slots) if self.cpu_slots is not None else pool
             # threads + 2 frames submitted and not written: each encoding one holds its planes and their
             # compressed copy, so the save's extra memory is (2 x threads + 2) frames
-            write_items(f, sources, codec_for, self.frame_size, coders, (threads + 2) * self.frame_size, on_item)
+            write_items(f, sources, codec_for, self.frame_size, coders, (threads + 2) * self.frame_size, on_item, where)
         return results
 
     def _result(self, file_name: str, src: ItemSource, start: int, lengths: list, sums: list) -> WriteResult:
