@@ -190,3 +190,38 @@ def test_sync_files_decides_whether_the_data_file_is_fsynced(tmp_path: Path, mon
     assert any(p.endswith(DATA) for p in synced) == sync_files
     assert any(p.endswith(".metadata") or ".metadata." in p for p in synced)  # the commit is always durable
     load_equal(sd, str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_at_most_threads_plus_two_frames_are_in_flight(tmp_path: Path, monkeypatch, threads: int) -> None:
+    """A save submits a frame only when fewer than ``threads + 2`` are submitted and not yet written, so
+    its extra memory is (2 x threads + 2) frames (README): counted at the pool, whatever the tensor size."""
+    seen = {"out": 0, "max": 0}
+    real = frame_pipeline.write_items
+
+    class Counting:
+        def __init__(self, pool) -> None:
+            self.pool = pool
+
+        def submit(self, fn, *args):
+            seen["out"] += 1
+            seen["max"] = max(seen["max"], seen["out"])
+            fut = self.pool.submit(fn, *args)
+            result = fut.result
+
+            def counted(*a, _done=[False], **k):  # noqa: B006 - once per future
+                if not _done[0]:
+                    _done[0] = True
+                    seen["out"] -= 1
+                return result(*a, **k)
+            fut.result = counted
+            return fut
+
+    monkeypatch.setattr(frame_pipeline, "write_items", lambda f, s, c, fs, pool, *a: real(f, s, c, fs, Counting(pool), *a))
+    from dcp_tiered.dcp import writer as writer_mod
+    monkeypatch.setattr(writer_mod, "write_items", frame_pipeline.write_items)
+    frame = 256 << 10
+    state = {"big": torch.randn(40 * frame // 4 + 1000), "small": torch.randn(10)}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "c", codec="zstd:1", frame_size=frame, threads=threads),
+             no_dist=True)
+    assert seen["out"] == 0 and seen["max"] == threads + 2

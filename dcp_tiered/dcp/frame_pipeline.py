@@ -193,10 +193,10 @@ def write_items(
         if item.queued and item.left == 0:
             on_item(item.source, item.start, item.lengths, item.sums)
 
-    def bound() -> None:
-        """Write frames (oldest first) until what is queued is within ``max_inflight_bytes``: per frame, so
-        one large item never has all its frames encoded and held at once."""
-        while inflight > max_inflight_bytes and pending:
+    def bound(coming: int) -> None:
+        """Write frames (oldest first) until what is queued and a frame of ``coming`` raw bytes are within
+        ``max_inflight_bytes``: per frame, so one large item never has all its frames encoded and held at once."""
+        while inflight + coming > max_inflight_bytes and pending:
             if batch is not None and pending[0][1] is batch:
                 submit_batch()  # only when the oldest frame waits on it: batches stay full
             drain_one()
@@ -209,6 +209,7 @@ def write_items(
             item = _Item(src)
             for s, e in frame_bounds(src.arr.nbytes, fields["frame_size"], fields["itemsize"]):
                 raw = max(e - s, 1 << 12)  # tiny frames still count toward the bound
+                bound(raw)  # before the frame is submitted: never one more in flight than the bound
                 if e - s < SMALL_FRAME:
                     if batch is None:
                         batch = _Batch()
@@ -222,7 +223,6 @@ def write_items(
                     pending.append((item, pool.submit(_encode, fc, src.arr, s, e), -1, raw))
                 item.left += 1
                 inflight += raw
-                bound()
             item.queued = True
             if item.left == 0:  # no frames, or all written already: reported in file order all the same
                 pending.append((item, None, -1, 0))
