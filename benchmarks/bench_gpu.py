@@ -95,7 +95,7 @@ def build_state(mib: int, device: torch.device, quick: bool = False) -> dict[str
     return {k: v.to(device) for k, v in repeated_state(base, mib << 20, clone=True).items()}
 
 
-def run_size(mib: int, device: torch.device, repeat: int, root: Path, quick: bool = False) -> dict[str, Any]:
+def run_size(mib: int, device: torch.device, repeat: int, root: Path, quick: bool = False, threads: int = 2) -> dict[str, Any]:
     """Every case at one state size; the numbers of each, by name."""
     from dcp_tiered import CompressedWriter, Tier, TieredCheckpointer
 
@@ -112,8 +112,8 @@ def run_size(mib: int, device: torch.device, repeat: int, root: Path, quick: boo
 
     def writer(kind: str) -> Any:
         if kind == "stock":
-            return dcp.FileSystemWriter(target(kind), thread_count=2)
-        return CompressedWriter(target(kind), codec="zstd:1")
+            return dcp.FileSystemWriter(target(kind), thread_count=threads)
+        return CompressedWriter(target(kind), codec="zstd:1", threads=threads)
 
     out["copy"] = measure(lambda: [pinned[k].copy_(v, non_blocking=False) for k, v in state.items()] and None,
                           device, repeat)
@@ -172,17 +172,20 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--quick", action="store_true", help="16 MiB of normal values, one repeat: a smoke run")
+    ap.add_argument("--threads", type=int, default=2, help="threads of both writers (stock's thread_count, ours' threads)")
     ap.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md (GPU runs only)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if args.write and device.type != "cuda":
         raise SystemExit("--write records GPU results: run it where torch.cuda.is_available()")
+    if args.write and args.quick:
+        raise SystemExit("--write records the full run: --quick is a smoke run, its numbers are not kept")
     sizes = [16] if args.quick else [int(s) for s in args.sizes_mib.split(",")]
     repeat = 1 if args.quick else args.repeat
     root = Path(tempfile.mkdtemp(prefix="bench_gpu_", dir=args.dir))
     try:
-        results = [run_size(mib, device, repeat, root, args.quick) for mib in sizes]
+        results = [run_size(mib, device, repeat, root, args.quick, args.threads) for mib in sizes]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = table(results)
@@ -190,9 +193,10 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     if args.write:
         save_results(SECTION, results)
         gpu = torch.cuda.get_device_name(device)
-        write_section(SECTION, f"## CUDA state ({gpu})\n\n{machine_line()}\n\n"
-                               f"`.venv/bin/python -m benchmarks.bench_gpu --sizes-mib {args.sizes_mib} "
-                               f"--repeat {args.repeat} --write`\n\n{text}\n")
+        cmd = (f".venv/bin/python -m benchmarks.bench_gpu --sizes-mib {args.sizes_mib} --repeat {args.repeat} "
+               f"--threads {args.threads} --device {args.device}" + (f" --dir {args.dir}" if args.dir else "") + " --write")
+        write_section(SECTION, f"## CUDA state ({gpu})\n\n{machine_line()}\n\n`{cmd}` (both writers with "
+                               f"{args.threads} threads)\n\n{text}\n")
     return results
 
 
