@@ -1024,7 +1024,7 @@ Most own time in one `cProfile`d run of ours ({sizes[0]} MiB; cProfile slows Pyt
     write_section("shards", body)
     data = {**raw, "runs": [{**r, "median": med[(r["mib"], r["ranks"], r["writer"])]} for r in raw["runs"]],
             "fixed_s": [[w, lb, op, v] for (w, lb, op), v in fixed.items()]}
-    save_results("shards", data)
+    save_results("shards", data, machine=raw["machine"])
     print(vtable, "\n\n", table, "\n\n", dtable, "\n\n", ftable, "\n\n", ptable, sep="")
     print(f"total {runtime:.0f} s")
     return data

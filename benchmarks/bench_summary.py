@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from benchmarks.bench_storage import SHARD_OURS, SHARD_STOCK
 from benchmarks.common import load_results, md_table, write_section
 
 OURS = "CompressedWriter (defaults)"
@@ -142,6 +143,27 @@ def scaling_rows(scaling: dict | None) -> list[list[str]]:
     return rows
 
 
+def shard_rows(shards: dict | None) -> list[list[str]]:
+    """Save and cold load against stock at the per-process shard sizes (bench_storage --shards), bar 1.0x;
+    a missed row carries the bound that run named for ours."""
+    if shards is None:
+        return [["shard sizes", "—", "not run (`bench_storage --shards`)", ""]]
+    med: dict[tuple[int, int, str], dict] = {}
+    for run in shards["data"]["runs"]:
+        med[(run["mib"], run["ranks"], run["writer"])] = run["median"]
+    rows = []
+    for mib, ranks in sorted({(m, r) for m, r, _ in med}):
+        ours, stock = med.get((mib, ranks, SHARD_OURS)), med.get((mib, ranks, SHARD_STOCK))
+        if ours is None or stock is None:
+            continue
+        for op, what in (("save", "save ≥ stock `FileSystemWriter`"), ("load", "cold load ≥ stock `FileSystemReader`")):
+            x = stock[f"{op}_s"] / ours[f"{op}_s"]
+            rows.append([f"{what} (same threads), shard of {mib} MiB per process, {ranks} rank{'s' if ranks > 1 else ''}",
+                         f"{ours[f'{op}_s']:.3f} vs {stock[f'{op}_s']:.3f} s", f"{x:.2f}x",
+                         verdict(x, 1.0) + ("" if x >= 1.0 else f"; bound: {ours[f'{op}_bound']}")])
+    return rows
+
+
 def s3_rows(s3: dict | None) -> list[list[str]]:
     if s3 is None:
         return [["S3 bytes", "—", "not run (`bench_s3`)", ""]]
@@ -203,12 +225,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="accepted for scripts/bench.sh; the same as without")
     ap.parse_args()
-    codecs, storage = load_results("codecs"), load_results("storage")
+    codecs, storage, shards = load_results("codecs"), load_results("storage"), load_results("shards")
     rows = (codec_rows(codecs) + lz4_rows(codecs) + records_rows(load_results("records"))
-            + storage_rows(storage, codecs) + scaling_rows(load_results("scaling"))
+            + storage_rows(storage, codecs) + scaling_rows(load_results("scaling")) + shard_rows(shards)
             + s3_rows(load_results("s3"))
             + async_rows(load_results("async")) + goodput_rows(load_results("goodput")))
-    machines = sorted({r["machine"] for r in (codecs, storage) if r})
+    machines = sorted({r["machine"] for r in (codecs, storage, shards) if r})
     body = (
         "## Where we stand against the targets\n\n"
         "`.venv/bin/python -m benchmarks.bench_summary` — read from the raw results of the sections below "

@@ -196,14 +196,15 @@ def md_table(headers: list[str], rows: list[list[object]]) -> str:
 IMG = DOC.parent / "img"
 
 
-def save_results(name: str, data: object) -> Path:
+def save_results(name: str, data: object, machine: str | None = None) -> Path:
     """Write a benchmark's raw numbers as docs/bench_results/<name>.json (next to the doc), for
-    charts, the projection and anyone who wants to recompute a table."""
+    charts, the projection and anyone who wants to recompute a table; ``machine`` keeps the line of the run
+    that measured them when a section is rendered again later (default: this machine, now)."""
     import json
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine_line(), "data": data}, indent=1, default=str) + "\n")
+    path.write_text(json.dumps({"machine": machine or machine_line(), "data": data}, indent=1, default=str) + "\n")
     return path
 
 

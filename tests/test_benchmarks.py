@@ -127,6 +127,23 @@ def test_summary_rows_for_the_save_speed_targets() -> None:
                     "**missed by 50%**"]]
 
 
+def test_summary_rows_for_the_shard_sizes_name_the_bound_of_a_miss() -> None:
+    """One save row and one cold-load row per shard size and rank count, stock ÷ ours against 1.0x; a miss
+    carries the bound the shard run named for ours."""
+    from benchmarks.bench_storage import SHARD_OURS, SHARD_STOCK
+    from benchmarks.bench_summary import shard_rows
+
+    def median(save_s: float, load_s: float) -> dict:
+        return {"save_s": save_s, "load_s": load_s, "save_bound": "disk write + fsync (x)", "load_bound": "CPU (y)"}
+
+    runs = [{"mib": 16, "ranks": 2, "writer": SHARD_OURS, "median": median(1.0, 2.0)},
+            {"mib": 16, "ranks": 2, "writer": SHARD_STOCK, "median": median(1.5, 1.0)}]
+    save, load = shard_rows({"data": {"runs": runs}})
+    assert save[2:] == ["1.50x", "met"] and "16 MiB per process, 2 ranks" in save[0]
+    assert load[2] == "0.50x" and load[3].startswith("**missed") and load[3].endswith("; bound: CPU (y)")
+    assert shard_rows(None)[0][2].startswith("not run")
+
+
 def test_gpu_bench_runs_its_cases_on_cpu_tensors_and_refuses_to_record_them(tmp_path: Path) -> None:
     """``bench_gpu`` (meant for a GPU machine) runs the same code on CPU tensors: every case measured,
     blocked time at most the total, and ``--write`` refused off a GPU (its numbers would say nothing)."""
@@ -204,8 +221,11 @@ def test_storage_bench_shard_rows_at_tiny_sizes_write_their_section(monkeypatch,
     for ranks in (1, 2):
         assert f"| 1 MiB | {ranks} | " in text
     assert "ours ms, 2 ranks" in text and "storage.finish" in text and "Rows meeting the bar: " in text
+    saved = json.loads((tmp_path / "bench_results" / "shards.json").read_text())
+    monkeypatch.setattr(common, "machine_line", lambda: "a later machine")
     bench_storage.main(["--shard-render"])  # the section again, from the numbers the run saved
     assert (tmp_path / "benchmarks.md").read_text() == text
+    assert json.loads((tmp_path / "bench_results" / "shards.json").read_text())["machine"] == saved["machine"]
     data = json.loads((tmp_path / "bench_results" / "shards.json").read_text())["data"]
     assert len(data["runs"]) == 1 * 2 * 2
     for run in data["runs"]:
