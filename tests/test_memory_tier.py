@@ -428,8 +428,8 @@ def _peak_traced(path: Path, out: dict) -> int:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_none_codec_fast_path_reads_without_an_intermediate_buffer(tmp_path, monkeypatch):
     """Peak Python-side allocation during the load: the read buffers (numpy/bytearray, traced) of the
-    frame path hold the whole tensor; the fast path holds only frame headers (the destination tensor
-    is allocated by torch before the load and is not traced)."""
+    frame path hold a local read chunk (4 MiB) or more; the fast path holds only frame headers (the
+    destination tensor is allocated by torch before the load and is not traced)."""
     numel = 4 << 20  # 16 MiB
     sd = {"w": torch.randn(numel)}
     _save_none(tmp_path / "c", sd, frame_size=1 << 20)
@@ -440,7 +440,7 @@ def test_none_codec_fast_path_reads_without_an_intermediate_buffer(tmp_path, mon
     out2 = {"w": torch.zeros(numel)}
     framed = _peak_traced(tmp_path / "c", out2)
     assert torch.equal(out2["w"], sd["w"])
-    assert framed >= numel * 4  # the whole stored tensor went through a read buffer
+    assert framed >= 4 << 20  # the stored bytes went through read buffers
     assert fast < numel * 4 // 16, (fast, framed)
 
 

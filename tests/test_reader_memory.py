@@ -1,0 +1,44 @@
+"""A load's extra memory is bounded by its read pipeline, not by the checkpoint's size.
+
+Measured in a child process: the peak resident set (``VmHWM``, reset through ``clear_refs`` once the
+destination tensors exist) above the resident set before ``dcp.load``, for a state of many tensors of a
+few MiB each, as a model shard has.  From a local directory the reader fetches the stored bytes in
+chunks of 4 MiB into two buffers (one decoded while the other
+fills), so decoding starts after the first chunk instead of after a whole batch of tensors.
+"""
+
+from __future__ import annotations
+
+from isolated import run_isolated
+
+CHUNK = 4 << 20  # the local read chunk the README states
+ALLOWANCE = 32 << 20  # decoders' contexts and frames, thread stacks, the metadata
+
+
+def test_extra_memory_of_a_local_load_is_two_read_chunks_not_the_state(tmp_path) -> None:
+    res = run_isolated(f"""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from dcp_tiered import CompressedReader, CompressedWriter
+
+        def status(field):
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+
+        g = torch.Generator().manual_seed(0)
+        state = {{f"layer{{i}}.weight": torch.randn(1 << 20, generator=g) for i in range(48)}}  # 192 MiB
+        dcp.save(state, storage_writer=CompressedWriter({str(tmp_path / "ck")!r}, codec="zstd:1", sync_files=False),
+                 no_dist=True)
+        dest = {{k: torch.zeros_like(v) for k, v in state.items()}}
+        reader = CompressedReader({str(tmp_path / "ck")!r}, threads=2)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak starts again from here
+        base = status("VmRSS")
+        dcp.load(dest, storage_reader=reader, no_dist=True)
+        extra = status("VmHWM") - base
+        assert all(torch.equal(dest[k], v) for k, v in state.items())
+        emit({{"extra": extra}})
+    """, timeout=120, memory_mb=4096, env={"MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
+    assert res.returncode == 0, res.describe()
+    bound = 2 * CHUNK + ALLOWANCE
+    assert res.result["extra"] <= bound, f"{res.result['extra'] >> 20} MiB extra, bound {bound >> 20} MiB"
