@@ -47,11 +47,12 @@ from dcp_tiered.ranks import default_threads
 from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
-# Largest single ranged read; two such buffers bound the host memory a load's reads hold. Local reads
-# are cheap per call, so small chunks let decoding start after the first few MiB (a 91 MB MiniLM cold
-# load took 2x as long with 64 MiB chunks as with 4 MiB: the first chunk was read before any decode);
+# Largest ranged read that merges frames (a larger frame is read alone); two such buffers bound the host
+# memory a load's reads hold. Local reads are cheap per call, so small chunks let decoding start after the
+# first few MiB (a 91 MB MiniLM cold load took 2x as long with 64 MiB chunks as with 4 MiB ones: the first
+# chunk was read before any decode), and a chunk of 4 MiB per decoder thread keeps every thread busy;
 # remote stores pay a request's latency per chunk, so they keep large ones.
-LOCAL_READ_CHUNK = 4 << 20
+LOCAL_READ_PER_THREAD = 4 << 20
 REMOTE_READ_CHUNK = 64 << 20
 # Smallest ``none``-codec tensor read straight into its destination (two reads per frame, no copy).
 RAW_DIRECT_MIN = 64 << 10
@@ -273,7 +274,7 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         size = max((c.end - c.start for c in chunks), default=0)
         buffers = [bytearray(size), bytearray(size if len(chunks) > 1 else 0)]
         with ThreadPoolExecutor(1, thread_name_prefix="dcp_tiered-read") as reader, ThreadPoolExecutor(
-            self.threads or default_threads(), thread_name_prefix="dcp_tiered-decode"
+            self._threads(), thread_name_prefix="dcp_tiered-decode"
         ) as pool:
             for r in pool.map(self._read_raw, raw):
                 self._finish(r, planner)
@@ -332,8 +333,11 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         r.frames_left = len(tasks)
         return tasks
 
+    def _threads(self) -> int:
+        return self.threads or default_threads()
+
     def _chunks(self, tasks: list[_FrameTask]) -> list[_ReadChunk]:
-        limit = LOCAL_READ_CHUNK if self.storage.is_local else REMOTE_READ_CHUNK
+        limit = LOCAL_READ_PER_THREAD * self._threads() if self.storage.is_local else REMOTE_READ_CHUNK
         out: list[_ReadChunk] = []
         for t in sorted(tasks, key=lambda t: (t.owner.record.file, t.file_offset)):
             file = t.owner.record.file
