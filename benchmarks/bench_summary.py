@@ -148,9 +148,7 @@ def shard_rows(shards: dict | None) -> list[list[str]]:
     a missed row carries the bound that run named for ours."""
     if shards is None:
         return [["shard sizes", "—", "not run (`bench_storage --shards`)", ""]]
-    med: dict[tuple[int, int, str], dict] = {}
-    for run in shards["data"]["runs"]:
-        med[(run["mib"], run["ranks"], run["writer"])] = run["median"]
+    med = {(run["mib"], run["ranks"], run["writer"]): run["median"] for run in shards["data"]["runs"]}
     rows = []
     for mib, ranks in sorted({(m, r) for m, r, _ in med}):
         ours, stock = med.get((mib, ranks, SHARD_OURS)), med.get((mib, ranks, SHARD_STOCK))

@@ -1,4 +1,5 @@
-"""A load's extra memory is bounded by its read pipeline, not by the checkpoint's size.
+"""The local read pipeline of a load: its extra memory is bounded by its reads, not by the checkpoint's
+size, and each read holds work for every decoder thread.
 
 Measured in a child process: the peak resident set (``VmHWM``, reset through ``clear_refs`` once the
 destination tensors exist) above the resident set before ``dcp.load``, for a state of many tensors of a
