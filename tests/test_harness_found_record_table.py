@@ -56,10 +56,10 @@ def test_tensor_properties_that_disagree_with_the_records_dtype_are_refused(tmp_
     w = torch.tensor([0.25, 1.5, -2.75])
     _save(path, {"w": w})
     md, head = _head(path)
-    props = list(head["items"]["props"])
+    props = list(head["item_table"]["props"])
     props[0] = copy.copy(props[0])
     props[0].dtype = torch.int64
-    head["items"]["props"] = tuple(props)
+    head["item_table"]["props"] = tuple(props)
     _write(path, md)
     with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
         load_any(path)  # gives tensor([0, 1, -2])

@@ -322,7 +322,7 @@ def test_impossible_frame_tables_are_refused_before_reading(tmp_path):
     assert all(o["grew_mb"] < 1500 for o in out.values()), out
 
 
-# --------------------------------------------------------------------------- format 2 record table
+# --------------------------------------------------------------------------- format 3 record table
 
 
 def _u(values, width: int = 8) -> bytes:
@@ -338,7 +338,7 @@ def _edit_table(path: Path, fn) -> Path:
     """Edit the record table of ``.metadata`` as written (``fn(head, table, md)``) and write it back."""
     md = pickle.loads((path / ".metadata").read_bytes()[:-23])  # our own checkpoint: plain pickle is fine here
     head = next(iter(md.storage_data.values()))
-    assert set(head) == {"fmt", "table", "items", "paths"} and head["table"]["n"] == 3
+    assert set(head) == {"fmt", "table", "item_table", "path_table"} and head["table"]["n"] == 3
     fn(head, head["table"], md)
     write_metadata(path, md)
     return path
@@ -362,7 +362,10 @@ TABLE_CASES = {
     "column-missing": lambda head, t, md: t.pop("raw"),
     "column-str": lambda head, t, md: t.__setitem__("raw", "abc"),
     "not-a-dict": lambda head, t, md: head.__setitem__("table", [t]),
-    "names-not-str": lambda head, t, md: t.__setitem__("names", (b"x", *t["names"][1:])),
+    "names-not-str": lambda head, t, md: t.__setitem__("names", (b"x", "zstd:1")),
+    "names-not-utf8": lambda head, t, md: t.__setitem__("names", b"\xff\xfe\0" + t["names"]),
+    "names-not-nul-ended": lambda head, t, md: t.__setitem__("names", t["names"][:-1]),
+    "names-a-list": lambda head, t, md: t.__setitem__("names", t["names"].split(b"\0")),
     "item-out-of-range": _set_col("item", lambda v, t: [v[0], v[1], 99]),
     "name-id-out-of-range": _set_col("file", lambda v, t: [200, *v[1:]]),
     "dtype-id-is-a-codec": _set_col("dtype", lambda v, t: [_col(t, "codec")[0]] * 3),
@@ -378,37 +381,61 @@ TABLE_CASES = {
         {MetadataIndex(i.fqn, i.offset): {"fmt": 2} for i in list(md.storage_data)[:1]}),
     "two-million-frames": _two_million_frames,
     # the item table (DCP's state_dict_metadata) and the path table (planner_data)
-    "items-not-a-dict": lambda head, t, md: head.__setitem__("items", 5),
-    "items-duplicate-names": lambda head, t, md: head["items"].__setitem__("fqns", ("w", "w", "note")),
-    "items-props-not-properties": lambda head, t, md: head["items"].__setitem__("props", ("float32",)),
-    "items-prop-id-out-of-range": lambda head, t, md: head["items"].__setitem__("prop", _u([9, 9, 9])),
-    "items-ndim-65": lambda head, t, md: head["items"].__setitem__("ndim", _u([65, 65, 65])),
-    "items-billion-chunks-of-a-scalar": lambda head, t, md: head["items"].update(
+    "items-not-a-dict": lambda head, t, md: head.__setitem__("item_table", 5),
+    "items-duplicate-names": lambda head, t, md: head["item_table"].__setitem__("fqns", ("w", "w", "note")),
+    "items-props-not-properties": lambda head, t, md: head["item_table"].__setitem__("props", ("float32",)),
+    "items-prop-id-out-of-range": lambda head, t, md: head["item_table"].__setitem__("prop", _u([9, 9, 9])),
+    "items-ndim-65": lambda head, t, md: head["item_table"].__setitem__("ndim", _u([65, 65, 65])),
+    "items-billion-chunks-of-a-scalar": lambda head, t, md: head["item_table"].update(
         ndim=_u([0, 0, 0]), nchunks=_u([1 << 30] * 3), size=b"", offsets=b"", chunk_sizes=b""),
-    "items-huge-chunk-count": lambda head, t, md: head["items"].__setitem__("nchunks", _u([1 << 40] * 3)),
-    "items-size-column-short": lambda head, t, md: head["items"].__setitem__("size", head["items"]["size"][:-1]),
-    "items-size-2^63": lambda head, t, md: head["items"].__setitem__(
-        "size", b"\xff" * len(head["items"]["size"])),
-    "items-chunk-outside": lambda head, t, md: head["items"].__setitem__(
-        "offsets", b"\x07" * len(head["items"]["offsets"])),
-    "items-bytes-with-dims": lambda head, t, md: head["items"].__setitem__("kind", _u([1, 1, 1])),
-    "paths-parts-float": lambda head, t, md: head["paths"].__setitem__("parts", (1.5,) * 9),
-    "paths-id-out-of-range": lambda head, t, md: head["paths"].__setitem__("ids", b"\x63" * len(head["paths"]["ids"])),
-    "paths-4097-parts": lambda head, t, md: head["paths"].update(nparts=_u([4097] * 3), ids=bytes(3 * 4097)),
-    "paths-not-a-dict": lambda head, t, md: head.__setitem__("paths", ()),
+    "items-huge-chunk-count": lambda head, t, md: head["item_table"].__setitem__("nchunks", _u([1 << 40] * 3)),
+    "items-size-column-short": lambda head, t, md: head["item_table"].__setitem__("size", head["item_table"]["size"][:-1]),
+    "items-size-2^63": lambda head, t, md: head["item_table"].__setitem__(
+        "size", b"\xff" * len(head["item_table"]["size"])),
+    "items-chunk-outside": lambda head, t, md: head["item_table"].__setitem__(
+        "offsets", b"\x07" * len(head["item_table"]["offsets"])),
+    "items-bytes-with-dims": lambda head, t, md: head["item_table"].__setitem__("kind", _u([1, 1, 1])),
+    "items-duplicate-names-as-one-string": lambda head, t, md: head["item_table"].__setitem__("fqns", b"w\0w\0note\0"),
+    "items-names-not-utf8": lambda head, t, md: head["item_table"].__setitem__("fqns", b"\xc3\0w\0note\0"),
+    "fmt-2-with-format-3-tables": lambda head, t, md: head.__setitem__("fmt", 2),
 }
 
 
+#: Path-table cases, on a nested state (a flat one's paths are the names alone: no parts)
+PATH_CASES = {
+    "paths-part-kind-2": lambda head, t, md: head["path_table"].__setitem__(
+        "part_kind", b"\2" * len(head["path_table"]["part_kind"])),
+    "paths-name-marked-int": lambda head, t, md: head["path_table"].__setitem__(
+        "part_kind", b"\1" * len(head["path_table"]["part_kind"])),
+    "paths-kind-column-missing": lambda head, t, md: head["path_table"].pop("part_kind"),
+    "paths-int-of-400-digits": lambda head, t, md: head["path_table"].update(
+        parts=b"9" * 400 + b"\0" + b"\0".join(head["path_table"]["parts"].split(b"\0")[1:]),
+        part_kind=b"\1" + head["path_table"]["part_kind"][1:]),
+    "paths-parts-float": lambda head, t, md: head["path_table"].__setitem__("parts", (1.5,) * 9),
+    "paths-id-out-of-range": lambda head, t, md: head["path_table"].__setitem__("ids", b"\x63" * len(head["path_table"]["ids"])),
+    "paths-4097-parts": lambda head, t, md: head["path_table"].update(nparts=_u([4097] * 3), ids=bytes(3 * 4097)),
+    "paths-not-a-dict": lambda head, t, md: head.__setitem__("path_table", ()),
+}
+
+
+def save_nested(path: Path) -> Path:
+    g = torch.Generator().manual_seed(3)
+    sd = {"m": {"w": torch.randn(4096, generator=g), "layers": [torch.arange(1000)]}, "note": "a string item"}
+    dcp.save(sd, storage_writer=CompressedWriter(path, frame_size=FRAME, sync_files=False), no_dist=True)
+    return path
+
+
 def test_crafted_record_tables_are_refused_in_bounded_memory(tmp_path):
-    """Format 2's columnar table: every shape and range is checked before a record is built."""
+    """Format 3's columnar tables: every shape and range is checked before a record is built."""
     cases = {name: _edit_table(save(tmp_path / name), fn) for name, fn in TABLE_CASES.items()}
+    cases |= {name: _edit_table(save_nested(tmp_path / name), fn) for name, fn in PATH_CASES.items()}
     out = run_cases(tmp_path, cases, timeout=240)
     assert_refused(out, str(tmp_path), cls=("CorruptCheckpointError", "UnsupportedFormatError"))
     assert all(o["grew_mb"] < 300 for o in out.values()), out
 
 
 def test_a_newer_table_format_asks_for_an_upgrade(tmp_path):
-    cases = {"fmt-3": _edit_table(save(tmp_path / "fmt3"), lambda head, t, md: head.__setitem__("fmt", 3))}
+    cases = {"fmt-4": _edit_table(save(tmp_path / "fmt4"), lambda head, t, md: head.__setitem__("fmt", 4))}
     assert_refused(run_cases(tmp_path, cases), "upgrade dcp_tiered", cls=("UnsupportedFormatError",))
 
 

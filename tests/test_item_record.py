@@ -40,7 +40,8 @@ from dcp_tiered.dcp.format import (
 from dcp_tiered.dcp.save_stats import stats_from_records
 from dcp_tiered.dcp.metadata_io import decode_metadata, encode_metadata
 from dcp_tiered.dcp.item_table import pack_items, pack_paths, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import is_table, pack_storage, unpack_storage
+from dcp_tiered.dcp import record_table
+from dcp_tiered.dcp.record_table import TABLE_VERSION, is_table, pack_storage, unpack_storage
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 
 GOLDEN = Path(__file__).parent / "golden" / "v1"
@@ -315,10 +316,21 @@ def test_a_format_1_reader_refuses_a_table_asking_for_an_upgrade(tmp_path: Path,
     dcp.save({"w": torch.arange(10.0)}, storage_writer=CompressedWriter(tmp_path), no_dist=True)
     raw = pickle.loads((tmp_path / METADATA_FILE).read_bytes()[:-23])
     head = next(iter(raw.storage_data.values()))
-    assert head["fmt"] == FORMAT_VERSION == 2
+    assert head["fmt"] == TABLE_VERSION == 3
     monkeypatch.setattr(format_mod, "READ_VERSIONS", (1,))  # what format 1 readers check first
-    with pytest.raises(UnsupportedFormatError, match="format version 2.*upgrade dcp_tiered"):
+    with pytest.raises(UnsupportedFormatError, match="format version 3.*upgrade dcp_tiered"):
         check_record(head, "w", str(tmp_path))
+
+
+def test_a_format_2_reader_refuses_a_format_3_table_asking_for_an_upgrade(tmp_path: Path, monkeypatch) -> None:
+    """Format 3 renamed the head's item and path tables: a format-2 reader skips them (it looks for
+    ``items``), reaches the table's version check and asks for an upgrade, not calls the file damaged."""
+    dcp.save({"w": torch.arange(10.0), "lr": 0.1}, storage_writer=CompressedWriter(tmp_path), no_dist=True)
+    head = next(iter(pickle.loads((tmp_path / METADATA_FILE).read_bytes()[:-23]).storage_data.values()))
+    assert {"items", "paths"}.isdisjoint(head) and type(head["table"]["names"]) is bytes
+    monkeypatch.setattr(record_table, "HEAD_TABLES", {2: ("items", "paths")})
+    with pytest.raises(UnsupportedFormatError, match="format 3; this version reads 2: upgrade dcp_tiered"):
+        CompressedReader(tmp_path).read_metadata()
 
 
 @st.composite
@@ -327,8 +339,8 @@ def _entries(draw) -> tuple[dict, dict]:
     sdm, paths = {}, {}
     for i in range(draw(st.integers(1, 6))):
         fqn = f"opt.state.{i}.exp_avg" if i % 2 else f"m.w{i}"
-        paths[fqn] = tuple(draw(st.lists(st.one_of(st.sampled_from(["opt", "state", "m"]), st.integers(-3, 1 << 40)),
-                                         max_size=5)))
+        parts = st.one_of(st.sampled_from(["opt", "state", "m", fqn, "a\0b", "\udc80"]), st.integers(-3, 1 << 80))
+        paths[fqn] = tuple(draw(st.lists(parts, min_size=1, max_size=5)))  # an empty path is no DCP path
         if draw(st.booleans()):
             sdm[fqn] = BytesStorageMetadata()
             continue
@@ -354,6 +366,7 @@ def test_item_and_path_tables_round_trip_exactly(case: tuple) -> None:
     assert len({id(p) for p in props}) == len(props)  # one TensorProperties per item, as unpickling gives
     table = pickle.loads(pickle.dumps(pack_paths(paths, list(sdm))))
     assert unpack_paths(table, list(sdm), "ckpt/.metadata") == paths
+    assert pack_paths({**paths, next(iter(sdm)): ()}, list(sdm)) is None  # readers refuse it: left to the checks
     # planner_data in another order than the items (DCP's dedup moves replicated items): packed too, read back
     # in the items' order
     table = pickle.loads(pickle.dumps(pack_paths(paths, list(reversed(sdm)))))
@@ -463,3 +476,40 @@ def test_the_metadata_a_save_returns_pickles_its_items_as_the_table(tmp_path: Pa
     for received in (md, back):
         again = decode_metadata(encode_metadata(received), "again/.metadata")
         assert again.state_dict_metadata == stock.state_dict_metadata and again.planner_data == stock.planner_data
+
+
+def _sharded_metadata(tmp_path: Path, chunks: int):
+    """The ``Metadata`` of a save whose first tensor is cut in ``chunks`` row chunks, followed by a
+    non-tensor item."""
+    md = decode_metadata(_saved_metadata(tmp_path), "ckpt/.metadata")
+    records = {i.fqn: (i, r) for i, r in md.storage_data.items()}
+    (_emb_index, emb), (lr_index, lr) = records["emb"], records["lr"]
+    entry = md.state_dict_metadata["emb"]
+    entry.size = torch.Size([chunks, 4])
+    entry.chunks = [ChunkStorageMetadata(torch.Size([k, 0]), torch.Size([1, 4])) for k in range(chunks)]
+    md.storage_data = {MetadataIndex("emb", torch.Size([k, 0]), k): {**emb, "file": "__1_0.distcp", "offset": k * emb["length"]}
+                       for k in range(chunks)} | {lr_index: lr}
+    return md
+
+
+def _saved_metadata(tmp_path: Path) -> bytes:
+    path = tmp_path / f"save{len(list(tmp_path.iterdir()))}"
+    dcp.save({"emb": torch.arange(4.0).reshape(1, 4), "lr": 0.1}, storage_writer=CompressedWriter(path), no_dist=True)
+    return (path / METADATA_FILE).read_bytes()
+
+
+def test_the_head_record_is_of_the_item_with_the_fewest_chunks(tmp_path: Path) -> None:
+    """On disk ``state_dict_metadata`` keeps the head record's item as DCP's dataclasses (a format-1 reader
+    reaches it): the head is the record of the item with the fewest chunks, so what the allow-list unpickler
+    steps through does not grow with the chunks of the first tensor (16,000 ranks: 16,000 chunks)."""
+    import pickletools
+
+    opcodes = []
+    for chunks in (4, 400):
+        md = _sharded_metadata(tmp_path, chunks)
+        data = encode_metadata(md)
+        assert list(pickle.loads(data[:-23]).state_dict_metadata) == ["lr"]
+        again = decode_metadata(data, "ckpt/.metadata")
+        assert again.storage_data == md.storage_data and again.state_dict_metadata == md.state_dict_metadata
+        opcodes.append(sum(1 for _ in pickletools.genops(data[:-23])))
+    assert opcodes[1] - opcodes[0] < 20, opcodes

@@ -53,7 +53,7 @@ def test_a_chunk_outside_its_tensor_in_the_item_table_is_refused(tmp_path):
     dcp.save({"w": torch.ones(4, 3), "v": torch.zeros(2)}, storage_writer=CompressedWriter(path, sync_files=False),
              no_dist=True)
     md = pickle.loads((path / ".metadata").read_bytes()[:-len(_MAGIC) - 8])
-    items = next(iter(md.storage_data.values()))["items"]
+    items = next(iter(md.storage_data.values()))["item_table"]
     width = len(items["offsets"]) // 3
     offsets = np.frombuffer(items["offsets"], dtype=f"<u{width}").astype(np.uint64)
     offsets[0] = 3  # w's chunk starts at row 3, 4 rows long: past the end of its 4 rows

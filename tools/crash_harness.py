@@ -688,7 +688,7 @@ def run_fuzz(n: int, root: "str | Path", *, seed: int = 0, log=print) -> dict[st
 # * ``intent``: a valid promotion intent (``.promote-0.json``) mutated as JSON (wrong types,
 #   ``[]``, nesting, target == source, missing or extra fields), then a ``TieredCheckpointer``
 #   is built (resuming promotions), waited for, restored and listed;
-# * ``table``, ``paths``, ``marker``, ``lightning_ref``, ``accelerate``, ``deepdir``: format-2
+# * ``table``, ``paths``, ``marker``, ``lightning_ref``, ``accelerate``, ``deepdir``: format-3
 #   tables of tensors in 600-1,100 chunks, planner paths through ``convert``, replica markers
 #   through ``dcp-tiered ls --replicas``/``gc`` and retention, the Lightning plugin's references,
 #   Accelerate's ``save_state``/``load_state``, trees 1,100+ deep in a tier (tools/hostile_classes.py).
@@ -1315,7 +1315,7 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--corruptions", type=int, default=0, help="corruption + restore-fallback trials")
     ap.add_argument("--fuzz", type=int, default=0, help="mutated-checkpoint load cases")
     ap.add_argument("--hostile", type=int, default=0,
-                    help="hostile-input cases (opcode-level .metadata, records, bytes, intents, format-2 tables, planner "
+                    help="hostile-input cases (opcode-level .metadata, records, bytes, intents, format-3 tables, planner "
                          "paths, replica markers, Lightning references, Accelerate state, deep directories), in isolated "
                          "children")
     ap.add_argument("--batch", type=int, default=250, help="hostile cases per child process")

@@ -3,13 +3,13 @@
 Each class builds its fixture once per child process (lazily, :class:`Fixtures`), then a case
 mutates one input a user's entry point reads and drives that entry point:
 
-* ``table``: a format-2 ``.metadata`` written by ``CompressedWriter`` for tensors saved in 600 to
+* ``table``: a format-3 ``.metadata`` written by ``CompressedWriter`` for tensors saved in 600 to
   1,100 chunks (a planner that cuts them, as sharded saves do), its record, item and path tables
   mutated as columns (a chunk listed twice and another left out, overlapping chunks, offsets past the
   size, wrong widths, huge counts, frames that do not add up, names, properties, rows) or its chunk
   lists and records edited and re-packed; loaded with ``CompressedReader`` + ``dcp.load`` into a
   fresh state dict;
-* ``paths``: ``planner_data`` (format 2's path table) mutated (huge and negative indexes, empty,
+* ``paths``: ``planner_data`` (format 3's path table) mutated (huge and negative indexes, empty,
   colliding, nested and deep paths, wrong part types), then ``dcp_tiered.inspect.convert`` to a
   ``.pt`` file;
 * ``marker``: replica markers ``.replica-{owner}.json`` of a replicated ``{rank}`` tier mutated as
@@ -68,6 +68,7 @@ from dcp_tiered import (
     TieredCheckpointer,
 )
 from dcp_tiered.codecs import checksum
+from dcp_tiered.dcp.record_table import pack_strings, read_strings
 from tools.crash_harness import FAST_RETRY, _error_of, _from_dcp_planner, _mutate
 
 class _Note(dict):
@@ -259,7 +260,7 @@ def _table_fixture(d: Path) -> dict[str, Any]:
                  planner=ChunkedSavePlanner(shapes), no_dist=True)
         raw = (path / ".metadata").read_bytes()
         head = next(iter(pickle.loads(_split_body(raw)).storage_data.values()))
-        assert head.get("fmt") == 2 and "items" in head and "paths" in head, f"{name}: not a format-2 table"
+        assert head.get("fmt") == 3 and "item_table" in head and "path_table" in head, f"{name}: not a format-3 table"
         back = _zeros_like(sd)
         dcp.load(back, storage_reader=CompressedReader(path, threads=1), no_dist=True)
         assert _equal(back, sd), f"{name}: the base does not round-trip"
@@ -280,7 +281,7 @@ def _paths_fixture(d: Path) -> dict[str, Any]:
     dcp.save(sd, storage_writer=CompressedWriter(path, codec="zstd", threads=1, sync_files=False), no_dist=True)
     raw = (path / ".metadata").read_bytes()
     head = next(iter(pickle.loads(_split_body(raw)).storage_data.values()))
-    assert "paths" in head, "the base has no path table"
+    assert "path_table" in head, "the base has no path table"
     convert(path, d / "check.pt")
     assert _equal(torch.load(d / "check.pt", weights_only=True), sd), "the base does not convert exactly"
     return {"path": path, "raw": raw, "sd": sd, "out": d / "out.pt"}
@@ -290,7 +291,7 @@ def _paths_fixture(d: Path) -> dict[str, Any]:
 _BUILDERS: dict[str, Any] = {}
 
 
-# --------------------------------------------------------------------------- table: format-2 tables
+# --------------------------------------------------------------------------- table: format-3 tables
 
 
 def _col(raw: Any, count: int) -> list[int]:
@@ -300,6 +301,15 @@ def _col(raw: Any, count: int) -> list[int]:
     return np.frombuffer(raw, dtype=_WIDTHS[len(raw) // count]).astype(np.uint64).tolist()
 
 
+def _strings(names: list, rng: random.Random) -> Any:
+    """``names`` stored as format 3 stores them (one string; a tuple where they do not pack), or, now and
+    then, that string damaged: a NUL lost, a byte that is no UTF-8."""
+    packed = pack_strings(tuple(names)) if all(type(v) is str for v in names) else tuple(names)
+    if type(packed) is bytes and packed and rng.random() < 0.1:
+        packed = rng.choice((packed[:-1], b"\xff" + packed, packed.replace(b"\0", b"", 1)))
+    return packed
+
+
 def _enc(values: list[int], width: int | None = None) -> bytes:
     top = max(values, default=0)
     width = width or next(w for w in _WIDTHS if top < 1 << (8 * w))
@@ -307,7 +317,7 @@ def _enc(values: list[int], width: int | None = None) -> bytes:
 
 
 class _Tables:
-    """The head record of a plain-unpickled format-2 ``Metadata``, its columns decoded, edited, encoded back."""
+    """The head record of a plain-unpickled format-3 ``Metadata``, its columns decoded, edited, encoded back."""
 
     def __init__(self, md: Any) -> None:
         from dcp_tiered.dcp.item_table import _ITEM_ROW
@@ -315,8 +325,8 @@ class _Tables:
 
         self.md = md
         self.head = next(iter(md.storage_data.values()))
-        t, it = self.head["table"], self.head["items"]
-        self.n, self.fqns = t["n"], list(it["fqns"])
+        t, it = self.head["table"], self.head["item_table"]
+        self.n, self.fqns = t["n"], list(read_strings(it["fqns"], "harness", "names"))
         self.rows = {c: _col(t[c], self.n) for c in _ROW}
         total = sum(self.rows["nframes"])
         self.frames, self.sums = _col(t["frames"], total), _col(t["sums"], total)
@@ -341,7 +351,7 @@ class _Tables:
         return sum(self.rows["nframes"][:row])
 
     def write(self) -> None:
-        t, it = self.head["table"], self.head["items"]
+        t, it = self.head["table"], self.head["item_table"]
         for c in self._row_names:
             t[c] = _enc(self.rows[c])
         t["frames"], t["sums"] = _enc(self.frames), _enc(self.sums)
@@ -425,14 +435,14 @@ def mutate_table(md: Any, rng: random.Random) -> str:
     elif how == "names":  # the shared strings: a dtype, codec, filter, file or checksum name, or the tuple itself
         t = tb.head["table"]
         tb.write()
-        names = list(t["names"])
+        names = list(read_strings(t["names"], "harness", "names"))
         k = rng.randrange(len(names))
         names[k] = rng.choice(("float32", "int64", "int32", "bfloat16", "float16", "bool", "uint8", "float64", "x",
                                "lz4", "zstd", "none", "zstd:99", "bytegroup", "__1_0.distcp", "../__0_0.distcp",
                                "/etc/passwd", ".metadata", "", "xxh3", "tensor", names[(k + 1) % len(names)]))
         if rng.random() < 0.15:
             names = rng.choice((names[:-1], names + ["extra"], names + [5], [None] + names[1:]))
-        t["names"] = tuple(names)
+        t["names"] = _strings(names, rng)
         return how
     elif how == "hint":  # DCP's index hint: never where anything is read from
         tb.rows["index"][r] = rng.choice((0, 1, 7, 2**32, 2**64 - 1))
@@ -440,7 +450,7 @@ def mutate_table(md: Any, rng: random.Random) -> str:
         from torch.distributed.checkpoint.metadata import TensorProperties
 
         tb.write()
-        it = tb.head["items"]
+        it = tb.head["item_table"]
         props = list(it["props"])
         if rng.random() < 0.6:
             k = rng.randrange(len(props))
@@ -457,11 +467,11 @@ def mutate_table(md: Any, rng: random.Random) -> str:
         return how
     elif how == "fqns":  # a name repeated (another left out) or another name
         tb.write()
-        it = tb.head["items"]
-        fqns = list(it["fqns"])
+        it = tb.head["item_table"]
+        fqns = list(read_strings(it["fqns"], "harness", "names"))
         k = rng.randrange(len(fqns))
-        fqns[k] = rng.choice((fqns[(k + 1) % len(fqns)], fqns[k] + "x", "", "meta.k"))
-        it["fqns"] = tuple(fqns)
+        fqns[k] = rng.choice((fqns[(k + 1) % len(fqns)], fqns[k] + "x", "", "meta.k", "a\0b"))
+        it["fqns"] = _strings(fqns, rng)
         return how
     elif how == "kind":  # a tensor item called a non-tensor one, or a row's kind flipped
         if rng.random() < 0.5:
@@ -476,7 +486,8 @@ def mutate_table(md: Any, rng: random.Random) -> str:
 
 def _mutate_width(head: dict, rng: random.Random) -> None:
     """One column of one table made the wrong length or width, or no bytes at all."""
-    table = rng.choice([t for t in (head.get("table"), head.get("items"), head.get("paths")) if isinstance(t, dict)])
+    table = rng.choice([t for t in (head.get("table"), head.get("item_table"), head.get("path_table"))
+                        if isinstance(t, dict)])
     cols = [k for k, v in table.items() if type(v) is bytes]
     if not cols:
         return
@@ -684,7 +695,7 @@ def paths_case(fx: Fixtures, rng: random.Random) -> str:
     else:  # the path table itself
         md = pickle.loads(_split_body(raw))
         head = next(iter(md.storage_data.values()))
-        how = "table_" + _mutate_path_table(head["paths"], len(head["items"]["fqns"]), rng)
+        how = "table_" + _mutate_path_table(head["path_table"], len(read_strings(head["item_table"]["fqns"], "harness", "names")), rng)
     try:
         body = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001
@@ -710,14 +721,22 @@ def paths_case(fx: Fixtures, rng: random.Random) -> str:
 
 
 def _mutate_path_table(paths: dict, nitems: int, rng: random.Random) -> str:
-    parts = list(paths["parts"])
+    from dcp_tiered.dcp.item_table import _typed_parts
+
+    parts = list(_typed_parts(paths, read_strings(paths["parts"], "harness", "parts"), "harness"))
     counts = _col(paths["nparts"], nitems)
     ids = _col(paths["ids"], sum(counts))
     how = rng.choice(("part", "part", "count", "ids", "width"))
     if how == "part":
         at = rng.randrange(len(parts))
-        parts[at] = rng.choice((10**6, 10**12, 2**62, -1, "", "x" * 70000, "0", parts[(at + 1) % len(parts)], 1.5, None))
-        paths["parts"] = tuple(parts)
+        parts[at] = rng.choice((10**6, 10**12, 2**62, -1, "", "x" * 70000, "0", parts[(at + 1) % len(parts)], 1.5, None,
+                                10**30, "-0", "a\0b"))
+        if rng.random() < 0.5 and all(type(v) in (str, int) for v in parts):  # as format 3 writes them
+            paths["parts"], paths["part_kind"] = (pack_strings(tuple(map(str, parts))),
+                                                  _enc([int(type(v) is int) for v in parts]))
+        else:  # as a tuple (a name holding a NUL)
+            paths["parts"] = tuple(parts)
+            paths.pop("part_kind", None)
     elif how == "count":
         at = rng.randrange(nitems)
         counts[at] = rng.choice((0, counts[at] + 1, max(0, counts[at] - 1), 64, 65, 4096, 4097, 2**32))
@@ -727,7 +746,7 @@ def _mutate_path_table(paths: dict, nitems: int, rng: random.Random) -> str:
         ids[at] = rng.choice((0, ids[(at + 1) % len(ids)], len(parts), 2**40))
         paths["ids"] = _enc(ids)
     else:
-        _mutate_width({"paths": paths}, rng)
+        _mutate_width({"path_table": paths}, rng)
     return how
 
 

@@ -8,12 +8,14 @@ head record then holds:
 * ``items``: the names in order; per item its kind (0 tensor, 1 bytes), an id into a tuple of
   the distinct ``TensorProperties``, its number of dimensions and of chunks; then the sizes,
   and the chunk offsets and sizes, of all tensors as flat columns;
-* ``paths``: per item the length of its planner path, and ids into a tuple of the distinct
-  path parts (``str`` or ``int``), in the items' order (``planner_data`` read back lists its keys
-  so, whatever order DCP gave them).
+* ``paths``: per item the length of its planner path (0: the path is the item's name alone, as
+  in a flat state dict), and ids into a tuple of the distinct path parts (``str`` or ``int``), in
+  the items' order (``planner_data`` read back lists its keys so, whatever order DCP gave them).
 
-``state_dict_metadata`` on disk keeps only the entry of the head record's item (so a format-1
-reader reaches that record and asks for an upgrade) and ``planner_data`` is None.  Either
+Format 3 stores them as ``item_table`` and ``path_table``, their names and path parts as one
+string each (:func:`~dcp_tiered.dcp.record_table.pack_strings`; an int part as its digits, marked
+in ``part_kind``).  ``state_dict_metadata`` on disk keeps only the entry of the head record's item
+(so a format-1 reader reaches that record and asks for an upgrade) and ``planner_data`` is None.  Either
 table is written only when every entry fits exactly; ``unpack`` of ``pack`` is equal.
 """
 
@@ -27,13 +29,15 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from dcp_tiered.dcp.gc_pause import gc_paused
-from dcp_tiered.dcp.record_table import _bad, _column, _read
+from dcp_tiered.dcp.record_table import _bad, _column, _read, pack_strings, read_strings
 from dcp_tiered.dcp.tiling import array_tiling_problem, split_tilings
 from dcp_tiered.errors import CorruptCheckpointError
 
 _MAX_DIMS = 64
 _MAX_DIM = 1 << 62
 _ITEM_ROW = ("kind", "prop", "ndim", "nchunks")
+#: Longest int path part stored as digits (a list index or an int key; never a number slow to read)
+_MAX_INDEX_DIGITS = 21
 
 
 def _tensor_ok(entry: Any) -> bool:
@@ -44,8 +48,9 @@ def _tensor_ok(entry: Any) -> bool:
                     and len(c.offsets) == len(c.sizes) == len(size) for c in chunks))
 
 
-def pack_items(sdm: dict) -> "dict | None":
-    """The item table of ``sdm``, or None when an entry does not fit it exactly."""
+def pack_items(sdm: dict, one_string: bool = True) -> "dict | None":
+    """The item table of ``sdm``, or None when an entry does not fit it exactly; its names as one
+    string (format 3), or the tuple of them (``one_string`` False)."""
     props: dict[tuple, tuple[int, TensorProperties]] = {}
     rows, sizes, offsets, chunk_sizes = [], [], [], []
     for fqn, entry in sdm.items():
@@ -67,7 +72,7 @@ def pack_items(sdm: dict) -> "dict | None":
     if max(sizes + offsets + chunk_sizes, default=0) >= _MAX_DIM:
         return None
     columns = list(zip(*rows))
-    return {"fqns": tuple(sdm), "props": tuple(p for _, p in props.values()),
+    return {"fqns": pack_strings(tuple(sdm)) if one_string else tuple(sdm), "props": tuple(p for _, p in props.values()),
             **{c: _column(list(v)) for c, v in zip(_ITEM_ROW, columns)},
             "size": _column(sizes), "offsets": _column(offsets), "chunk_sizes": _column(chunk_sizes)}
 
@@ -80,15 +85,25 @@ def pack_paths(planner_data: Any, fqns: list) -> "dict | None":
         return None
     parts: dict[tuple, int] = {}
     counts, ids = [], []
-    for path in (planner_data[f] for f in fqns):
-        if type(path) is not tuple:
+    for fqn in fqns:
+        path = planner_data[fqn]
+        if type(path) is not tuple or not path:
             return None
+        if len(path) == 1 and path[0] == fqn and type(path[0]) is str:  # a flat state dict's: stored as 0 parts
+            counts.append(0)
+            continue
         counts.append(len(path))
         for part in path:
             if type(part) not in (str, int):
                 return None
             ids.append(parts.setdefault((type(part), part), len(parts)))
-    return {"parts": tuple(v for _, v in parts), "nparts": _column(counts), "ids": _column(ids)}
+    values = tuple(v for _, v in parts)
+    table = {"nparts": _column(counts), "ids": _column(ids)}
+    names = pack_strings(tuple(map(str, values)))
+    if type(names) is bytes and all(len(str(v)) <= _MAX_INDEX_DIGITS for v in values if type(v) is int):
+        # an int part as its decimal digits, marked in part_kind
+        return {"parts": names, "part_kind": _column([int(type(v) is int) for v in values]), **table}
+    return {"parts": values, **table}
 
 
 class BroadcastItems(dict):
@@ -108,7 +123,9 @@ class BroadcastItems(dict):
     @classmethod
     def of(cls, sdm: Any) -> Any:
         """``sdm`` as one, or ``sdm`` itself where an entry does not fit the item table."""
-        table = pack_items(sdm) if type(sdm) is dict else None
+        # the names as a tuple: the other tables of the broadcast (planner_data, the records' indices)
+        # hold the same string objects, which pickle writes once; one string would repeat them
+        table = pack_items(sdm, one_string=False) if type(sdm) is dict else None
         return sdm if table is None else cls(sdm, table)
 
     def __reduce__(self) -> tuple:
@@ -130,7 +147,8 @@ def _limits(cols: dict, limits: dict, source: str, table: str) -> None:
 def unpack_items(items: Any, source: str) -> dict:
     """``state_dict_metadata`` from its item table (shapes and ranges checked before anything is built)."""
     fqns, props = (items.get(k) if type(items) is dict else None for k in ("fqns", "props"))
-    if type(fqns) is not tuple or not fqns or not set(map(type, fqns)) <= {str} or len(set(fqns)) != len(fqns):
+    fqns = read_strings(fqns, source, "item names")
+    if not fqns or len(set(fqns)) != len(fqns):
         raise _bad(source, "has an item table without distinct names")
     if type(props) is not tuple or not set(map(type, props)) <= {TensorProperties}:
         raise _bad(source, "has tensor properties of the wrong type")
@@ -168,7 +186,7 @@ def unpack_items(items: Any, source: str) -> dict:
 
 def table_chunk_problem(items: dict, source: str) -> "tuple[str, str] | None":
     """:func:`chunk_problem` of an item table that :func:`pack_items` made or :func:`unpack_items` read."""
-    fqns = items["fqns"]
+    fqns = read_strings(items["fqns"], source, "item names")
     kind, _prop, ndim, nchunks = (_read(items, c, len(fqns), source).astype(np.int64) for c in _ITEM_ROW)
     count = int((ndim * nchunks).sum())
     dims = _read(items, "size", int(ndim.sum()), source)
@@ -210,9 +228,25 @@ def chunk_problem(fqns: "tuple | list", tensor: np.ndarray, ndim: np.ndarray, nc
     return None
 
 
+def _typed_parts(paths: dict, names: tuple, source: str) -> tuple:
+    """The path parts of format 3: the names, those ``part_kind`` marks as ints read back from their digits."""
+    kinds = _read(paths, "part_kind", len(names), source)
+    _limits({"part_kind": kinds}, {"part_kind": 1}, source, "path")
+    parts = list(names)
+    for i in np.flatnonzero(kinds).tolist():
+        digits = parts[i]
+        value = int(digits) if len(digits) <= _MAX_INDEX_DIGITS and digits.lstrip("-").isdigit() and digits.isascii() else None
+        if value is None or str(value) != digits:
+            raise _bad(source, f"has an index path part {digits[:40]!r} that is not an integer")
+        parts[i] = value
+    return tuple(parts)
+
+
 def unpack_paths(paths: Any, fqns: list, source: str) -> dict:
     """``planner_data`` from its path table."""
     parts = paths.get("parts") if type(paths) is dict else None
+    if type(parts) is bytes:
+        parts = _typed_parts(paths, read_strings(parts, source, "path parts"), source)
     if type(parts) is not tuple or not set(map(type, parts)) <= {str, int}:
         raise _bad(source, "has path parts that are not names or indices")
     counts = _read(paths, "nparts", len(fqns), source)
@@ -221,6 +255,6 @@ def unpack_paths(paths: Any, fqns: list, source: str) -> dict:
     _limits({"ids": ids}, {"ids": len(parts) - 1}, source, "path")
     ids, out, at = ids.tolist(), {}, 0
     for fqn, k in zip(fqns, counts.tolist()):
-        out[fqn] = tuple(parts[i] for i in ids[at:at + k])
+        out[fqn] = tuple(parts[i] for i in ids[at:at + k]) if k else (fqn,)
         at += k
     return out

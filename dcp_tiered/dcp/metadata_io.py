@@ -48,13 +48,15 @@ from dcp_tiered.dcp.format import (
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.item_table import BroadcastItems, check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import TABLE_FIELD, PackedRecords, RecordTable, is_table, pack_storage, unpack_storage
+from dcp_tiered.dcp.record_table import (HEAD_TABLES, TABLE_FIELD, TABLE_VERSION, PackedRecords, RecordTable, head_tables,
+                                         is_table, pack_storage, pack_strings, unpack_storage)
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
 from dcp_tiered.errors import CorruptCheckpointError, MetadataTooLargeError, UnsafeCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 _MAGIC = b"\x00dcp_tiered.md1"
+_ITEMS, _PATHS = HEAD_TABLES[TABLE_VERSION]
 _TRAILER = len(_MAGIC) + 8
 _MAX_TRANSFORMS = 8
 
@@ -95,8 +97,8 @@ def _tiling_problem(metadata: Metadata, packed: Metadata) -> "tuple[str, str] | 
     """The first tensor of ``metadata`` whose chunks do not tile it exactly, and why: over the item table
     of ``packed`` (its format-2 form) when it has one, as readers check it, else tensor by tensor."""
     head = next(iter(packed.storage_data.values()), None) if type(packed.storage_data) is dict else None
-    if type(head) is dict and "items" in head:
-        return table_chunk_problem(head["items"], "the save's item table")
+    if type(head) is dict and _ITEMS in head:
+        return table_chunk_problem(head[_ITEMS], "the save's item table")
     for fqn, item in (metadata.state_dict_metadata or {}).items():
         if type(item) is TensorStorageMetadata:
             problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
@@ -139,7 +141,7 @@ def _plain(metadata: Metadata) -> tuple[Metadata, "dict | None"]:
 
 
 def _packed(metadata: Metadata, items: "dict | None" = None) -> Metadata:
-    """``metadata`` as format 2 stores it: records, items and planner paths as tables in the head record
+    """``metadata`` as format 3 stores it: records, items and planner paths as tables in the head record
     (``items``: its item table where made already)."""
     sdm, storage = metadata.state_dict_metadata, metadata.storage_data
     if type(storage) is RecordTable:  # a decoded checkpoint's, saved again
@@ -157,13 +159,16 @@ def _packed(metadata: Metadata, items: "dict | None" = None) -> Metadata:
     out = _as_dict(metadata, packed)
     first, head = next(iter(packed.items()))
     packed[first] = head = dict(head)  # the head gains the item tables; the caller's stays as it was
-    items = pack_items(sdm) if items is None else items
+    if items is None:
+        items = pack_items(sdm)
+    elif type(items["fqns"]) is tuple:  # a broadcast's table: its names as format 3 stores them
+        items = {**items, "fqns": pack_strings(items["fqns"])}
     if items is not None:
-        head["items"] = items
+        head[_ITEMS] = items
         out.state_dict_metadata = {first.fqn: sdm[first.fqn]}  # a format-1 reader reaches the head, asks to upgrade
         paths = pack_paths(metadata.planner_data, list(sdm))
         if paths is not None:
-            head["paths"], out.planner_data = paths, None
+            head[_PATHS], out.planner_data = paths, None
     return out
 
 
@@ -176,12 +181,12 @@ def _as_dict(metadata: Metadata, storage: dict) -> Metadata:
 def _unpacked(md: Metadata, source: str) -> bool:
     """Replace the item and path tables of a format-2 head record by DCP's own tables; whether it had an
     item table."""
-    head = next(iter(md.storage_data.values()))
-    if "items" not in head:
+    items, paths = head_tables(next(iter(md.storage_data.values())), source)
+    if items is None:
         return False
-    md.state_dict_metadata = unpack_items(head["items"], source)
-    if "paths" in head:
-        md.planner_data = unpack_paths(head["paths"], list(md.state_dict_metadata), source)
+    md.state_dict_metadata = unpack_items(items, source)
+    if paths is not None:
+        md.planner_data = unpack_paths(paths, list(md.state_dict_metadata), source)
     return True
 
 
@@ -260,7 +265,7 @@ def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadat
     items_checked = table and _unpacked(md, source)
     _check_counts(md, source, table)
     if items_checked:  # the tensors' chunks, over the item table's columns
-        check_table_chunks(next(iter(md.storage_data.values()))["items"], source)
+        check_table_chunks(head_tables(next(iter(md.storage_data.values())), source)[0], source)
     _check_tables(md, source, tensors_checked=items_checked)
     checked = 0
     if table:

@@ -33,15 +33,17 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
-from dcp_tiered.dcp.format import check_against_properties, check_record, dtype_name, expected_sizes
+from dcp_tiered.dcp.format import READ_VERSIONS, check_against_properties, check_record, dtype_name, expected_sizes
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import safe_relative_name
 
-#: Format version of a ``.metadata`` holding a record table.
-TABLE_VERSION = 2
+#: Format version of a ``.metadata`` holding a record table (written; those read are ``HEAD_TABLES``'s keys).
+TABLE_VERSION = 3
 TABLE_FIELD = "table"
-#: Fields of the head record: the record table, and the item and path tables (``dcp.item_table``).
-_HEAD = frozenset(("fmt", TABLE_FIELD, "items", "paths"))
+#: The head record's fields of the item and path tables (``dcp.item_table``), by format.  Format 3
+#: stores their lists of names as one string each (:func:`pack_strings`) and renamed the fields, so a
+#: format-2 reader reaches the version check and asks for an upgrade, not refuses them as damaged.
+HEAD_TABLES = {2: ("items", "paths"), 3: ("item_table", "path_table")}
 _NAMES = ("file", "codec", "filter", "checksum", "dtype", "orig_dtype", "object")
 _INTS = ("fmt", "offset", "raw", "itemsize", "frame")
 _KINDS = ("tensor", "bytes")
@@ -93,6 +95,9 @@ class _Packer:
         self.frames: list[int] = []
         self.sums: list[int] = []
         self._ids: dict[tuple, "tuple[int, ...] | None"] = {}  # the name fields of a record -> their ids
+        # the head: the first row of the item with the fewest chunks (its entry stays on disk as DCP's
+        # dataclasses, which the allow-list unpickler steps through): (chunks, row, first frame, index)
+        self.head: "tuple[int, int, int, Any] | None" = None
 
     def _chunk(self, fqn: str, entry: Any, offset: Any) -> "tuple[int, tuple] | None":
         table = self.chunks.get(fqn)
@@ -147,6 +152,9 @@ class _Packer:
             names = self._ids[key] = None if None in ids else tuple(ids)
         if names is None:
             return False
+        cost = len(self.entries[item].chunks) if chunk else 0
+        if self.head is None or cost < self.head[0]:
+            self.head = (cost, len(self.rows), len(self.frames), index)
         self.rows.append((item, chunk, 0 if hint is None else hint + 1, 0 if kind == "tensor" else 1, len(frames),
                           *ints, *names))
         self.frames.extend(frames)
@@ -154,9 +162,24 @@ class _Packer:
         return True
 
     def table(self) -> "dict | None":
-        columns = list(zip(*self.rows))
+        """The table of the rows, the head's row first; None when a deferred check refuses a value."""
+        rows, frames, sums, names = self.rows, self.frames, self.sums, tuple(self.names)
+        _cost, r, at, _index = self.head
+        if r:
+            end = at + rows[r][4]
+            rows = [rows[r], *rows[:r], *rows[r + 1:]]
+            frames, sums = (v[at:end] + v[:at] + v[end:] for v in (frames, sums))
+        columns = list(zip(*rows))
+        if r:  # names numbered in the order the rows first use them, as a decoded table packs again
+            head_ids = [i for i in rows[0][_NAME_COLUMNS[0]:] if i]
+            order = list(dict.fromkeys([*head_ids, *range(1, len(names) + 1)]))
+            new_id = np.zeros(len(names) + 1, dtype=np.int64)
+            new_id[order] = np.arange(1, len(order) + 1)
+            for j in range(_NAME_COLUMNS[0], len(columns)):
+                columns[j] = new_id[list(columns[j])].tolist()
+            names = tuple(names[i - 1] for i in order)
         try:
-            frames, sums = _uint_array(self.frames), _uint_array(self.sums)
+            frames, sums = _uint_array(frames), _uint_array(sums)
             if self.deferred:  # the int fields' columns, checked as the frames are
                 for j in _INT_COLUMNS:
                     _uint_array(columns[j])
@@ -165,7 +188,7 @@ class _Packer:
         except (TypeError, OverflowError):
             return None
         rows = np.array(columns, dtype=np.uint64)  # every value now known to be an int in range
-        return {"n": len(self.rows), "names": tuple(self.names), **dict(zip(_ROW, _stacked(rows))),
+        return {"n": len(self.rows), "names": pack_strings(names), **dict(zip(_ROW, _stacked(rows))),
                 "frames": _column(frames), "sums": _column(sums)}
 
 
@@ -179,7 +202,8 @@ def _uint_array(values: "list | tuple") -> np.ndarray:
 
 _INT_COLUMNS = tuple(range(_ROW.index(_INTS[0]), _ROW.index(_INTS[-1]) + 1))
 _FMT_COLUMN = _ROW.index("fmt")
-_FMTS = frozenset((1, TABLE_VERSION))
+_NAME_COLUMNS = tuple(range(_ROW.index(_NAMES[0]), len(_ROW)))
+_FMTS = frozenset(READ_VERSIONS)  # the records' own format versions
 
 
 def pack_storage(sdm: dict, storage: dict) -> dict:
@@ -195,7 +219,7 @@ def pack_storage(sdm: dict, storage: dict) -> dict:
             return storage
         table = packer.table()
         if table is not None:
-            return {first: {"fmt": TABLE_VERSION, TABLE_FIELD: table}, **rest}
+            return {packer.head[3]: {"fmt": TABLE_VERSION, TABLE_FIELD: table}, **rest}
     raise AssertionError("unreachable: a packer that checks each record's frames makes a table")
 
 
@@ -327,6 +351,40 @@ def _read(table: dict, name: str, count: int, source: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=_WIDTHS.get(width, "<u1"))
 
 
+def head_tables(head: dict, source: str) -> tuple[Any, Any]:
+    """The item and path tables of a head record (None where absent), once its format is one this
+    version reads and it has no other fields."""
+    fields = HEAD_TABLES.get(head.get("fmt")) if type(head.get("fmt")) is int else None
+    if fields is None or not head.keys() <= {"fmt", TABLE_FIELD, *fields}:
+        raise UnsupportedFormatError(f"{source} holds a record table of format {head.get('fmt')!r}; this version "
+                                     f"reads {' and '.join(map(str, HEAD_TABLES))}: upgrade dcp_tiered")
+    return head.get(fields[0]), head.get(fields[1])
+
+
+def pack_strings(values: tuple) -> "bytes | tuple":
+    """A list of names as format 3 stores it: UTF-8, each name ended by a NUL, one ``bytes`` (one
+    unpickler step where a tuple takes two a name); the tuple itself when a name holds a NUL or does
+    not encode (a lone surrogate)."""
+    try:
+        if any("\0" in v for v in values):
+            return values
+        return "\0".join(values).encode("utf-8") + b"\0" if values else b""
+    except UnicodeEncodeError:
+        return values
+
+
+def read_strings(value: Any, source: str, what: str) -> tuple:
+    """The names :func:`pack_strings` stored (a tuple of ``str`` is read as it is)."""
+    if type(value) is bytes and (not value or value.endswith(b"\0")):
+        try:
+            return tuple(value.decode("utf-8").split("\0")[:-1])
+        except UnicodeDecodeError:
+            pass
+    elif type(value) is tuple and set(map(type, value)) <= {str}:
+        return value
+    raise _bad(source, f"has {what} that are not strings")
+
+
 def is_table(storage: Any) -> bool:
     """Whether ``storage_data`` (as unpickled) starts with a format-2 record table."""
     if type(storage) is not dict or not storage:
@@ -337,15 +395,11 @@ def is_table(storage: Any) -> bool:
 
 def _columns(head: dict, sdm: dict, source: str) -> tuple[dict, list, list, tuple]:
     """Check the table's shape and ranges (vectorized), then return its columns as lists."""
-    if head.get("fmt") != TABLE_VERSION or not head.keys() <= _HEAD:
-        raise UnsupportedFormatError(f"{source} holds a record table of format {head.get('fmt')!r}; "
-                                     f"this version reads {TABLE_VERSION}: upgrade dcp_tiered")
+    head_tables(head, source)
     table = head[TABLE_FIELD]
     if type(table) is not dict or type(table.get("n")) is not int or table["n"] < 1:
         raise _bad(source, "has no valid record count")
-    n, names = table["n"], table.get("names")
-    if type(names) is not tuple or not set(map(type, names)) <= {str}:
-        raise _bad(source, "has names that are not strings")
+    n, names = table["n"], read_strings(table.get("names"), source, "names")
     cols = {c: _read(table, c, n, source) for c in _ROW}
     limits = {"item": len(sdm) - 1, "kind": len(_KINDS) - 1, "nframes": MAX_FRAMES_PER_RECORD,
               **{c: len(names) for c in _NAMES}}
@@ -741,14 +795,15 @@ def _check_one(row: tuple, sdm: dict, checkpoint: str, max_object_bytes: "int | 
 def _chunk_numels(entries: list) -> tuple[np.ndarray, np.ndarray]:
     """Where each item's chunks start in one flat array, and the element count of every chunk there
     (capped at 2**63: no raw size is that large)."""
-    base = np.zeros(len(entries), dtype=np.int64)
-    numels: list[int] = []
-    for i, entry in enumerate(entries):
-        base[i] = len(numels)
-        for chunk in getattr(entry, "chunks", ()) if type(entry) is TensorStorageMetadata else ():
+    counts, numels, prod, cap = [], [], math.prod, 1 << 63
+    for entry in entries:
+        chunks = entry.chunks if type(entry) is TensorStorageMetadata else ()
+        counts.append(len(chunks))
+        for chunk in chunks:
             sizes = chunk.sizes  # a dimension of 2**62 or more is refused as check_record does: no raw size matches
-            numels.append(1 << 63 if sizes and max(sizes) >= _BIG else min(math.prod(sizes), 1 << 63))
-    return base, np.array(numels, dtype=np.uint64)
+            numels.append(cap if sizes and max(sizes) >= _BIG else min(prod(sizes), cap))
+    counts_arr = np.array(counts, dtype=np.int64)
+    return np.cumsum(counts_arr) - counts_arr, np.array(numels, dtype=np.uint64)
 
 
 def _last_lo(cols: dict, names: tuple, combo: np.ndarray, first: np.ndarray, last_raw: np.ndarray,

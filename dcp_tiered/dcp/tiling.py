@@ -136,10 +136,11 @@ def split_tilings(size: np.ndarray, ndim: np.ndarray, nchunks: np.ndarray, offse
     ``offsets`` and ``sizes``: every chunk's, ``ndim`` entries each, tensor after tensor; all int64,
     each chunk inside its tensor.  Proven: every dimension but the first whole in each chunk, and the
     chunks' row ranges, in order, start at 0, each where the one before ends, and end at the tensor's
-    rows.  False means only "not proven": check that tensor with :func:`array_tiling_problem`."""
+    rows; or a scalar with one chunk.  False means only "not proven": check that tensor with
+    :func:`array_tiling_problem`."""
     tensors = len(ndim)
     ndim, nchunks = ndim.astype(np.int64), nchunks.astype(np.int64)
-    ok = (ndim >= 1) & (nchunks >= 1)
+    ok = ((ndim >= 1) & (nchunks >= 1)) | ((ndim == 0) & (nchunks == 1))  # a scalar's one chunk is all of it
     dim_tensor = np.repeat(np.arange(tensors), ndim)
     ok &= np.bincount(dim_tensor[size == 0], minlength=tensors) == 0  # empty tensors: left to the exact check
     chunk_tensor = np.repeat(np.arange(tensors), nchunks)
