@@ -62,7 +62,7 @@ def records_rows(records: dict | None) -> list[list[str]]:
         return [[".metadata bytes per tensor ≤ stock's", "—", "not run (`bench_records`)", ""]]
     rows = []
     for s in records["data"]["sizes"]:
-        ours, stock = s["ours, format 2"], s["stock FileSystemWriter"]
+        ours, stock = s["ours, format 3"], s["stock FileSystemWriter"]
         rows.append([f".metadata bytes per tensor ≤ stock's: {s['data']}", f"{ours:.1f} vs {stock:.1f}",
                      f"{ours / stock:.2f}", verdict(ours / stock, 1.0, higher_is_better=False)])
     return rows

@@ -115,7 +115,7 @@ def test_summary_rows_for_the_save_speed_targets() -> None:
                                  {**cell, "codec": "zstd:1", "compress_mbs": 1000.0},
                                  {**cell, "codec": "lz4", "threads": 1, "compress_mbs": 1.0}]}}
     assert lz4_rows(codecs) == [["lz4 encode ≥ 1.5x zstd:1 (2 threads): w", "1500 vs 1000 MB/s", "1.50x", "met"]]
-    records = {"data": {"sizes": [{"data": "t", "ours, format 2": 80.0, "stock FileSystemWriter": 200.0}]}}
+    records = {"data": {"sizes": [{"data": "t", "ours, format 3": 80.0, "stock FileSystemWriter": 200.0}]}}
     assert records_rows(records)[0][2:] == ["0.40", "met"]
     w = {"save_s": 1.0, "load_cold_s": 1.0, "stored": 5e8}
     sets = [{"name": "s", "raw": 2e9, "disk_write_mbps": 1000.0, "disk_read_mbps": 1000.0,
