@@ -10,13 +10,29 @@ fills), so decoding starts after the first chunk instead of after a whole batch 
 
 from __future__ import annotations
 
+import pytest
+
 from isolated import run_isolated
 
 CHUNK = 2 * (4 << 20)  # the local read the README states: 4 MiB per decoder thread, 2 threads
 ALLOWANCE = 32 << 20  # decoders' contexts and frames, thread stacks, the metadata
 
 
-def test_extra_memory_of_a_local_load_is_two_read_chunks_not_the_state(tmp_path) -> None:
+#: destinations a load decodes into: the stored tensors themselves, another dtype (a downcast checkpoint
+#: loaded into the model's fp32, or bf16 weights), non-contiguous ones, and half of each tensor (resharding)
+DESTINATIONS = {
+    "same": "{k: torch.zeros_like(v) for k, v in state.items()}",
+    "bf16": "{k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in state.items()}",
+    "strided": "{k: torch.zeros(2 * v.numel())[::2] for k, v in state.items()}",
+    "half": "{k: DTensorLike(v) for k, v in state.items()}",
+}
+
+
+@pytest.mark.parametrize("dest", list(DESTINATIONS))
+def test_extra_memory_of_a_local_load_is_two_read_chunks_not_the_state(tmp_path, dest: str) -> None:
+    """Whatever the destination: a tensor that cannot be decoded into in place is decoded frame by frame
+    into it (another dtype or device, a whole tensor), or through a buffer of its own made when its first
+    frame is read and dropped once it is copied (a strided or partial destination), never all at once."""
     res = run_isolated(f"""
         import torch
         import torch.distributed.checkpoint as dcp
@@ -30,14 +46,31 @@ def test_extra_memory_of_a_local_load_is_two_read_chunks_not_the_state(tmp_path)
         state = {{f"layer{{i}}.weight": torch.randn(1 << 20, generator=g) for i in range(48)}}  # 192 MiB
         dcp.save(state, storage_writer=CompressedWriter({str(tmp_path / "ck")!r}, codec="zstd:1", sync_files=False),
                  no_dist=True)
-        dest = {{k: torch.zeros_like(v) for k, v in state.items()}}
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        class Half(DefaultLoadPlanner):  # the first half of each tensor, as a resharded load asks for it
+            def create_local_plan(self):
+                half = [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 19]))]
+                return LoadPlan([i for k in self.state_dict for i in create_read_items_for_chunk_list(
+                    k, self.metadata.state_dict_metadata[k], half)])
+
+        def DTensorLike(v):
+            return v.new_zeros(v.numel() // 2)
+
+        dest = {DESTINATIONS[dest]}
+        planner = Half() if {dest!r} == "half" else None
+        if planner is not None:
+            state = {{k: v[: v.numel() // 2] for k, v in state.items()}}
         reader = CompressedReader({str(tmp_path / "ck")!r}, threads=2)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak starts again from here
         base = status("VmRSS")
-        dcp.load(dest, storage_reader=reader, no_dist=True)
+        dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
         extra = status("VmHWM") - base
-        assert all(torch.equal(dest[k], v) for k, v in state.items())
+        assert all(torch.equal(dest[k], v.to(dest[k].dtype)) for k, v in state.items())
         emit({{"extra": extra}})
     """, timeout=120, memory_mb=4096, env={"MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
     assert res.returncode == 0, res.describe()

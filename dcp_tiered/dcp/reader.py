@@ -65,12 +65,15 @@ class _Request:
     req: ReadItem
     record: ItemRecord
     key: str
-    buf: np.ndarray  # uint8 destination: the raw bytes of ``frames``
+    buf: np.ndarray | None  # uint8 destination: the raw bytes of ``frames`` (made when its first frame is read)
     tensor: torch.Tensor | None  # tensor whose bytes are ``buf`` (None for bytes items)
-    direct: bool  # ``tensor`` is the planner's destination itself
+    direct: bool  # ``tensor`` is the planner's destination itself, decoded into in place
     elem_skip: int  # elements of ``buf`` before the first requested element
     frames: range  # the record's frames to decode into ``buf``
     frames_left: int = 0
+    # ``tensor`` is the destination (another dtype or device), each frame decoded apart and copied into it
+    streamed: bool = False
+    size: int = 0  # bytes of ``buf`` to make
 
 
 @dataclass
@@ -280,6 +283,9 @@ class CompressedReader(UrlCheckpointId, StorageReader):
                 self._finish(r, planner)
             pending = reader.submit(self._fetch, chunks[0], buffers[0]) if chunks else None
             for i, chunk in enumerate(chunks):
+                for t in chunk.tasks:
+                    if t.owner.buf is None and not t.owner.streamed:
+                        self._make_buffer(t.owner)
                 data = pending.result()
                 if i + 1 < len(chunks):
                     pending = reader.submit(self._fetch, chunks[i + 1], buffers[(i + 1) % 2])
@@ -293,8 +299,8 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         record = self._item(req)
         key = req.storage_index.fqn
         if record.kind == KIND_BYTES:
-            buf = np.empty(record.raw_length, dtype=np.uint8)
-            return _Request(req, record, key, buf, None, False, 0, range(len(record.frame_lengths)))
+            return _Request(req, record, key, None, None, False, 0, range(len(record.frame_lengths)),
+                            size=record.raw_length)
         shape = record.shape
         itemsize = record.itemsize
         offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
@@ -314,18 +320,23 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         frames = record.frame_range(first * itemsize, last * itemsize)
         dtype = record.stored_dtype
         target = planner.resolve_tensor(req).detach()
-        whole = numel * itemsize == record.raw_length
-        if (
-            whole
-            and target.device.type == "cpu"
-            and target.dtype == dtype
-            and target.is_contiguous()
-            and tuple(target.shape) == tuple(lengths)
-        ):
-            return _Request(req, record, key, writable_bytes(target), target, True, 0, frames)
+        if numel * itemsize == record.raw_length and target.is_contiguous() and tuple(target.shape) == tuple(lengths):
+            if target.device.type == "cpu" and target.dtype == dtype:
+                return _Request(req, record, key, writable_bytes(target), target, True, 0, frames)
+            return _Request(req, record, key, None, target, False, 0, frames, streamed=True)
         covered_start, covered_end = record.raw_span(frames)
-        tmp = torch.empty((covered_end - covered_start) // itemsize, dtype=dtype)
-        return _Request(req, record, key, writable_bytes(tmp), tmp, False, first - covered_start // itemsize, frames)
+        return _Request(req, record, key, None, None, False, first - covered_start // itemsize, frames,
+                        size=covered_end - covered_start)
+
+    @staticmethod
+    def _make_buffer(r: _Request) -> None:
+        """The buffer ``r``'s frames decode into, made as its first frame is read (so a load holds the
+        buffers of the items its reads reach, not of every item at once)."""
+        if r.record.kind == KIND_BYTES:
+            r.buf = np.empty(r.size, dtype=np.uint8)
+        else:
+            r.tensor = torch.empty(r.size // r.record.itemsize, dtype=r.record.stored_dtype)
+            r.buf = writable_bytes(r.tensor)
 
     def _frame_tasks(self, r: _Request) -> list[_FrameTask]:
         base = r.frames.start * r.record.frame_step
@@ -382,10 +393,14 @@ class CompressedReader(UrlCheckpointId, StorageReader):
                 f"checksum mismatch in {where}: the file is corrupted; restore from another tier or an older step"
             )
         codec = self._codec(rec)
+        out = np.empty(t.raw_end - t.raw_start, dtype=np.uint8) if r.streamed else r.buf[t.raw_start : t.raw_end]
         try:
-            codec.decode(stored, r.buf[t.raw_start : t.raw_end])
+            codec.decode(stored, out)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{where} does not decode: {exc}") from exc
+        if r.streamed:  # frames hold whole elements: each is copied (converted, moved) into its place
+            size = rec.itemsize
+            r.tensor.view(-1)[t.raw_start // size : t.raw_end // size].copy_(torch.from_numpy(out).view(rec.stored_dtype))
         return r
 
     def _codec(self, rec: ItemRecord) -> FrameCodec:
@@ -396,15 +411,18 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         return codec
 
     def _finish(self, r: _Request, planner: LoadPlanner) -> None:
+        if r.buf is None and not (r.direct or r.streamed):  # no frames to read: an empty item
+            self._make_buffer(r)
         if r.record.kind == KIND_BYTES:
             self._load_bytes(r.req, r.buf.tobytes(), planner, self._record(r.req))
-            return
-        if r.direct:
+        elif r.direct or r.streamed:
             planner.commit_tensor(r.req, r.tensor)
-            return
-        lengths = tuple(r.req.lengths)
-        view = r.tensor[r.elem_skip :].as_strided(lengths, _strides(r.record.shape)) if r.tensor.numel() else r.tensor.reshape(lengths)
-        self._copy_into(r.req, view, planner)
+        else:
+            lengths = tuple(r.req.lengths)
+            view = (r.tensor[r.elem_skip :].as_strided(lengths, _strides(r.record.shape)) if r.tensor.numel()
+                    else r.tensor.reshape(lengths))
+            self._copy_into(r.req, view, planner)
+        r.buf = r.tensor = None  # its buffer goes as soon as it is copied
 
     def _copy_into(self, req: ReadItem, tensor: torch.Tensor, planner: LoadPlanner) -> None:
         target = planner.resolve_tensor(req).detach()
