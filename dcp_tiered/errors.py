@@ -59,6 +59,11 @@ class SaveError(DcpTieredError, RuntimeError):
     """A checkpoint save (possibly in the background) failed; raised at the next call that can report it."""
 
 
+class SaveMemoryError(SaveError, MemoryError):
+    """A save ran out of host or device memory while it read or encoded a tensor (a :class:`SaveError`
+    that is also a ``MemoryError``)."""
+
+
 class UnsafeObjectError(ConfigError):
     """A non-tensor value would be refused on restore (``weights_only``); raised at save, naming the opt-in."""
 

@@ -225,3 +225,42 @@ def test_at_most_threads_plus_two_frames_are_in_flight(tmp_path: Path, monkeypat
     dcp.save(state, storage_writer=CompressedWriter(tmp_path / "c", codec="zstd:1", frame_size=frame, threads=threads),
              no_dist=True)
     assert seen["out"] == 0 and seen["max"] == threads + 2
+
+
+def test_encoders_run_side_by_side_at_a_small_frame_size(tmp_path: Path, monkeypatch) -> None:
+    """At a frame size below the batch size the frames of one tensor are not gathered into one batch (the
+    in-flight bound would then allow one batch at a time): three encoders meet at a barrier for each frame."""
+    import threading
+
+    barrier, met = threading.Barrier(3), []
+    real = frame_pipeline.write_items
+
+    class Meeting:
+        def __init__(self, pool) -> None:
+            self.pool = pool
+
+        def submit(self, fn, *args):
+            def job(*a):
+                try:
+                    barrier.wait(timeout=scaled(5))
+                    met.append(True)
+                except threading.BrokenBarrierError:
+                    met.append(False)
+                return fn(*a)
+            return self.pool.submit(job, *args)
+
+    monkeypatch.setattr(frame_pipeline, "write_items", lambda f, s, c, fs, pool, *a: real(f, s, c, fs, Meeting(pool), *a))
+    from dcp_tiered.dcp import writer as writer_mod
+    monkeypatch.setattr(writer_mod, "write_items", frame_pipeline.write_items)
+    frame = 64 << 10
+    state = {"w": torch.randn(12 * frame // 4)}  # 12 frames
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "c", frame_size=frame, threads=3), no_dist=True)
+    assert met == [True] * 12, met
+    load_equal(state, str(tmp_path / "c"))
+
+
+def test_a_conjugate_view_saves_as_its_values(tmp_path: Path) -> None:
+    z = torch.randn(64, dtype=torch.complex64)
+    state = {"z": z.conj(), "n": -z.real}  # lazy conjugate and negative bits: saved as the values they show
+    save(state, str(tmp_path / "c"))
+    load_equal({k: v.resolve_conj().resolve_neg() for k, v in state.items()}, str(tmp_path / "c"))

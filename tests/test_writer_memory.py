@@ -122,3 +122,74 @@ def test_a_failed_device_copy_names_the_tensor_not_a_write(tmp_path, monkeypatch
     assert "'a'" in msg or "'emb'" in msg
     assert "__0_0.distcp" in msg and "illegal memory access" in msg and "nothing was committed" in msg
     assert not (tmp_path / "c" / ".metadata").exists()
+
+
+def test_a_failed_frame_in_a_batch_names_its_own_tensor(tmp_path, monkeypatch) -> None:
+    """Small tensors are encoded in batches: a failure in one of them names that tensor, not the batch's
+    first (a wrong name sends the user after a healthy tensor)."""
+    monkeypatch.setattr(tensors, "staged_by_frame", lambda t: True)
+    real = tensors.DeviceBytes.__getitem__
+
+    def broken(self, frame):
+        if self.nbytes == 777 * 4:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        return real(self, frame)
+    monkeypatch.setattr(tensors.DeviceBytes, "__getitem__", broken)
+    state = {f"a{i:02d}": torch.randn(1000) for i in range(20)} | {"z_bad": torch.randn(777)}
+    err = failure_of(lambda: dcp.save(state, storage_writer=CompressedWriter(tmp_path / "c", threads=2), no_dist=True))
+    assert isinstance(err, SaveError) and "saving 'z_bad'" in str(err) and "'a0" not in str(err), str(err)
+
+
+def test_out_of_memory_while_encoding_is_a_memory_error(tmp_path, monkeypatch) -> None:
+    """A save that runs out of host memory fails as this package's SaveError that is also a MemoryError."""
+    monkeypatch.setattr(tensors, "staged_by_frame", lambda t: True)
+
+    def no_memory(*_a):
+        raise MemoryError("simulated")
+    monkeypatch.setattr(tensors.DeviceBytes, "__getitem__", no_memory)
+    err = failure_of(lambda: dcp.save({"w": torch.randn(300_000)}, storage_writer=CompressedWriter(tmp_path / "c"),
+                                      no_dist=True))
+    assert isinstance(err, SaveError) and isinstance(err, MemoryError) and "'w'" in str(err), repr(err)
+
+
+def test_host_buffers_fit_every_frame_of_the_save_and_are_kept_per_copy_in_flight() -> None:
+    """The device path's host buffers are of the save's frame size, so a frame of any size reuses one: one
+    encoder thread copying frames of growing sizes keeps one buffer, not one per size (the pool kept up to
+    16 of any size, pinned, after the save); a copy that fails gives its buffer back."""
+    pool = tensors._HostBuffers()
+    frame = 4 << 20
+    for n in range(1, 40):
+        arr, _part = pool.get(n * 100_000, frame)
+        pool.put(arr)
+    assert [b.numel() for b in pool._free] == [frame]
+    held = [pool.get(frame, frame)[0] for _ in range(3)]  # three encoders at once
+    for arr in held:
+        pool.put(arr)
+    assert len(pool._free) == 3 and not pool._lent
+    pool.get(1000, 1 << 20)  # a later save of smaller frames reuses the larger buffers
+    assert len(pool._free) == 2
+
+    class Failing:
+        def __getitem__(self, _s):
+            raise RuntimeError("CUDA error (simulated)")
+    staged = tensors.DeviceBytes(torch.zeros(10), frame)
+    staged._flat = Failing()
+    monkey_pool = tensors._BUFFERS
+    lent = len(monkey_pool._lent)
+    with pytest.raises(RuntimeError):
+        staged[0:40]
+    assert len(monkey_pool._lent) == lent
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_tensor_written_on_a_side_stream_saves_and_loads_its_values(tmp_path) -> None:
+    """The device copies follow the work queued on the stream current at the save (a training loop's side
+    stream), and a load decodes into a CUDA destination frame by frame."""
+    side = torch.cuda.Stream()
+    t = torch.zeros(64 << 20, device="cuda")  # 256 MiB: many frames, copied on several encoder threads
+    with torch.cuda.stream(side):
+        t.fill_(3.0)
+        dcp.save({"t": t}, storage_writer=CompressedWriter(tmp_path / "c", codec="zstd:1"), no_dist=True)
+    back = {"t": torch.zeros(64 << 20, device="cuda")}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "c"), no_dist=True)
+    assert bool((back["t"] == 3.0).all())

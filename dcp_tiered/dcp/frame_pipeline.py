@@ -1,8 +1,10 @@
 """The encode-and-write pipeline of one data file: frames encoded on a pool, written in order.
 
-Large frames are one pool job each; frames smaller than :data:`SMALL_FRAME` (the items of a
-state with thousands of small tensors) are encoded in batches of about :data:`BATCH_BYTES`, so
-that a pool hand-off (queue, wake-up, GIL switch) is paid per batch, not per tensor.  Every
+Large frames are one pool job each; frames smaller than :data:`SMALL_FRAME` and than the frame size
+(the items of a state with thousands of small tensors) are encoded in batches of about
+:data:`BATCH_BYTES` (at most a frame size: the in-flight bound counts frames, so a batch larger than
+the bound's share of a job would leave one batch running at a time), so that a pool hand-off (queue,
+wake-up, GIL switch) is paid per batch, not per tensor.  Every
 frame stays its own frame and every item its own record: the bytes written are the same.
 
 The pieces of finished frames are gathered and written with one vectored call
@@ -23,7 +25,7 @@ from typing import Any, BinaryIO
 from dcp_tiered.codecs import FrameCodec, frame_bounds
 from dcp_tiered.codecs.frames import EncodedFrame, record_frame_size
 from dcp_tiered.dcp.tensors import DeviceBytes
-from dcp_tiered.errors import DcpTieredError, SaveError
+from dcp_tiered.errors import DcpTieredError, SaveError, SaveMemoryError
 from dcp_tiered.storage.base import write_pieces
 from dcp_tiered.storage.writeback import IOV_MAX
 
@@ -36,8 +38,24 @@ BATCH_FRAMES = 512
 FLUSH_BYTES = 1 << 20
 
 
-def _encode_all(jobs: list[tuple[FrameCodec, Any, int, int]]) -> list[EncodedFrame]:
-    return [_encode(fc, data, s, e) for fc, data, s, e in jobs]
+class _JobFailed(Exception):
+    """A frame of a batch failed: which item's (``key``), and the error."""
+
+    def __init__(self, key: str, exc: Exception) -> None:
+        super().__init__(key)
+        self.key, self.exc = key, exc
+
+
+def _encode_all(jobs: list[tuple[FrameCodec, Any, int, int, str]]) -> list[EncodedFrame]:
+    out = []
+    for fc, data, s, e, key in jobs:
+        try:
+            out.append(_encode(fc, data, s, e))
+        except DcpTieredError:
+            raise
+        except Exception as exc:
+            raise _JobFailed(key, exc) from exc
+    return out
 
 
 def _encode(fc: FrameCodec, data: Any, s: int, e: int) -> EncodedFrame:
@@ -76,7 +94,7 @@ class _Batch:
     __slots__ = ("jobs", "raw", "future")
 
     def __init__(self) -> None:
-        self.jobs: list[tuple[FrameCodec, Any, int, int]] = []
+        self.jobs: list[tuple[FrameCodec, Any, int, int, str]] = []
         self.raw = 0
         self.future: Future | None = None
 
@@ -133,9 +151,11 @@ OnItem = Callable[[ItemSource, int, list, list], None]
 
 def encode_error(key: str, where: str, exc: BaseException) -> SaveError:
     """What a save raises when item ``key`` could not be read or encoded for the data file ``where`` (a
-    device copy, an allocation, a codec), as its own error, not as a failed write of the file."""
-    return SaveError(f"saving {key!r} to {where} failed while reading or encoding it: {type(exc).__name__}: {exc}; "
-                     "nothing was committed. Free memory (host or device) or fix the tensor and save again")
+    device copy, an allocation), as its own error, not as a failed write of the file; a
+    :class:`SaveMemoryError` when memory ran out."""
+    cls = SaveMemoryError if isinstance(exc, MemoryError) else SaveError
+    return cls(f"saving {key!r} to {where} failed while reading or encoding it: {type(exc).__name__}: {exc}; "
+               "nothing was committed. Free memory (host or device) or fix the tensor and save again")
 
 
 def write_items(
@@ -153,9 +173,11 @@ def write_items(
     At most about ``max_inflight_bytes`` raw bytes are submitted and not yet written, counted per
     frame: the extra memory of a save is bounded by its frames in flight, whatever its largest item.
     ``fields["frame_size"]`` is set on each item's fields before its frames are cut.  A frame whose
-    encode fails raises :func:`encode_error`; errors of ``f`` itself pass as they are.
+    encode fails raises :func:`encode_error` naming its item (this package's own errors, a codec's, pass
+    as they are), as do errors of ``f`` itself.
     """
     out = PieceWriter(f)
+    small, batch_bytes = min(SMALL_FRAME, frame_size), min(BATCH_BYTES, frame_size)
     # frames in file order: (item, the job encoding it or None for an item without frames, index, raw bytes)
     pending: collections.deque[tuple[_Item, Any, int, int]] = collections.deque()
     batch: _Batch | None = None
@@ -182,6 +204,8 @@ def write_items(
                 enc = fut.result()[index] if index >= 0 else fut.result()
             except DcpTieredError:
                 raise
+            except _JobFailed as failed:
+                raise encode_error(failed.key, where, failed.exc) from failed.exc
             except Exception as exc:
                 raise encode_error(item.source.item.index.fqn, where, exc) from exc
             out.add(enc)
@@ -207,16 +231,17 @@ def write_items(
             fields = src.fields
             fields["frame_size"] = record_frame_size(src.arr.nbytes, frame_size)
             item = _Item(src)
+            key = src.item.index.fqn
             for s, e in frame_bounds(src.arr.nbytes, fields["frame_size"], fields["itemsize"]):
                 raw = max(e - s, 1 << 12)  # tiny frames still count toward the bound
                 bound(raw)  # before the frame is submitted: never one more in flight than the bound
-                if e - s < SMALL_FRAME:
+                if e - s < small:
                     if batch is None:
                         batch = _Batch()
                     pending.append((item, batch, len(batch.jobs), raw))
-                    batch.jobs.append((fc, src.arr, s, e))
+                    batch.jobs.append((fc, src.arr, s, e, key))
                     batch.raw += e - s
-                    if batch.raw >= BATCH_BYTES or len(batch.jobs) >= BATCH_FRAMES:
+                    if batch.raw >= batch_bytes or len(batch.jobs) >= BATCH_FRAMES:
                         submit_batch()
                 else:
                     submit_batch()

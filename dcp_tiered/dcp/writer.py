@@ -371,7 +371,7 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 "kind": KIND_BYTES, "itemsize": 1, "filter_name": _FILTER_BYTES, "object_kind": extra.get(OBJECT_FIELD)})
         if not isinstance(data, torch.Tensor):
             raise ConfigError(f"planner resolved tensor item {item.index.fqn!r} to {type(data).__name__}, not a tensor")
-        arr, keep = tensor_bytes(data)
+        arr, keep = tensor_bytes(data, self.frame_size)
         dtype = keep.dtype
         name = dtype_name(dtype)
         orig = item.tensor_data.properties.dtype if item.tensor_data is not None else dtype
