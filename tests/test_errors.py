@@ -444,3 +444,11 @@ def test_dcp_load_reports_metadata_errors_with_their_own_type(tmp_path, content)
     (path / ".metadata").write_bytes(content)
     err = failure_of(lambda: load(path, state()))
     assert isinstance(err, CorruptCheckpointError), f"{type(err).__name__}: {str(err)[:200]}"
+
+
+@pytest.mark.parametrize("kwargs", [{"threads": "2"}, {"threads": 2.5}, {"threads": True}, {"threads": 0},
+                                    {"max_object_bytes": "1"}, {"max_object_bytes": -1}])
+def test_reader_arguments_are_checked_as_the_writers_are(tmp_path, kwargs) -> None:
+    dcp.save({"w": torch.ones(4)}, storage_writer=CompressedWriter(tmp_path / "c"), no_dist=True)
+    with pytest.raises(ConfigError, match=next(iter(kwargs))):
+        CompressedReader(tmp_path / "c", **kwargs)

@@ -43,8 +43,9 @@ from dcp_tiered.dcp.raw_frames import read_raw_frames
 from dcp_tiered.dcp.record_table import RecordTable
 from dcp_tiered.dcp.stock import decode_stock_item, stock_raw_bound
 from dcp_tiered.dcp.tensors import writable_bytes
+from dcp_tiered.checks import check_count
 from dcp_tiered.ranks import default_threads
-from dcp_tiered.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from dcp_tiered.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_tiered.storage import MissingFileError, Storage, safe_relative_name
 
 # Largest ranged read that merges frames (a larger frame is read alone); two such buffers bound the host
@@ -144,9 +145,8 @@ class CompressedReader(UrlCheckpointId, StorageReader):
         self.storage_options = storage_options_with("CompressedReader", path, storage_options, fsspec_options,
                                                     ("storage_options", "verify", "threads", "max_object_bytes", "safe_globals"))
         self.safe_globals = normalize_safe_globals(safe_globals, "CompressedReader")
-        if threads is not None and threads < 1:
-            raise ConfigError(f"threads must be at least 1, got {threads}")
-        self.max_object_bytes = max_object_bytes
+        check_count(threads, "CompressedReader threads", optional=True)
+        self.max_object_bytes = check_count(max_object_bytes, "CompressedReader max_object_bytes", minimum=0)
         self._metadata: Metadata | None = None
         self.storage = self._open(path)
         self.verify = verify
