@@ -219,6 +219,23 @@ def goodput_rows(good: dict | None, mtbf_model_s: float = 3600.0) -> list[list[s
     return rows
 
 
+def gpu_rows(gpu: dict | None) -> list[list[str]]:
+    """Blocked time of async saves of CUDA state against one device-to-pinned copy (``bench_gpu``), or one
+    row saying it has not run on a GPU."""
+    if not gpu:
+        return [["blocked < 2x one memory copy, CUDA state (`bench_gpu`)", "not run: no GPU machine yet", "-",
+                 "not run"]]
+    rows = []
+    for r in gpu["data"]:
+        copy = r["copy"]["wall_s"]
+        for key in ("tiered_async", "async_ours"):
+            ratio = r[key]["blocked_s"] / copy
+            rows.append([f"blocked < 2x one memory copy, CUDA state: {key}, {r['mib']} MiB",
+                         f"{r[key]['blocked_s'] * 1e3:.0f} vs {copy * 1e3:.0f} ms", f"{ratio:.2f}x",
+                         verdict(ratio, 2.0, False)])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="accepted for scripts/bench.sh; the same as without")
@@ -227,18 +244,20 @@ def main() -> None:
     rows = (codec_rows(codecs) + lz4_rows(codecs) + records_rows(load_results("records"))
             + storage_rows(storage, codecs) + scaling_rows(load_results("scaling")) + shard_rows(shards)
             + s3_rows(load_results("s3"))
-            + async_rows(load_results("async")) + goodput_rows(load_results("goodput")))
+            + async_rows(load_results("async")) + gpu_rows(load_results("gpu")) + goodput_rows(load_results("goodput")))
     machines = sorted({r["machine"] for r in (codecs, storage, shards) if r})
     body = (
         "## Where we stand against the targets\n\n"
         "`.venv/bin/python -m benchmarks.bench_summary` — read from the raw results of the sections below "
         f"({'; '.join(machines) or 'no results yet'}).\n\n"
         "Ratio to anchor: ours ÷ anchor for stored/raw (lower is better, target ≤ 1), anchor's time ÷ ours for "
-        "speed (higher is better). Each missed row names what bounds it, from the same run's numbers: the call's "
-        "time split serially into compression or decompression at the codec table's 2-thread speed, disk time of the "
-        "stored bytes at the limits table's bandwidth, and the rest (fixed costs per call). On this 2-core machine "
-        "compression and the writes share the same cores, so compressed saves are CPU-bound; every core more per rank "
-        "shortens the compression share (see the projection). The goodput rows model a realistic failure rate from "
+        "speed (higher is better). Each missed row names what bounds it, from the same run's numbers: for the "
+        "storage rows, the call's time split serially into compression or decompression at the codec table's "
+        "2-thread speed, disk time of the stored bytes at the limits table's bandwidth, and the rest (fixed costs per "
+        "call); for the shard rows, the phase shares the shard section measures (they overlap, so they need not add "
+        "up to 1). Compression and the writes share the machine's cores, so every core more per rank shortens the "
+        "compression share (see the projection). The CUDA rows come from `bench_gpu` on a machine with a GPU. "
+        "The goodput rows model a realistic failure rate from "
         "the measured per-failure cost and per-step overhead, as `G = (1 - lost per failure / MTBF) / (1 + overhead)`; "
         "they are labelled as modelled. The same save comparison is listed twice, from the storage section "
         "(median of repeats) and from the scaling run minutes later (one save each): where they disagree, this "

@@ -69,10 +69,13 @@ def test_a_save_off_the_main_thread_first_hands_the_gil_back(tmp_path, monkeypat
     from dcp_tiered import thread_priority
     from dcp_tiered.tiers.save.writer import TieredWriter
 
+    import time
+    import types
+
     slept: list[tuple[bool, float]] = []
-    sleep = thread_priority.time.sleep
-    monkeypatch.setattr(thread_priority.time, "sleep",
-                        lambda s: (slept.append((threading.current_thread() is threading.main_thread(), s)), sleep(s)))
+    # thread_priority's own name for the module: other threads' sleeps (the process's) are not counted
+    monkeypatch.setattr(thread_priority, "time", types.SimpleNamespace(
+        sleep=lambda s: (slept.append((threading.current_thread() is threading.main_thread(), s)), time.sleep(s))))
     state = {"w": torch.arange(8.0)}
     dcp.save(state, storage_writer=CompressedWriter(tmp_path / "sync"), no_dist=True)
     assert slept == []
