@@ -29,6 +29,13 @@ def _limit(nbytes):
     resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
 def emit(value):
     print({RESULT_MARK!r} + json.dumps(value), flush=True)
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM, the peak resident set, starts again from here
+    return status("VmRSS")
 """
 
 
@@ -62,8 +69,10 @@ def run_isolated(code: str, *, timeout: float = 60.0, memory_mb: int = 4096, env
     session of its own that a timeout kills whole (a new interpreter where ``env`` sets a variable read
     only as a process starts: :data:`forked.AT_START`).
 
-    The code may call ``emit(value)`` to hand a JSON value back (``Isolated.result``). The
-    memory limit is set inside the child before ``code`` runs, after the imports of the prelude.
+    The code may call ``emit(value)`` to hand a JSON value back (``Isolated.result``), ``status(field)``
+    for a ``/proc/self/status`` size in bytes and ``reset_peak()`` to start ``VmHWM`` again (it returns
+    ``VmRSS``). The memory limit is set inside the child before ``code`` runs, after the imports of
+    the prelude.
     """
     src = _PRELUDE + f"\n_limit({int(memory_mb)} << 20)\n" + textwrap.dedent(code)
     child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))

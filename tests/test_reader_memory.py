@@ -38,10 +38,6 @@ def test_extra_memory_of_a_local_load_is_two_read_chunks_not_the_state(tmp_path,
         import torch.distributed.checkpoint as dcp
         from dcp_tiered import CompressedReader, CompressedWriter
 
-        def status(field):
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
-
         g = torch.Generator().manual_seed(0)
         state = {{f"layer{{i}}.weight": torch.randn(1 << 20, generator=g) for i in range(48)}}  # 192 MiB
         dcp.save(state, storage_writer=CompressedWriter({str(tmp_path / "ck")!r}, codec="zstd:1", sync_files=False),
@@ -65,9 +61,7 @@ def test_extra_memory_of_a_local_load_is_two_read_chunks_not_the_state(tmp_path,
         if planner is not None:
             state = {{k: v[: v.numel() // 2] for k, v in state.items()}}
         reader = CompressedReader({str(tmp_path / "ck")!r}, threads=2)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the peak starts again from here
-        base = status("VmRSS")
+        base = reset_peak()
         dcp.load(dest, storage_reader=reader, planner=planner, no_dist=True)
         extra = status("VmHWM") - base
         assert all(torch.equal(dest[k], v.to(dest[k].dtype)) for k, v in state.items())

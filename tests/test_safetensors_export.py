@@ -506,14 +506,8 @@ _MEMORY_CHILD = """
     import os, torch
     from dcp_tiered.inspect import export_safetensors, import_safetensors, open_reader
 
-    def status(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
-
     def peak(call):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the peak starts again from here
-        base = status("VmRSS")
+        base = reset_peak()
         call()
         return status("VmHWM") - base
 

@@ -49,18 +49,12 @@ def test_extra_memory_of_a_save_with_a_512_mib_tensor_is_bounded_by_its_frames(t
         if {staged!r}:
             tensors.staged_by_frame = lambda t: True
 
-        def status(field):
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
-
         g = torch.Generator().manual_seed(0)
         # normal values, 64 MiB of them repeated: each 4 MiB frame is as compressible as real weights
         state = {{"embedding": torch.randn(16 << 20, generator=g).repeat(8), "bias": torch.zeros(16)}}
         writer = CompressedWriter({str(tmp_path / "ck")!r}, codec="zstd:1", threads={THREADS}, frame_size={FRAME},
                                   sync_files=False)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the peak starts again from here
-        base = status("VmRSS")
+        base = reset_peak()
         dcp.save(state, storage_writer=writer, no_dist=True)
         emit({{"extra": status("VmHWM") - base}})
     """, timeout=120, memory_mb=6144, env=env)
