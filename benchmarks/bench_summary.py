@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.bench_storage import SHARD_OURS, SHARD_STOCK
+from benchmarks.bench_shards import SHARD_OURS, SHARD_STOCK
 from benchmarks.common import load_results, md_table, write_section
 
 OURS = "CompressedWriter (defaults)"
@@ -144,10 +144,10 @@ def scaling_rows(scaling: dict | None) -> list[list[str]]:
 
 
 def shard_rows(shards: dict | None) -> list[list[str]]:
-    """Save and cold load against stock at the per-process shard sizes (bench_storage --shards), bar 1.0x;
+    """Save and cold load against stock at the per-process shard sizes (bench_shards), bar 1.0x;
     a missed row carries the bound that run named for ours."""
     if shards is None:
-        return [["shard sizes", "—", "not run (`bench_storage --shards`)", ""]]
+        return [["shard sizes", "—", "not run (`bench_shards`)", ""]]
     med = {(run["mib"], run["ranks"], run["writer"]): run["median"] for run in shards["data"]["runs"]}
     rows = []
     for mib, ranks in sorted({(m, r) for m, r, _ in med}):

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/python -c "import zipnn, psutil, matplotlib" 2>/dev/null || .venv/bin/python -m pip install -q -e ".[bench]"
-ALL=(codecs storage records scale s3 ranks async tiers broadcast replication goodput projection summary)
+ALL=(codecs storage shards records scale s3 ranks async tiers broadcast replication goodput projection summary)
 quick=()
 names=()
 for a in "$@"; do

@@ -130,7 +130,7 @@ def test_summary_rows_for_the_save_speed_targets() -> None:
 def test_summary_rows_for_the_shard_sizes_name_the_bound_of_a_miss() -> None:
     """One save row and one cold-load row per shard size and rank count, stock ÷ ours against 1.0x; a miss
     carries the bound the shard run named for ours."""
-    from benchmarks.bench_storage import SHARD_OURS, SHARD_STOCK
+    from benchmarks.bench_shards import SHARD_OURS, SHARD_STOCK
     from benchmarks.bench_summary import shard_rows
 
     def median(save_s: float, load_s: float) -> dict:
@@ -202,30 +202,29 @@ def test_every_key_state_keeps_all_keys_of_its_base_at_any_size() -> None:
     assert torch.equal(big["rep1.emb"], base["emb"]) and big["rep1.emb"].data_ptr() != base["emb"].data_ptr()
 
 
-def test_storage_bench_shard_rows_at_tiny_sizes_write_their_section(monkeypatch, tmp_path: Path) -> None:
-    """bench_storage --shards at 1 MiB per process, 1 process and 2 gloo ranks, one round: every save and
+def test_shard_bench_at_tiny_sizes_writes_its_section(monkeypatch, tmp_path: Path) -> None:
+    """bench_shards at 1 MiB per process, 1 process and 2 gloo ranks, one round: every save and
     cold load runs in fresh processes (a load that differs fails its rank), and the section has one verdict row
     per size and rank count, with positive finite ratios, a named bound and the 2-rank phase profile."""
     import json
     import math
 
-    from benchmarks import bench_storage, common
+    from benchmarks import bench_shards, common
 
     monkeypatch.setattr(common, "DOC", tmp_path / "benchmarks.md")
     monkeypatch.setattr(common, "RESULTS", tmp_path / "bench_results")
-    bench_storage.main(["--shards", "--shard-mib", "1", "--shard-ranks", "1,2", "--shard-repeat", "1",
-                        "--shard-profile-runs", "1"])
+    bench_shards.main(["--mib", "1", "--ranks", "1,2", "--repeat", "1", "--profile-runs", "1"])
     text = (tmp_path / "benchmarks.md").read_text()
     assert "<!-- bench:shards:start -->" in text
-    assert ("`.venv/bin/python -m benchmarks.bench_storage --shards --shard-mib 1 --shard-ranks 1,2 --shard-repeat 1 "
-            "--shard-profile-runs 1`") in text and "Median of 1 fresh-process runs" in text
+    assert "`.venv/bin/python -m benchmarks.bench_shards --mib 1 --ranks 1,2 --repeat 1 --profile-runs 1`" in text \
+        and "Median of 1 fresh-process runs" in text
     assert "stock time ÷ our time, so above 1 means ours is faster" in text and "Load average " in text
     for ranks in (1, 2):
         assert f"| 1 MiB | {ranks} | " in text
     assert "ours ms, 2 ranks" in text and "storage.finish" in text and "Rows meeting the bar: " in text
     saved = json.loads((tmp_path / "bench_results" / "shards.json").read_text())
     monkeypatch.setattr(common, "machine_line", lambda: "a later machine")
-    bench_storage.main(["--shard-render"])  # the section again, from the numbers the run saved
+    bench_shards.main(["--render"])  # the section again, from the numbers the run saved
     assert (tmp_path / "benchmarks.md").read_text() == text
     assert json.loads((tmp_path / "bench_results" / "shards.json").read_text())["machine"] == saved["machine"]
     data = json.loads((tmp_path / "bench_results" / "shards.json").read_text())["data"]
@@ -235,14 +234,14 @@ def test_storage_bench_shard_rows_at_tiny_sizes_write_their_section(monkeypatch,
         assert all(math.isfinite(m[k]) and m[k] > 0 for k in ("save_s", "load_s", "save_cpu_s", "load_cpu_s")), run
         assert m["save_bound"].split(" (")[0].split(":")[0] in {"disk write + fsync", "CPU", "fixed per-call cost",
                                                                 "CPU shared with other work", "unexplained"}
-        if run["writer"] == bench_storage.SHARD_OURS:
+        if run["writer"] == bench_shards.SHARD_OURS:
             assert m["stored"] < run["mib"] * run["ranks"] << 20  # zstd:1 stores less than the raw fp32 bytes
 
 
 def test_a_shard_row_faster_than_the_disk_reference_names_no_disk_bound() -> None:
     """The bound is the largest share of the row's time; a disk share above 1 means the disk's reference run was
     slower than the row itself, so the disk is not named as the bound."""
-    from benchmarks.bench_storage import shard_bound
+    from benchmarks.bench_shards import shard_bound
 
     # 100 MB stored in 1 s at a 125 MB/s reference: disk share 0.8, above the CPU's 0.5.
     assert shard_bound("save", 1.0, 1.0, 100_000_000, 125.0, 0.0, 2, 0.5).startswith("disk write + fsync (")
