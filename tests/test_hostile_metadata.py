@@ -330,8 +330,9 @@ def _u(values, width: int = 8) -> bytes:
 
 
 def _col(table: dict, name: str) -> list:
-    raw = table[name]
-    return np.frombuffer(raw, dtype=f"<u{len(raw) // table['n']}").tolist()
+    from dcp_tiered.dcp.record_table import _read
+
+    return _read(table, name, table["n"], "test", one_value=True).tolist()
 
 
 def _edit_table(path: Path, fn) -> Path:
@@ -358,7 +359,12 @@ TABLE_CASES = {
     "n-huge": lambda head, t, md: t.__setitem__("n", 1 << 40),
     "n-zero": lambda head, t, md: t.__setitem__("n", 0),
     "n-bool": lambda head, t, md: t.__setitem__("n", True),
-    "width-3": lambda head, t, md: t.__setitem__("offset", bytes(9)),
+    "width-5": lambda head, t, md: t.__setitem__("offset", bytes(15)),
+    "one-value-name-id-out-of-range": lambda head, t, md: t.__setitem__("codec", 200),
+    "one-value-2^64": lambda head, t, md: t.__setitem__("frame", 1 << 64),
+    "one-value-negative": lambda head, t, md: t.__setitem__("fmt", -1),
+    "one-value-bool": lambda head, t, md: t.__setitem__("fmt", True),
+    "one-value-frame-counts": lambda head, t, md: t.__setitem__("nframes", 1 << 20),
     "column-missing": lambda head, t, md: t.pop("raw"),
     "column-str": lambda head, t, md: t.__setitem__("raw", "abc"),
     "not-a-dict": lambda head, t, md: head.__setitem__("table", [t]),

@@ -513,3 +513,19 @@ def test_the_head_record_is_of_the_item_with_the_fewest_chunks(tmp_path: Path) -
         assert again.storage_data == md.storage_data and again.state_dict_metadata == md.state_dict_metadata
         opcodes.append(sum(1 for _ in pickletools.genops(data[:-23])))
     assert opcodes[1] - opcodes[0] < 20, opcodes
+
+
+def test_a_record_column_of_one_value_is_one_int_and_frame_lengths_take_three_bytes(tmp_path: Path) -> None:
+    """Format 3's record table stores a column whose every row holds the same value (the codec, the frame
+    size, the format of every record of a save) as that int, and columns of values below 2**24 (the stored
+    lengths of 4 MiB frames) in 3 bytes each: what every rank reads and DCP broadcasts shrinks with them."""
+    md = _sharded_metadata(tmp_path, 300)
+    for rec in md.storage_data.values():  # stored lengths of frames up to 16 MiB, as 4 MiB frames have
+        rec["frames"] = tuple(min(v * 5000, (1 << 24) - 1) for v in rec["frames"])
+        rec["length"] = sum(rec["frames"])
+    packed = pack_storage(md.state_dict_metadata, md.storage_data)
+    table = next(iter(packed.values()))["table"]
+    assert type(table["codec"]) is int and type(table["frame"]) is int and type(table["item"]) is bytes
+    assert len(table["frames"]) == 3 * sum(len(r["frames"]) for r in md.storage_data.values())
+    back = unpack_storage(md.state_dict_metadata, pickle.loads(pickle.dumps(packed)), "ckpt/.metadata")
+    assert back == md.storage_data

@@ -295,10 +295,13 @@ _BUILDERS: dict[str, Any] = {}
 
 
 def _col(raw: Any, count: int) -> list[int]:
-    """Column ``raw`` of ``count`` entries as ints (its width is its length over the count)."""
+    """Column ``raw`` of ``count`` entries as ints (bytes, their width their length over the count, or one
+    int for every entry)."""
+    from dcp_tiered.dcp.record_table import _read
+
     if not count:
         return []
-    return np.frombuffer(raw, dtype=_WIDTHS[len(raw) // count]).astype(np.uint64).tolist()
+    return _read({"c": raw}, "c", count, "harness", one_value=True).astype(np.uint64).tolist()
 
 
 def _strings(names: list, rng: random.Random) -> Any:

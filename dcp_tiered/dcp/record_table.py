@@ -33,7 +33,7 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
-from dcp_tiered.dcp.format import READ_VERSIONS, check_against_properties, check_record, dtype_name, expected_sizes
+from dcp_tiered.dcp.format import MAX_METADATA_RECORDS, READ_VERSIONS, check_against_properties, check_record, dtype_name, expected_sizes
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import safe_relative_name
 
@@ -52,21 +52,32 @@ _REQUIRED = frozenset(("fmt", "kind", "file", "offset", "length", "raw", "codec"
                        "frames", "sums"))
 _ALLOWED = _REQUIRED | frozenset(("checksum", "dtype", "orig_dtype", "shape", "object"))
 _U64 = 1 << 64
-_WIDTHS = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+#: Column widths in bytes (3: little-endian 24-bit, written since format 3, as the stored lengths of
+#: frames of up to 16 MiB need), with the numpy type each is read as.
+_WIDTHS = {1: "<u1", 2: "<u2", 3: "<u4", 4: "<u4", 8: "<u8"}
+
+
+def _encode(values: np.ndarray, top: int) -> bytes:
+    """The uint64 array ``values`` (at most ``top``) at the narrowest width that holds ``top``."""
+    width = next(w for w in _WIDTHS if top < 1 << (8 * w))
+    if width == 3:
+        return values.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
+    return values.astype(_WIDTHS[width]).tobytes()
 
 
 def _column(values: "list | np.ndarray") -> bytes:
     """``values`` (ints in ``[0, 2**64)``) as the narrowest little-endian unsigned array."""
     top = max(values, default=0) if type(values) is list else (int(values.max()) if len(values) else 0)
-    width = next(w for w in _WIDTHS if top < 1 << (8 * w))
-    return np.array(values, dtype=np.uint64).astype(_WIDTHS[width]).tobytes()
+    return _encode(np.array(values, dtype=np.uint64), top)
 
 
-def _stacked(columns: np.ndarray) -> list[bytes]:
-    """Each row of the uint64 array ``columns`` as :func:`_column` stores it (one array pass, not one per column)."""
-    tops = columns.max(axis=1).tolist() if columns.shape[1] else [0] * len(columns)
-    return [col.astype(_WIDTHS[next(w for w in _WIDTHS if top < 1 << (8 * w))]).tobytes()
-            for col, top in zip(columns, tops)]
+def _stacked(columns: np.ndarray) -> "list[bytes | int]":
+    """Each row of the uint64 array ``columns`` as :func:`_column` stores it (one array pass, not one per
+    column), or, for a row of more than one entry that holds one value throughout, that value (format 3)."""
+    if not columns.shape[1]:
+        return [b""] * len(columns)
+    tops, lows = columns.max(axis=1).tolist(), columns.min(axis=1).tolist()
+    return [top if top == low and len(col) > 1 else _encode(col, top) for col, top, low in zip(columns, tops, lows)]
 
 
 def _uint(v: Any) -> bool:
@@ -340,14 +351,22 @@ def _bad(source: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{source}: the record table {what}; the metadata is damaged or crafted")
 
 
-def _read(table: dict, name: str, count: int, source: str) -> np.ndarray:
-    """Column ``name`` of ``count`` entries; its byte length must be ``count`` times a known width."""
+def _read(table: dict, name: str, count: int, source: str, one_value: bool = False) -> np.ndarray:
+    """Column ``name`` of ``count`` entries; its byte length must be ``count`` times a known width.  With
+    ``one_value`` (a row column of the record table, whose ``count`` was checked against the records a save
+    writes) it may be one int, every entry's value."""
     raw = table.get(name)
+    if one_value and type(raw) is int and 0 <= raw < _U64 and count > 1:
+        return np.full(count, raw, dtype=_WIDTHS[next(w for w in _WIDTHS if raw < 1 << (8 * w))])
     if type(raw) is not bytes:
         raise _bad(source, f"lacks column {name!r}")
     width = len(raw) // count if count else 0
     if (width not in _WIDTHS or width * count != len(raw)) if count else raw:
         raise _bad(source, f"column {name!r} has {len(raw)} bytes for {count} entries")
+    if width == 3:
+        wide = np.zeros((count, 4), dtype=np.uint8)
+        wide[:, :3] = np.frombuffer(raw, dtype=np.uint8).reshape(count, 3)
+        return wide.view("<u4").reshape(count)
     return np.frombuffer(raw, dtype=_WIDTHS.get(width, "<u1"))
 
 
@@ -397,10 +416,10 @@ def _columns(head: dict, sdm: dict, source: str) -> tuple[dict, list, list, tupl
     """Check the table's shape and ranges (vectorized), then return its columns as lists."""
     head_tables(head, source)
     table = head[TABLE_FIELD]
-    if type(table) is not dict or type(table.get("n")) is not int or table["n"] < 1:
+    if type(table) is not dict or type(table.get("n")) is not int or not 1 <= table["n"] <= MAX_METADATA_RECORDS:
         raise _bad(source, "has no valid record count")
     n, names = table["n"], read_strings(table.get("names"), source, "names")
-    cols = {c: _read(table, c, n, source) for c in _ROW}
+    cols = {c: _read(table, c, n, source, one_value=True) for c in _ROW}
     limits = {"item": len(sdm) - 1, "kind": len(_KINDS) - 1, "nframes": MAX_FRAMES_PER_RECORD,
               **{c: len(names) for c in _NAMES}}
     for c, top in limits.items():
