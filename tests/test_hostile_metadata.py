@@ -417,6 +417,9 @@ PATH_CASES = {
     "paths-int-of-400-digits": lambda head, t, md: head["path_table"].update(
         parts=b"9" * 400 + b"\0" + b"\0".join(head["path_table"]["parts"].split(b"\0")[1:]),
         part_kind=b"\1" + head["path_table"]["part_kind"][1:]),
+    "paths-int-of-two-signs": lambda head, t, md: head["path_table"].update(
+        parts=b"--5\0" + b"\0".join(head["path_table"]["parts"].split(b"\0")[1:]),
+        part_kind=b"\1" + head["path_table"]["part_kind"][1:]),
     "paths-parts-float": lambda head, t, md: head["path_table"].__setitem__("parts", (1.5,) * 9),
     "paths-id-out-of-range": lambda head, t, md: head["path_table"].__setitem__("ids", b"\x63" * len(head["path_table"]["ids"])),
     "paths-4097-parts": lambda head, t, md: head["path_table"].update(nparts=_u([4097] * 3), ids=bytes(3 * 4097)),

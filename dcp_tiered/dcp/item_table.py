@@ -21,6 +21,7 @@ table is written only when every entry fits exactly; ``unpack`` of ``pack`` is e
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,8 @@ _MAX_DIM = 1 << 62
 _ITEM_ROW = ("kind", "prop", "ndim", "nchunks")
 #: Longest int path part stored as digits (a list index or an int key; never a number slow to read)
 _MAX_INDEX_DIGITS = 21
+#: An int path part's digits exactly as ``str(int)`` writes them (no sign but one minus, no leading zero)
+_INDEX_DIGITS = re.compile(r"0|-?[1-9][0-9]*", re.ASCII)
 
 
 def _tensor_ok(entry: Any) -> bool:
@@ -235,10 +238,9 @@ def _typed_parts(paths: dict, names: tuple, source: str) -> tuple:
     parts = list(names)
     for i in np.flatnonzero(kinds).tolist():
         digits = parts[i]
-        value = int(digits) if len(digits) <= _MAX_INDEX_DIGITS and digits.lstrip("-").isdigit() and digits.isascii() else None
-        if value is None or str(value) != digits:
+        if not (len(digits) <= _MAX_INDEX_DIGITS and _INDEX_DIGITS.fullmatch(digits)):
             raise _bad(source, f"has an index path part {digits[:40]!r} that is not an integer")
-        parts[i] = value
+        parts[i] = int(digits)
     return tuple(parts)
 
 
