@@ -57,9 +57,14 @@ _U64 = 1 << 64
 _WIDTHS = {1: "<u1", 2: "<u2", 3: "<u4", 4: "<u4", 8: "<u8"}
 
 
+def _width(top: int) -> int:
+    """The narrowest column width that holds ``top``."""
+    return next(w for w in _WIDTHS if top < 1 << (8 * w))
+
+
 def _encode(values: np.ndarray, top: int) -> bytes:
     """The uint64 array ``values`` (at most ``top``) at the narrowest width that holds ``top``."""
-    width = next(w for w in _WIDTHS if top < 1 << (8 * w))
+    width = _width(top)
     if width == 3:
         return values.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
     return values.astype(_WIDTHS[width]).tobytes()
@@ -357,7 +362,7 @@ def _read(table: dict, name: str, count: int, source: str, one_value: bool = Fal
     writes) it may be one int, every entry's value."""
     raw = table.get(name)
     if one_value and type(raw) is int and 0 <= raw < _U64 and count > 1:
-        return np.full(count, raw, dtype=_WIDTHS[next(w for w in _WIDTHS if raw < 1 << (8 * w))])
+        return np.full(count, raw, dtype=_WIDTHS[_width(raw)])
     if type(raw) is not bytes:
         raise _bad(source, f"lacks column {name!r}")
     width = len(raw) // count if count else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -76,10 +77,7 @@ class DeviceBytes:
         start, stop, _ = frame.indices(self.nbytes)
         host, part = _BUFFERS.get(max(stop - start, 0), self._frame_size)
         try:
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    part.copy_(self._flat[start:stop])
-            else:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 part.copy_(self._flat[start:stop])
         except BaseException:
             _BUFFERS.put(host)
