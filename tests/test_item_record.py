@@ -269,9 +269,18 @@ def _layout(recs: list, data: st.DataObject) -> tuple[dict, dict]:
         else:
             sdm[fqn] = BytesStorageMetadata()
             index = MetadataIndex(fqn, None, data.draw(st.sampled_from([None, 0])))
-        odd = data.draw(st.sampled_from([None, None, None, "extra", "stock", "float", "bool"]))
+        odd = data.draw(st.sampled_from([None, None, None, "extra", "stock", "float", "bool", "negative", "length",
+                                         "list", "shape"]))
         if odd == "extra":
             rec["future_field"] = 1
+        elif odd == "negative":
+            rec["offset"] = -1
+        elif odd == "length":  # not the sum of its frames
+            rec["length"] += 1
+        elif odd == "list":
+            rec["frames"] = list(rec["frames"])
+        elif odd == "shape":  # not its chunk's shape (a non-tensor item: any shape)
+            rec["shape"] = (7, 7, 7)
         elif odd in ("float", "bool"):  # equal as a number, not an int: kept as it is, not in the table
             rec["frame" if odd == "float" else "fmt"] = float(rec["frame"]) if odd == "float" else True
         storage[index] = _StorageInfo("__0_0.distcp", 0, 1) if odd == "stock" else rec
@@ -288,7 +297,8 @@ def test_record_table_round_trips_exactly(recs: list, data: st.DataObject) -> No
     assert {i: (i.index, list(r) if type(r) is dict else r) for i in back for r in [back[i]]} == \
         {i: (i.index, list(r) if type(r) is dict else r) for i in storage for r in [storage[i]]}
     fits = [r for r in storage.values() if type(r) is dict and "future_field" not in r
-            and type(r["frame"]) is int and type(r["fmt"]) is int]
+            and type(r["frame"]) is int and type(r["fmt"]) is int and r["offset"] >= 0
+            and r["length"] == sum(r["frames"]) and type(r["frames"]) is tuple and r.get("shape") != (7, 7, 7)]
     assert is_table(packed) == bool(fits) and len(packed) == len(storage) - max(len(fits) - 1, 0)
 
 
