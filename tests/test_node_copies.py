@@ -127,15 +127,15 @@ def test_a_packed_node_view_swaps_rows_without_unpacking_or_packing(tmp_path, mo
     first, middle = list(plain)[0], list(plain)[3]
     copies = tuple((i, {**plain[i], "file": "__2_node_0.distcp", "offset": 7 * n}) for n, i in enumerate((first, middle)))
     setattr(md, NODE_COPIES, copies)
-    calls = {"pack": 0, "unpack": 0}
-    pack, unpack = record_table._Layout, record_table.unpack_storage
-    monkeypatch.setattr(record_table, "_Layout", lambda *a: (calls.__setitem__("pack", calls["pack"] + 1), pack(*a))[1])
+    calls = {"add": 0, "unpack": 0}
+    add, unpack = record_table._Packer.add, record_table.unpack_storage
+    monkeypatch.setattr(record_table._Packer, "add", lambda *a: (calls.__setitem__("add", calls["add"] + 1), add(*a))[1])
     monkeypatch.setattr(record_table, "unpack_storage",
                         lambda *a, **k: (calls.__setitem__("unpack", calls["unpack"] + 1), unpack(*a, **k))[1])
     view, copied = node_view(md, [2, 3])
     sizes = expected_sizes(view.storage_data.values())
     data = encode_metadata(view)
-    assert calls == {"pack": 0, "unpack": 0}
+    assert calls == {"add": 0, "unpack": 0}
     want = {**plain, **dict(copies)}
     assert copied == sum(r["length"] for _i, r in copies)
     assert sizes == expected_sizes(want.values())

@@ -15,8 +15,7 @@ integers (the narrowest of 1, 2, 4 or 8 bytes holding the column), one ``bytes``
 The table is the record of one packed item (format 3: the first of the item with the fewest
 chunks), ``{"fmt": 3, "table": {...}}``, so a reader of format 1 refuses the file with "format
 version 3: upgrade dcp_tiered".  Records that do not fit (stock ``_StorageInfo``, unknown fields,
-odd indices, values that are not exact ints) stay as they are; the fit is found column by column
-(:class:`_Layout`), as a coordinator packs every rank's records at ``finish``.
+odd indices, values that are not exact ints) stay as they are.
 :func:`unpack_storage` checks the table's shape (column widths and lengths, id ranges)
 before building anything, then returns the dicts, which ``check_metadata`` validates as
 every record is; a checked decode (``checkpoint`` given) returns a :class:`RecordTable`, which
@@ -33,7 +32,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
@@ -100,122 +98,118 @@ def _uints(values: Any) -> bool:
                                                       and max(values) < _U64))
 
 
-class _Layout:
-    """The records of ``storage_data`` that fit one record table, found and laid out column by column (a
-    coordinator packs every rank's records at ``finish``: per-column passes, not a Python step per field
-    of each record).  A record fits when it is a native record dict of exactly the table's fields, of
-    an item of ``sdm`` at one of its chunks (a non-tensor item: no offset, no shape), with a shape that
-    is its chunk's, ints in ``[0, 2**64)``, frame and checksum tables of equal length that sum to its
-    length, and strings or None in the name fields; the others stay as they are (``rest``)."""
+class _Packer:
+    """The rows of one record table.  With ``deferred``, the values of the int fields and the frame
+    tables are checked once per column by :meth:`table` (None if one is not an exact int in range: pack
+    again without), not record by record: a coordinator packs hundreds of thousands of records."""
 
-    def __init__(self, sdm: dict, storage: dict) -> None:
-        indexes, recs = list(storage), list(storage.values())
-        places, keysets, where = _places(sdm), {}, []
-        for index, rec in zip(indexes, recs):  # a dict lookup or two per record: fields, item and chunk
-            place = None
-            if type(rec) is dict and type(index) is MetadataIndex:
-                keys = tuple(rec)
-                ok = keysets.get(keys)
-                if ok is None:
-                    ok = keysets[keys] = _REQUIRED <= rec.keys() <= _ALLOWED
-                if ok and type(index.offset) in _OFFSET_TYPES:
-                    try:
-                        place = places.get((index.fqn, index.offset))
-                    except TypeError:  # an offset holding an unhashable value
-                        pass
-            where.append(place)
-        recs = [_EMPTY if p is None else r for r, p in zip(recs, where)]
-        get = {f: [r.get(f) for r in recs] for f in (*_INTS, *_NAMES, "kind", "frames", "sums", "length", "shape")}
-        hints = [i.index if p is not None else None for i, p in zip(indexes, where)]
-        names = list(zip(*(get[f] for f in _NAMES)))
-        name_ok = {key: all(v is None or type(v) is str for v in key) for key in dict.fromkeys(names)}
-        fit = [place is not None and type(fr) is tuple and type(sm) is tuple and len(fr) == len(sm) and name_ok[key]
-               and (kind == "tensor" and shape == place[2] if place[1] else kind == "bytes" and "shape" not in rec)
-               and (hint is None or (type(hint) is int and 0 <= hint < _U64 - 1))
-               for place, kind, fr, sm, shape, hint, rec, key in zip(where, get["kind"], get["frames"], get["sums"],
-                                                                    get["shape"], hints, recs, names)]
-        self.fit = fit = _exact(fit, get)
-        every = all(fit)
-        rows = range(len(fit)) if every else [r for r, ok in enumerate(fit) if ok]
-        pick = (lambda col: col) if every else (lambda col: [col[r] for r in rows])  # noqa: E731
-        self.indexes, self.n = pick(indexes), len(rows)
-        if not rows:
-            return
-        item, chunk, _sizes, nchunks = zip(*pick(where))
-        self.frames, self.sums = pick(get["frames"]), pick(get["sums"])
-        costs = [c if k else 0 for c, k in zip(nchunks, chunk)]
-        self.head = costs.index(min(costs))  # the first row of the item with the fewest chunks
-        ids: dict = dict.fromkeys(itertools.chain.from_iterable(dict.fromkeys(pick(names))))  # in the order rows use them
-        ids.pop(None, None)
-        self.names = tuple(ids)
-        ids = {v: i for i, v in enumerate(ids, 1)}
-        ids[None] = 0
-        self.columns = {"item": list(item), "chunk": list(chunk), "index": [0 if h is None else h + 1 for h in pick(hints)],
-                        "kind": [0 if k == "tensor" else 1 for k in pick(get["kind"])],
-                        "nframes": list(map(len, self.frames)),
-                        **{f: pick(get[f]) for f in _INTS}, **{f: list(map(ids.__getitem__, pick(get[f]))) for f in _NAMES}}
+    def __init__(self, sdm: dict, deferred: bool = False) -> None:
+        self.sdm = sdm
+        self.deferred = deferred
+        self.items = {fqn: i for i, fqn in enumerate(sdm)}
+        self.entries = list(sdm.values())
+        self.names: dict[str, int] = {}
+        self.chunks: dict[str, dict] = {}  # fqn -> chunk offsets -> (position + 1, sizes)
+        self.rows: list[tuple] = []
+        self.frames: list[int] = []
+        self.sums: list[int] = []
+        self._ids: dict[tuple, "tuple[int, ...] | None"] = {}  # the name fields of a record -> their ids
+        # the head: the first row of the item with the fewest chunks (its entry stays on disk as DCP's
+        # dataclasses, which the allow-list unpickler steps through): (chunks, row, first frame, index)
+        self.head: "tuple[int, int, int, Any] | None" = None
 
-    def table(self) -> dict:
-        """The table of the rows, the head's row first."""
-        cols, frames, sums, names, r = self.columns, self.frames, self.sums, self.names, self.head
+    def _chunk(self, fqn: str, entry: Any, offset: Any) -> "tuple[int, tuple] | None":
+        table = self.chunks.get(fqn)
+        if table is None:
+            table = self.chunks[fqn] = {tuple(c.offsets): (j + 1, tuple(c.sizes)) for j, c in enumerate(entry.chunks)}
+        return table.get(offset)  # a torch.Size hashes and compares as the tuple
+
+    def _name(self, value: Any) -> "int | None":
+        if value is None:
+            return 0
+        if type(value) is not str:
+            return None
+        return self.names.setdefault(value, len(self.names) + 1)
+
+    def add(self, index: Any, rec: Any) -> bool:
+        """Append ``rec`` as a row when it fits the table exactly; False leaves it to be stored as is."""
+        if type(rec) is not dict or type(index) is not MetadataIndex or not _REQUIRED <= rec.keys() <= _ALLOWED:
+            return False
+        item = self.items.get(index.fqn)
+        frames, sums, kind = rec["frames"], rec["sums"], rec["kind"]
+        if item is None or kind not in _KINDS or type(frames) is not tuple or type(sums) is not tuple \
+                or len(frames) != len(sums):
+            return False
+        ints = (rec["fmt"], rec["offset"], rec["raw"], rec["itemsize"], rec["frame"])
+        if not self.deferred and not (_uints(frames) and _uints(sums) and _uints(ints) and ints[0] in _FMTS):
+            return False
+        try:
+            length = sum(frames)  # deferred: frames not yet known to be ints (TypeError: not numbers)
+        except TypeError:
+            return False
+        if rec["length"] != length:
+            return False
+        if kind == "tensor":
+            entry = self.entries[item]
+            if type(entry) is not TensorStorageMetadata or index.offset is None:
+                return False
+            found = self._chunk(index.fqn, entry, index.offset)
+            if found is None or rec.get("shape") != found[1]:
+                return False
+            chunk = found[0]
+        elif index.offset is not None or "shape" in rec:
+            return False
+        else:
+            chunk = 0
+        hint = index.index
+        if not (hint is None or (type(hint) is int and 0 <= hint < _U64 - 1)):
+            return False
+        key = tuple(map(rec.get, _NAMES))  # records share their strings: their ids are looked up once
+        names = self._ids.get(key, ())
+        if names == ():
+            ids = [self._name(v) for v in key]  # None: a field that is not a string
+            names = self._ids[key] = None if None in ids else tuple(ids)
+        if names is None:
+            return False
+        cost = len(self.entries[item].chunks) if chunk else 0
+        if self.head is None or cost < self.head[0]:
+            self.head = (cost, len(self.rows), len(self.frames), index)
+        self.rows.append((item, chunk, 0 if hint is None else hint + 1, 0 if kind == "tensor" else 1, len(frames),
+                          *ints, *names))
+        self.frames.extend(frames)
+        self.sums.extend(sums)
+        return True
+
+    def table(self) -> "dict | None":
+        """The table of the rows, the head's row first; None when a deferred check refuses a value."""
+        rows, frames, sums, names = self.rows, self.frames, self.sums, tuple(self.names)
+        _cost, r, at, _index = self.head
         if r:
-            cols = {c: [v[r], *v[:r], *v[r + 1:]] for c, v in cols.items()}
-            frames, sums = ([*v[r], *itertools.chain.from_iterable(v[:r]), *itertools.chain.from_iterable(v[r + 1:])]
-                            for v in (frames, sums))
-            # names numbered in the order the rows first use them, as a decoded table packs again
-            order = list(dict.fromkeys([*(cols[c][0] for c in _NAMES if cols[c][0]), *range(1, len(names) + 1)]))
+            end = at + rows[r][4]
+            rows = [rows[r], *rows[:r], *rows[r + 1:]]
+            frames, sums = (v[at:end] + v[:at] + v[end:] for v in (frames, sums))
+        columns = list(zip(*rows))
+        if r:  # names numbered in the order the rows first use them, as a decoded table packs again
+            head_ids = [i for i in rows[0][_NAME_COLUMNS[0]:] if i]
+            order = list(dict.fromkeys([*head_ids, *range(1, len(names) + 1)]))
             new_id = np.zeros(len(names) + 1, dtype=np.int64)
             new_id[order] = np.arange(1, len(order) + 1)
-            for c in _NAMES:
-                cols[c] = new_id[cols[c]].tolist()
+            for j in range(_NAME_COLUMNS[0], len(columns)):
+                columns[j] = new_id[list(columns[j])].tolist()
             names = tuple(names[i - 1] for i in order)
-        else:
-            frames, sums = (list(itertools.chain.from_iterable(v)) for v in (frames, sums))
-        rows = np.frombuffer(array.array("Q", itertools.chain.from_iterable(cols[c] for c in _ROW)),  # ints in range
-                             dtype=np.uint64).reshape(len(_ROW), self.n)
-        return {"n": self.n, "names": pack_strings(names), **dict(zip(_ROW, _stacked(rows))),
+        try:
+            frames, sums = _uint_array(frames), _uint_array(sums)
+            if self.deferred:  # the int fields' columns, checked as the frames are
+                for j in _INT_COLUMNS:
+                    _uint_array(columns[j])
+                if not set(columns[_FMT_COLUMN]) <= _FMTS:
+                    return None
+        except (TypeError, OverflowError):
+            return None
+        rows = np.frombuffer(array.array("Q", itertools.chain.from_iterable(columns)),  # ints now known in range
+                             dtype=np.uint64).reshape(len(columns), len(self.rows))
+        return {"n": len(self.rows), "names": pack_strings(names), **dict(zip(_ROW, _stacked(rows))),
                 "frames": _column(frames), "sums": _column(sums)}
-
-
-def _exact(fit: list, get: dict) -> list:
-    """``fit`` less the records whose int fields or frame tables are not exact ints in ``[0, 2**64)``,
-    whose format is not one readers know, or whose frames do not sum to their length: checked over whole
-    columns, record by record only when a column holds such a value."""
-    every = all(fit)
-    kept = range(len(fit)) if every else [r for r, ok in enumerate(fit) if ok]
-    pick = (lambda col: col) if every else (lambda col: [col[r] for r in kept])  # noqa: E731
-    frames = pick(get["frames"])
-    try:
-        for f in _INTS:
-            _uint_array(pick(get[f]))
-        for values in (frames, pick(get["sums"])):
-            _uint_array(list(itertools.chain.from_iterable(values)))
-        if set(pick(get["fmt"])) <= _FMTS and list(map(sum, frames)) == pick(get["length"]):
-            return fit
-    except (TypeError, OverflowError):
-        pass
-    for r in kept:
-        fit[r] = (all(_uint(get[f][r]) for f in _INTS) and get["fmt"][r] in _FMTS and _uints(get["frames"][r])
-                  and _uints(get["sums"][r]) and sum(get["frames"][r]) == get["length"][r])
-    return fit
-
-
-_EMPTY: dict = {}
-_OFFSET_TYPES = (type(None), torch.Size, tuple)
-
-
-def _places(sdm: dict) -> dict:
-    """``(fqn, chunk offsets)`` (a non-tensor item: ``(fqn, None)``) -> ``(item, chunk position + 1 or 0,
-    chunk sizes or None, the item's chunk count)``, for every chunk of ``sdm``."""
-    out = {}
-    for item, (fqn, entry) in enumerate(sdm.items()):
-        if type(entry) is TensorStorageMetadata:
-            count = len(entry.chunks)
-            for j, c in enumerate(entry.chunks):
-                out[(fqn, tuple(c.offsets))] = (item, j + 1, tuple(c.sizes), count)
-        else:
-            out[(fqn, None)] = (item, 0, None, 0)
-    return out
 
 
 def _uint_array(values: "list | tuple") -> np.ndarray:
@@ -226,16 +220,27 @@ def _uint_array(values: "list | tuple") -> np.ndarray:
     return np.frombuffer(array.array("Q", values), dtype=np.uint64)  # array: 2x numpy's conversion of ints
 
 
+_INT_COLUMNS = tuple(range(_ROW.index(_INTS[0]), _ROW.index(_INTS[-1]) + 1))
+_FMT_COLUMN = _ROW.index("fmt")
+_NAME_COLUMNS = tuple(range(_ROW.index(_NAMES[0]), len(_ROW)))
 _FMTS = frozenset(READ_VERSIONS)  # the records' own format versions
 
 
 def pack_storage(sdm: dict, storage: dict) -> dict:
-    """``storage_data`` as format 3 writes it: the records that fit in one table, the others as they are."""
-    rows = _Layout(sdm, storage)
-    if not rows.n:
-        return storage
-    rest = {index: rec for (index, rec), fit in zip(storage.items(), rows.fit) if not fit}
-    return {rows.indexes[rows.head]: {"fmt": TABLE_VERSION, TABLE_FIELD: rows.table()}, **rest}
+    """``storage_data`` as format 2 writes it: the records that fit in one table, the others as they are."""
+    for deferred in (True, False):  # the frame tables checked as one column, else record by record
+        packer, first, rest = _Packer(sdm, deferred), None, {}
+        for index, rec in storage.items():
+            if packer.add(index, rec):
+                first = index if first is None else first
+            else:
+                rest[index] = rec
+        if first is None:
+            return storage
+        table = packer.table()
+        if table is not None:
+            return {packer.head[3]: {"fmt": TABLE_VERSION, TABLE_FIELD: table}, **rest}
+    raise AssertionError("unreachable: a packer that checks each record's frames makes a table")
 
 
 def replace_records(sdm: dict, packed: dict, records: "collections.abc.Mapping[MetadataIndex, Any]") -> dict:
