@@ -270,7 +270,7 @@ def _layout(recs: list, data: st.DataObject) -> tuple[dict, dict]:
             sdm[fqn] = BytesStorageMetadata()
             index = MetadataIndex(fqn, None, data.draw(st.sampled_from([None, 0])))
         odd = data.draw(st.sampled_from([None, None, None, "extra", "stock", "float", "bool", "negative", "length",
-                                         "list", "shape"]))
+                                         "list", "shape", "listname"]))
         if odd == "extra":
             rec["future_field"] = 1
         elif odd == "negative":
@@ -279,6 +279,8 @@ def _layout(recs: list, data: st.DataObject) -> tuple[dict, dict]:
             rec["length"] += 1
         elif odd == "list":
             rec["frames"] = list(rec["frames"])
+        elif odd == "listname":  # a name field that is no string (and not hashable)
+            rec["codec"] = [rec["codec"]]
         elif odd == "shape":  # not its chunk's shape (a non-tensor item: any shape)
             rec["shape"] = (7, 7, 7)
         elif odd in ("float", "bool"):  # equal as a number, not an int: kept as it is, not in the table
@@ -298,7 +300,8 @@ def test_record_table_round_trips_exactly(recs: list, data: st.DataObject) -> No
         {i: (i.index, list(r) if type(r) is dict else r) for i in storage for r in [storage[i]]}
     fits = [r for r in storage.values() if type(r) is dict and "future_field" not in r
             and type(r["frame"]) is int and type(r["fmt"]) is int and r["offset"] >= 0
-            and r["length"] == sum(r["frames"]) and type(r["frames"]) is tuple and r.get("shape") != (7, 7, 7)]
+            and r["length"] == sum(r["frames"]) and type(r["frames"]) is tuple and r.get("shape") != (7, 7, 7)
+            and type(r["codec"]) is str]
     assert is_table(packed) == bool(fits) and len(packed) == len(storage) - max(len(fits) - 1, 0)
 
 

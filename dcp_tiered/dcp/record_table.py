@@ -1,4 +1,4 @@
-"""Format 2 ``.metadata``: the native records of ``storage_data`` as one columnar table.
+"""The ``.metadata`` of formats 2 and 3: the native records of ``storage_data`` as one columnar table.
 
 In memory a record is the plain-builtin dict of :class:`~dcp_tiered.dcp.format.ItemRecord`
 keyed by DCP's ``MetadataIndex``.  Pickled as such it costs ~330 bytes per tensor (every
@@ -15,7 +15,7 @@ integers (the narrowest of 1, 2, 4 or 8 bytes holding the column), one ``bytes``
 The table is the record of one packed item (format 3: the first of the item with the fewest
 chunks), ``{"fmt": 3, "table": {...}}``, so a reader of format 1 refuses the file with "format
 version 3: upgrade dcp_tiered".  Records that do not fit (stock ``_StorageInfo``, unknown fields,
-odd indices, values that are not exact ints) stay as they are.
+odd indices, int fields or frame tables that are not exact ints, names that are not strings) stay as they are.
 :func:`unpack_storage` checks the table's shape (column widths and lengths, id ranges)
 before building anything, then returns the dicts, which ``check_metadata`` validates as
 every record is; a checked decode (``checkpoint`` given) returns a :class:`RecordTable`, which
@@ -165,7 +165,10 @@ class _Packer:
         if not (hint is None or (type(hint) is int and 0 <= hint < _U64 - 1)):
             return False
         key = tuple(map(rec.get, _NAMES))  # records share their strings: their ids are looked up once
-        names = self._ids.get(key, ())
+        try:
+            names = self._ids.get(key, ())
+        except TypeError:  # a name field holding an unhashable value: not a string
+            return False
         if names == ():
             ids = [self._name(v) for v in key]  # None: a field that is not a string
             names = self._ids[key] = None if None in ids else tuple(ids)
