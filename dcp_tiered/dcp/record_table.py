@@ -72,10 +72,16 @@ def _encode(values: np.ndarray, top: int) -> bytes:
     return values.astype(_WIDTHS[width]).tobytes()
 
 
+def _uint64(values: Any) -> np.ndarray:
+    """The Python ints ``values`` (in ``[0, 2**64)``: OverflowError else) as uint64, through ``array``:
+    twice as fast as numpy's conversion of a list of ints."""
+    return np.frombuffer(array.array("Q", values), dtype=np.uint64)
+
+
 def _column(values: "list | np.ndarray") -> bytes:
     """``values`` (ints in ``[0, 2**64)``) as the narrowest little-endian unsigned array."""
     if type(values) is list:
-        values = np.frombuffer(array.array("Q", values), dtype=np.uint64)
+        values = _uint64(values)
     return _encode(values, int(values.max()) if len(values) else 0)
 
 
@@ -209,8 +215,7 @@ class _Packer:
                     return None
         except (TypeError, OverflowError):
             return None
-        rows = np.frombuffer(array.array("Q", itertools.chain.from_iterable(columns)),  # ints now known in range
-                             dtype=np.uint64).reshape(len(columns), len(self.rows))
+        rows = _uint64(itertools.chain.from_iterable(columns)).reshape(len(columns), len(self.rows))  # ints in range
         return {"n": len(self.rows), "names": pack_strings(names), **dict(zip(_ROW, _stacked(rows))),
                 "frames": _column(frames), "sums": _column(sums)}
 
@@ -220,7 +225,7 @@ def _uint_array(values: "list | tuple") -> np.ndarray:
     OverflowError out of range (numpy alone would take floats and bools)."""
     if values and set(map(type, values)) != {int}:
         raise TypeError("not exact ints")
-    return np.frombuffer(array.array("Q", values), dtype=np.uint64)  # array: 2x numpy's conversion of ints
+    return _uint64(values)
 
 
 _INT_COLUMNS = tuple(range(_ROW.index(_INTS[0]), _ROW.index(_INTS[-1]) + 1))
