@@ -23,7 +23,6 @@ from dcp_tiered.codecs import FILTERS
 from dcp_tiered.codecs.frames import stored_frame_bounds
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
-    FORMAT_VERSION,
     KIND_TENSOR,
     METADATA_FILE,
     READ_VERSIONS,
@@ -303,6 +302,23 @@ def test_record_table_round_trips_exactly(recs: list, data: st.DataObject) -> No
             and r["length"] == sum(r["frames"]) and type(r["frames"]) is tuple and r.get("shape") != (7, 7, 7)
             and type(r["codec"]) is str]
     assert is_table(packed) == bool(fits) and len(packed) == len(storage) - max(len(fits) - 1, 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(records(), min_size=1, max_size=6), st.data())
+def test_a_packed_tables_totals_over_its_columns_are_those_of_its_records(recs: list, data: st.DataObject) -> None:
+    """A coordinator's file sizes and save totals come from the table's columns, not record by record:
+    the same as over the records it holds (table rows in their order, then the records kept apart)."""
+    recs = [{**r, "file": data.draw(st.sampled_from(["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]))} for r in recs]
+    sdm, storage = _layout(recs, data)
+    storage = {i: r for i, r in storage.items() if type(r) is dict}  # a save's own records: all native
+    if not storage:
+        return
+    packed = pack_storage(sdm, storage)
+    back = unpack_storage(sdm, packed, "ckpt/.metadata")
+    ends, stats = record_table.packed_totals(sdm, packed)
+    assert ends == expected_sizes(back.values())
+    assert stats == stats_from_records((i.fqn, r) for i, r in back.items())
 
 
 def test_golden_v1_metadata_reencodes_as_a_table_with_the_same_records() -> None:

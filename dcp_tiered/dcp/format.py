@@ -314,7 +314,7 @@ class ItemRecord:
     @property
     def downcast(self) -> bool:
         """Whether a tensor was stored in a narrower dtype than its original one."""
-        return _downcast(self.kind, self.dtype, self.orig_dtype)
+        return is_downcast(self.kind, self.dtype, self.orig_dtype)
 
     @property
     def orig_raw_length(self) -> int:
@@ -322,14 +322,21 @@ class ItemRecord:
         return _orig_raw(self.raw_length, self.itemsize, self.kind, self.dtype, self.orig_dtype)
 
 
-def _downcast(kind: Any, dtype: Any, orig_dtype: Any) -> bool:
+def is_downcast(kind: Any, dtype: Any, orig_dtype: Any) -> bool:
+    """Whether a record's tensor was stored in a narrower dtype than its original one."""
     return kind == KIND_TENSOR and orig_dtype is not None and orig_dtype != dtype
 
 
+def orig_itemsize(itemsize: int, kind: Any, dtype: Any, orig_dtype: Any) -> int:
+    """Bytes per element of a record's item in its original dtype: its stored item size unless downcast."""
+    return dtype_from_name(orig_dtype).itemsize if is_downcast(kind, dtype, orig_dtype) else itemsize
+
+
 def _orig_raw(raw: int, itemsize: int, kind: Any, dtype: Any, orig_dtype: Any) -> int:
-    if not _downcast(kind, dtype, orig_dtype):
+    """A record's raw bytes in its original dtype (``record_table.packed_totals`` applies this to columns)."""
+    if not is_downcast(kind, dtype, orig_dtype):
         return raw
-    return raw // itemsize * dtype_from_name(orig_dtype).itemsize
+    return raw // itemsize * orig_itemsize(itemsize, kind, dtype, orig_dtype)
 
 
 def record_sizes(value: Any) -> tuple[str, int, int, int, bool]:
@@ -340,7 +347,7 @@ def record_sizes(value: Any) -> tuple[str, int, int, int, bool]:
         get = value.get
         kind, raw, dtype, orig = value["kind"], value["raw"], get("dtype"), get("orig_dtype")
         return (value["file"], value["length"], raw, _orig_raw(raw, value["itemsize"], kind, dtype, orig),
-                _downcast(kind, dtype, orig))
+                is_downcast(kind, dtype, orig))
     return value.file, value.length, value.raw_length, value.orig_raw_length, value.downcast
 
 

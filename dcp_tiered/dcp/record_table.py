@@ -35,7 +35,9 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
-from dcp_tiered.dcp.format import MAX_METADATA_RECORDS, READ_VERSIONS, check_against_properties, check_record, dtype_name, expected_sizes
+from dcp_tiered.dcp.format import (MAX_METADATA_RECORDS, READ_VERSIONS, check_against_properties, check_record, dtype_name,
+                                   expected_sizes, is_downcast, is_native_record, orig_itemsize)
+from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import safe_relative_name
 
@@ -120,15 +122,10 @@ class _Packer:
         self.frames: list[int] = []
         self.sums: list[int] = []
         self._ids: dict[tuple, "tuple[int, ...] | None"] = {}  # the name fields of a record -> their ids
+        self._fields: dict[tuple, bool] = {}  # a record's field names -> whether the table has them
         # the head: the first row of the item with the fewest chunks (its entry stays on disk as DCP's
         # dataclasses, which the allow-list unpickler steps through): (chunks, row, first frame, index)
         self.head: "tuple[int, int, int, Any] | None" = None
-
-    def _chunk(self, fqn: str, entry: Any, offset: Any) -> "tuple[int, tuple] | None":
-        table = self.chunks.get(fqn)
-        if table is None:
-            table = self.chunks[fqn] = {tuple(c.offsets): (j + 1, tuple(c.sizes)) for j, c in enumerate(entry.chunks)}
-        return table.get(offset)  # a torch.Size hashes and compares as the tuple
 
     def _name(self, value: Any) -> "int | None":
         if value is None:
@@ -139,7 +136,13 @@ class _Packer:
 
     def add(self, index: Any, rec: Any) -> bool:
         """Append ``rec`` as a row when it fits the table exactly; False leaves it to be stored as is."""
-        if type(rec) is not dict or type(index) is not MetadataIndex or not _REQUIRED <= rec.keys() <= _ALLOWED:
+        if type(rec) is not dict or type(index) is not MetadataIndex:
+            return False
+        fields = tuple(rec)  # records share their fields: each set of them is checked once
+        fit = self._fields.get(fields)
+        if fit is None:
+            fit = self._fields[fields] = _REQUIRED <= rec.keys() <= _ALLOWED
+        if not fit:
             return False
         item = self.items.get(index.fqn)
         frames, sums, kind = rec["frames"], rec["sums"], rec["kind"]
@@ -159,7 +162,10 @@ class _Packer:
             entry = self.entries[item]
             if type(entry) is not TensorStorageMetadata or index.offset is None:
                 return False
-            found = self._chunk(index.fqn, entry, index.offset)
+            table = self.chunks.get(index.fqn)
+            if table is None:
+                table = self.chunks[index.fqn] = {tuple(c.offsets): (j + 1, tuple(c.sizes)) for j, c in enumerate(entry.chunks)}
+            found = table.get(index.offset)  # a torch.Size hashes and compares as the tuple
             if found is None or rec.get("shape") != found[1]:
                 return False
             chunk = found[0]
@@ -293,22 +299,58 @@ def replace_records(sdm: dict, packed: dict, records: "collections.abc.Mapping[M
     return {head_index: {**head, TABLE_FIELD: table}, **rest, **records}
 
 
-def packed_file_ends(sdm: dict, packed: dict) -> dict[str, int]:
-    """:func:`~dcp_tiered.dcp.format.expected_sizes` of ``packed``'s records, over the table's columns
-    (each file's furthest ``offset + length``) and the records kept apart, without building records."""
-    if not is_table(packed):
-        return expected_sizes(packed.values())
-    arrays, frames, _sums, names = _columns(next(iter(packed.values())), sdm, "the committed metadata")
-    counts = arrays["nframes"].astype(np.int64)
-    bounds = np.concatenate(([0], np.cumsum(frames, dtype=np.uint64)))
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    ends = arrays["offset"].astype(np.uint64) + (bounds[starts + counts] - bounds[starts])
-    top = np.zeros(len(names), dtype=np.uint64)
-    np.maximum.at(top, arrays["file"].astype(np.int64), ends)
-    out = {names[f]: int(top[f]) for f in np.unique(arrays["file"]).tolist()}
-    for f, end in expected_sizes(itertools.islice(packed.values(), 1, None)).items():
-        out[f] = max(out.get(f, 0), end)
-    return out
+def _exact_sum(values: np.ndarray) -> int:
+    """The sum of the uint64 array ``values`` as a Python int (no wrap-around)."""
+    if len(values) and int(values.max()) > (_U64 - 1) // len(values):
+        return sum(values.tolist())
+    return int(values.sum(dtype=np.uint64))
+
+
+def packed_totals(sdm: dict, packed: dict) -> tuple[dict[str, int], SaveStats]:
+    """:func:`~dcp_tiered.dcp.format.expected_sizes` and :func:`~dcp_tiered.dcp.save_stats.stats_from_records`
+    of ``packed``'s records (keyed by name; table rows in their order, then the records kept apart), over
+    the table's columns without building records: the rules of a record's sizes are applied once per
+    distinct combination of its kind, item size and dtypes."""
+    rest = itertools.islice(packed.items(), 1, None) if is_table(packed) else packed.items()
+    table_ends: dict[str, int] = {}
+    stats = SaveStats()
+    if is_table(packed):
+        arrays, frames, _sums, names = _columns(next(iter(packed.values())), sdm, "the committed metadata")
+        counts = arrays["nframes"].astype(np.int64)
+        bounds = np.concatenate(([0], np.cumsum(frames, dtype=np.uint64)))
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        lengths = bounds[starts + counts] - bounds[starts]
+        raw, itemsize = arrays["raw"].astype(np.uint64), arrays["itemsize"].astype(np.uint64)
+        top = np.zeros(len(names), dtype=np.uint64)
+        np.maximum.at(top, arrays["file"].astype(np.int64), arrays["offset"].astype(np.uint64) + lengths)
+        files = np.unique(arrays["file"]).tolist()
+        table_ends = {names[f]: int(top[f]) for f in files}
+        first, combo = _combinations([arrays[c] for c in ("kind", "itemsize", "dtype", "orig_dtype")])
+        flags, per_item = [], []
+        for r in first.tolist():
+            fields = (int(arrays["itemsize"][r]), _KINDS[arrays["kind"][r]], names[arrays["dtype"][r]],
+                      names[arrays["orig_dtype"][r]])
+            flags.append(is_downcast(*fields[1:]))
+            per_item.append(orig_itemsize(*fields) if flags[-1] else 0)
+        down = np.array(flags, dtype=bool)[combo]
+        orig_raw = np.where(down, raw // np.maximum(itemsize, 1) * np.array(per_item, dtype=np.uint64)[combo], raw)
+        fqns, items = list(sdm), arrays["item"].tolist()
+        stats = SaveStats(items=len(items), raw_bytes=_exact_sum(orig_raw), encoded_bytes=_exact_sum(raw),
+                          stored_bytes=_exact_sum(lengths),
+                          downcast=[fqns[items[r]] for r in np.flatnonzero(down).tolist()])
+    apart = list(rest)
+    native = [(index, rec) for index, rec in apart if is_native_record(rec)]  # the stats count those only
+    more = stats_from_records((index.fqn, rec) for index, rec in native)
+    stats.files = len(set(table_ends).union(rec["file"] for _, rec in native))
+    ends = table_ends
+    for f, end in expected_sizes(rec for _, rec in apart).items():
+        ends[f] = max(ends.get(f, 0), end)
+    stats.items += more.items
+    stats.raw_bytes += more.raw_bytes
+    stats.encoded_bytes += more.encoded_bytes
+    stats.stored_bytes += more.stored_bytes
+    stats.downcast += more.downcast
+    return ends, stats
 
 
 class _PackedValues(collections.abc.ValuesView):
@@ -316,7 +358,7 @@ class _PackedValues(collections.abc.ValuesView):
 
     def file_ends(self) -> "dict[str, int] | None":
         table = self._mapping
-        return packed_file_ends(table._sdm, table.packed) if table._records is None else None
+        return packed_totals(table._sdm, table.packed)[0] if table._records is None else None
 
 
 class PackedRecords(collections.abc.Mapping):
@@ -359,6 +401,10 @@ class PackedRecords(collections.abc.Mapping):
 
     def values(self) -> _PackedValues:
         return _PackedValues(self)
+
+    def totals(self) -> tuple[dict[str, int], SaveStats]:
+        """The data files' expected sizes and the save's stats, over the table (:func:`packed_totals`)."""
+        return packed_totals(self._sdm, self.packed)
 
     def __reduce__(self) -> tuple:
         return PackedRecords, (self._sdm, self.packed, None, self.stats)
@@ -831,14 +877,14 @@ def _check_one(row: tuple, sdm: dict, checkpoint: str, max_object_bytes: "int | 
 def _chunk_numels(entries: list) -> tuple[np.ndarray, np.ndarray]:
     """Where each item's chunks start in one flat array, and the element count of every chunk there
     (capped at 2**63: no raw size is that large)."""
-    counts, numels, prod, cap = [], [], math.prod, 1 << 63
-    for entry in entries:
-        chunks = entry.chunks if type(entry) is TensorStorageMetadata else ()
-        counts.append(len(chunks))
-        for chunk in chunks:
-            sizes = chunk.sizes  # a dimension of 2**62 or more is refused as check_record does: no raw size matches
-            numels.append(cap if sizes and max(sizes) >= _BIG else min(prod(sizes), cap))
-    counts_arr = np.array(counts, dtype=np.int64)
+    chunk_lists = [entry.chunks if type(entry) is TensorStorageMetadata else () for entry in entries]
+    sizes = [chunk.sizes for chunks in chunk_lists for chunk in chunks]
+    cap = 1 << 63
+    if max(map(max, filter(None, sizes)), default=0) < _BIG:
+        numels = [n if n < cap else cap for n in map(math.prod, sizes)]
+    else:  # a dimension of 2**62 or more is refused as check_record does: no raw size matches
+        numels = [cap if s and max(s) >= _BIG else min(math.prod(s), cap) for s in sizes]
+    counts_arr = np.fromiter(map(len, chunk_lists), dtype=np.int64, count=len(chunk_lists))
     return np.cumsum(counts_arr) - counts_arr, np.array(numels, dtype=np.uint64)
 
 

@@ -37,7 +37,7 @@ from dcp_tiered.dcp.item_table import BroadcastItems
 from dcp_tiered.dcp.metadata_io import encode_metadata
 from dcp_tiered.dcp.record_table import PackedRecords
 from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_globals
-from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
+from dcp_tiered.dcp.save_stats import SaveStats
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.checks import check_count, check_frame_size  # noqa: F401  (importable from here, as before)
 from dcp_tiered.errors import CheckpointExistsError, ConfigError, DcpTieredError, StorageError
@@ -312,11 +312,12 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with gc_paused():
             storage_md = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
-            expected = expected_sizes(storage_md.values())  # each rank checked its own files (write_data)
-            stats = stats_from_records((i.fqn, r) for i, r in storage_md.items())
             # what DCP broadcasts to every rank: the items and the records as their tables
             metadata.state_dict_metadata = BroadcastItems.of(metadata.state_dict_metadata)
-            metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md, stats)
+            records = metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md)
+            # each rank checked its own files (write_data); sizes and stats over the table's columns
+            expected, stats = records.totals()
+            records.stats = stats
             metadata.storage_meta = self._storage_meta()
             encoded = encode_metadata(metadata)
         committed = False
