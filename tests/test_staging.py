@@ -175,3 +175,38 @@ def test_dcp_s_stager_is_closed_once_the_fast_path_serves_again(monkeypatch) -> 
     assert isinstance(slow["obj"], Custom) and not closed
     stager.stage({"w": torch.zeros(8)})
     assert len(closed) == 1
+
+
+def test_a_state_for_dcp_s_stager_stages_on_every_save_even_where_dcp_s_cannot_be_reused() -> None:
+    """A DTensor or object state goes through DCP's ``DefaultStager`` on every async save: torch 2.11's closes
+    its copier at the end of each stage (pytorch/pytorch#183413), so a reused one raises ``KeyError`` from the
+    second save on; each save still gets a copy of the state at its call."""
+    stager = _stager()
+    live = {"obj": Custom(torch.zeros(4)), "w": torch.zeros(2)}
+    for value in range(3):
+        live["obj"].v.fill_(value)
+        staged = stager.stage(live)
+        live["obj"].v.add_(10.0)
+        assert torch.equal(staged["obj"].v, torch.full((4,), float(value)))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_tensors_are_staged_into_kept_pinned_host_buffers() -> None:
+    """CUDA state takes the fast path: one pinned host buffer per tensor, kept for the next save, filled in
+    stream order (work queued before the call is in the copy, the training's next steps are not)."""
+    stager = KeepStaged(StagingOptions(True, False, False, False))
+    side = torch.cuda.Stream()
+    live = {"w": torch.zeros(1 << 20, device="cuda"), "b": torch.zeros(3, 5, device="cuda")[:, 1:4],
+            "step": torch.tensor(1.0), "lr": 0.1}
+    with torch.cuda.stream(side):
+        live["w"].fill_(2.0)  # queued on the stream current at the save
+        staged = stager.stage(live)
+        live["w"].fill_(5.0)  # the next step: not in the staged copy
+    assert stager._fallback is None
+    assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and bool((staged["w"] == 2.0).all())
+    assert staged["b"].shape == (3, 3) and torch.equal(staged["b"], live["b"].cpu())
+    again = stager.stage(live)
+    assert again["w"].data_ptr() == staged["w"].data_ptr() and bool((again["w"] == 5.0).all())

@@ -3,17 +3,21 @@
 DCP's ``DefaultStager`` deep-copies the state object by object in Python, so a state of many
 tensors pays a per-tensor cost above the copy itself (1.5x one ``copy_()`` of a 64 MiB state of
 530 tensors).  :class:`KeepStaged` stages a state that is a tree of dicts, lists and tuples over
-dense CPU tensors and plain values with one walk and one ``copy_`` per tensor, into buffers kept
-per path (a save without the optimizer and the next full one reuse each other's); tensors that
-are views of the same memory (tied weights) share one buffer, as with ``DefaultStager``.
-Anything else goes through a ``DefaultStager``, whose guarantees the fast path keeps: nothing of
-the copy is shared with the live state.  Only one of the two holds buffers at a time.  The buffers
-are reused only by the next save, which the checkpointer starts after the last one finished.
+dense CPU or CUDA tensors and plain values with one walk and one ``copy_`` per tensor, into host
+buffers kept per path (a save without the optimizer and the next full one reuse each other's);
+tensors that are views of the same memory (tied weights) share one buffer, as with
+``DefaultStager``.  A CUDA tensor's buffer is pinned where the options ask for it, and its copy is
+queued on the current stream without blocking, one synchronisation per device at the end: the copy
+holds the work queued before the call, as DCP's does.  Anything else (DTensors, objects) goes
+through a ``DefaultStager``, whose guarantees the fast path keeps: nothing of the copy is shared
+with the live state.  Only one of the two holds buffers at a time.  The buffers are reused only by
+the next save, which the checkpointer starts after the last one finished.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import cache
 from typing import Any
 
 import torch
@@ -28,7 +32,7 @@ def _walk(obj: Any, path: tuple, tensors: list[tuple[tuple, torch.Tensor]]) -> b
     fast path does not stage."""
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
-        if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized or obj.is_meta:
+        if obj.device.type not in ("cpu", "cuda") or obj.layout is not torch.strided or obj.is_quantized or obj.is_meta:
             return False
         tensors.append((path, obj))
         return True
@@ -55,7 +59,22 @@ def _rebuild(obj: Any, buffers: Any) -> Any:
 
 def _memory(t: torch.Tensor) -> tuple:
     """What makes two tensors the same values in the same memory (tied weights, one tensor under two keys)."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+@cache
+def default_stager_reusable() -> bool:
+    """Whether a ``DefaultStager`` stages again after its first stage.  torch 2.11's closes its copier at the
+    end of every stage (pytorch/pytorch#183413): the next stage raises ``KeyError: <class 'type'>``."""
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"t": torch.zeros(1)})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
 
 
 class KeepStaged(AsyncStager):
@@ -78,6 +97,9 @@ class KeepStaged(AsyncStager):
         tensors: list[tuple[tuple, torch.Tensor]] = []
         if not _walk(state_dict, (), tensors):
             self._kept, self._last = {}, set()
+            if self._fallback is not None and not default_stager_reusable():
+                self._fallback.close()
+                self._fallback = None
             self._fallback = self._fallback or DefaultStager(self.options)
             self.staged = self._fallback.stage(state_dict, **kwargs)
             return self.staged
@@ -87,19 +109,28 @@ class KeepStaged(AsyncStager):
         try:
             # buffers made inside an inference_mode block would refuse later copies outside it
             with torch.inference_mode(False), torch.no_grad():
-                buffers, used, alias = [], set(), {}
+                buffers, used, alias, devices = [], set(), {}, set()
                 for path, t in tensors:
                     memory = _memory(t)
                     same = alias.get(memory)
                     if same is None:
-                        key = (path, t.shape, t.dtype)
+                        on_device = t.device.type == "cuda"
+                        key = (path, t.shape, t.dtype, on_device)
                         same = self._kept.get(key)
                         if same is None:
-                            same = self._kept[key] = torch.empty_like(t, memory_format=torch.preserve_format)
-                        same.copy_(t)
+                            same = self._kept[key] = torch.empty_like(
+                                t, device="cpu", memory_format=torch.preserve_format,
+                                pin_memory=on_device and self.options.use_pinned_memory)
+                        if on_device:
+                            same.copy_(t, non_blocking=True)
+                            devices.add(t.device)
+                        else:
+                            same.copy_(t)
                         used.add(key)
                         alias[memory] = same
                     buffers.append(same)
+                for device in devices:  # the host buffers hold the copies before the writers read them
+                    torch.cuda.current_stream(device).synchronize()
         except BaseException:
             self._kept, self._last = {}, set()
             raise
