@@ -177,10 +177,32 @@ def test_dcp_s_stager_is_closed_once_the_fast_path_serves_again(monkeypatch) -> 
     assert len(closed) == 1
 
 
-def test_a_state_for_dcp_s_stager_stages_on_every_save_even_where_dcp_s_cannot_be_reused() -> None:
-    """A DTensor or object state goes through DCP's ``DefaultStager`` on every async save: torch 2.11's closes
-    its copier at the end of each stage (pytorch/pytorch#183413), so a reused one raises ``KeyError`` from the
-    second save on; each save still gets a copy of the state at its call."""
+@pytest.fixture(params=["this torch", "torch 2.11"])
+def dcp_stager_once(request, monkeypatch):
+    """DCP's stager as this torch has it, and as torch 2.11 has it: a ``DefaultStager`` that closes its copier
+    at the end of every stage (pytorch/pytorch#183413), so that its second stage raises ``KeyError``."""
+    from torch.distributed.checkpoint import _state_dict_stager
+
+    import dcp_tiered.tiers.save.staging as staging
+
+    if request.param == "torch 2.11":
+        stage = _state_dict_stager.StateDictStager.stage
+
+        def stage_then_close(self, *args, **kwargs):
+            try:
+                return stage(self, *args, **kwargs)
+            finally:
+                self.close()
+
+        monkeypatch.setattr(_state_dict_stager.StateDictStager, "stage", stage_then_close)
+    staging.default_stager_reusable.cache_clear()
+    yield request.param
+    staging.default_stager_reusable.cache_clear()
+
+
+def test_a_state_for_dcp_s_stager_stages_on_every_save_even_where_dcp_s_cannot_be_reused(dcp_stager_once) -> None:
+    """A DTensor or object state goes through DCP's ``DefaultStager`` on every async save: where torch's stages
+    only once, each save gets a new one; either way each save holds the state at its call."""
     stager = _stager()
     live = {"obj": Custom(torch.zeros(4)), "w": torch.zeros(2)}
     for value in range(3):
@@ -199,8 +221,10 @@ def test_cuda_tensors_are_staged_into_kept_pinned_host_buffers() -> None:
     stream order (work queued before the call is in the copy, the training's next steps are not)."""
     stager = KeepStaged(StagingOptions(True, False, False, False))
     side = torch.cuda.Stream()
-    live = {"w": torch.zeros(1 << 20, device="cuda"), "b": torch.zeros(3, 5, device="cuda")[:, 1:4],
+    live = {"w": torch.zeros((1 << 20) + 1, device="cuda"), "b": torch.zeros(3, 5, device="cuda")[:, 1:4],
             "step": torch.tensor(1.0), "lr": 0.1}
+    cached = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         live["w"].fill_(2.0)  # queued on the stream current at the save
         staged = stager.stage(live)
@@ -208,5 +232,8 @@ def test_cuda_tensors_are_staged_into_kept_pinned_host_buffers() -> None:
     assert stager._fallback is None
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and bool((staged["w"] == 2.0).all())
     assert staged["b"].shape == (3, 3) and torch.equal(staged["b"], live["b"].cpu())
+    # pinned in place at its size, not by torch's caching host allocator (which would hold 8 MiB for 4 MiB + 4)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == cached
+    torch.cuda.current_stream().wait_stream(side)
     again = stager.stage(live)
     assert again["w"].data_ptr() == staged["w"].data_ptr() and bool((again["w"] == 5.0).all())

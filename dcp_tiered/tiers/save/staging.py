@@ -6,9 +6,10 @@ tensors pays a per-tensor cost above the copy itself (1.5x one ``copy_()`` of a 
 dense CPU or CUDA tensors and plain values with one walk and one ``copy_`` per tensor, into host
 buffers kept per path (a save without the optimizer and the next full one reuse each other's);
 tensors that are views of the same memory (tied weights) share one buffer, as with
-``DefaultStager``.  A CUDA tensor's buffer is pinned where the options ask for it, and its copy is
-queued on the current stream without blocking, one synchronisation per device at the end: the copy
-holds the work queued before the call, as DCP's does.  Anything else (DTensors, objects) goes
+``DefaultStager``.  A CUDA tensor's buffer is pinned in place at its size where the options ask for
+it (:func:`_host_buffer`), and its copy is queued on its device's current stream without blocking,
+one synchronisation per device at the end: the copy holds the work queued on that stream before the
+call (work on other streams must be ordered before it by the caller), as DCP's does.  Anything else (DTensors, objects) goes
 through a ``DefaultStager``, whose guarantees the fast path keeps: nothing of the copy is shared
 with the live state.  Only one of the two holds buffers at a time.  The buffers are reused only by
 the next save, which the checkpointer starts after the last one finished.
@@ -17,6 +18,7 @@ the next save, which the checkpointer starts after the last one finished.
 from __future__ import annotations
 
 from collections import OrderedDict
+import weakref
 from functools import cache
 from typing import Any
 
@@ -62,6 +64,26 @@ def _memory(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
+#: Host buffers smaller than this stay pageable: their device copies block for microseconds, less than
+#: registering their pages would cost.
+PIN_MIN_BYTES = 64 << 10
+
+
+def _host_buffer(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host tensor shaped like ``t``; where ``pin``, pinned in place with ``cudaHostRegister`` at its exact size
+    and unpinned when it goes, as DCP's own stager pins.  (``pin_memory=True`` would take torch's caching host
+    allocator, which rounds each block up to a power of two and keeps it after it is freed: up to twice the
+    state, pinned for the life of the process.)  A buffer whose pages cannot be pinned stays pageable: its
+    copies then block, and are as correct."""
+    buf = torch.empty_like(t, device="cpu", memory_format=torch.preserve_format)
+    storage = buf.untyped_storage()
+    if pin and storage.nbytes() >= PIN_MIN_BYTES:
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)) == 0:
+            weakref.finalize(buf, cudart.cudaHostUnregister, storage.data_ptr()).atexit = False
+    return buf
+
+
 @cache
 def default_stager_reusable() -> bool:
     """Whether a ``DefaultStager`` stages again after its first stage.  torch 2.11's closes its copier at the
@@ -71,7 +93,7 @@ def default_stager_reusable() -> bool:
         for _ in range(2):
             stager.stage({"t": torch.zeros(1)})
         return True
-    except KeyError:
+    except Exception:  # KeyError on 2.11; any other failure of a second stage means the same
         return False
     finally:
         stager.close()
@@ -118,9 +140,7 @@ class KeepStaged(AsyncStager):
                         key = (path, t.shape, t.dtype, on_device)
                         same = self._kept.get(key)
                         if same is None:
-                            same = self._kept[key] = torch.empty_like(
-                                t, device="cpu", memory_format=torch.preserve_format,
-                                pin_memory=on_device and self.options.use_pinned_memory)
+                            same = self._kept[key] = _host_buffer(t, on_device and self.options.use_pinned_memory)
                         if on_device:
                             same.copy_(t, non_blocking=True)
                             devices.add(t.device)
