@@ -78,8 +78,12 @@ def _host_buffer(t: torch.Tensor, pin: bool) -> torch.Tensor:
     buf = torch.empty_like(t, device="cpu", memory_format=torch.preserve_format)
     storage = buf.untyped_storage()
     if pin and storage.nbytes() >= PIN_MIN_BYTES:
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)) == 0:
+        try:
+            cudart = torch.cuda.cudart()
+            pinned = int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)) == 0
+        except (RuntimeError, AttributeError):  # no CUDA runtime to pin with
+            pinned = False
+        if pinned:
             weakref.finalize(buf, cudart.cudaHostUnregister, storage.data_ptr()).atexit = False
     return buf
 
