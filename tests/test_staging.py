@@ -237,3 +237,13 @@ def test_cuda_tensors_are_staged_into_kept_pinned_host_buffers() -> None:
     torch.cuda.current_stream().wait_stream(side)
     again = stager.stage(live)
     assert again["w"].data_ptr() == staged["w"].data_ptr() and bool((again["w"] == 5.0).all())
+
+
+def test_a_buffer_that_cannot_be_pinned_stays_pageable() -> None:
+    """Pinning is asked only for CUDA tensors' buffers; where no CUDA runtime can pin it, the buffer is still
+    made (pageable, its copies block) rather than the save failing."""
+    from dcp_tiered.tiers.save.staging import _host_buffer
+
+    t = torch.arange(1 << 18, dtype=torch.float32).view(512, 512).t()
+    buf = _host_buffer(t, pin=not torch.cuda.is_available())
+    assert buf.shape == t.shape and buf.device.type == "cpu" and not buf.is_pinned()
