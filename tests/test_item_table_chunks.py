@@ -76,3 +76,22 @@ def test_the_item_table_check_agrees_with_the_exact_one(layout):
     except CorruptCheckpointError:
         refused = True
     assert refused == (tiling_problem(size, boxes) is not None), (size, boxes)
+
+
+@pytest.mark.parametrize("offsets, sizes", [((-1,), (4,)), ((0,), (-4,))])
+def test_a_negative_chunk_offset_or_size_is_refused_at_finish_naming_the_tensor(tmp_path, offsets, sizes):
+    """A planner's chunk that starts before its tensor (or has a negative size) does not fit the table: the
+    save fails before its commit with this package's error naming the tensor, not an ``OverflowError``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dcp_tiered import DcpTieredError
+
+    assert pack_items({"w": _tensor((4,), [(offsets, sizes)])}) is None
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    writer = CompressedWriter(tmp_path / "ck")
+    writer.set_up_storage_writer(True)
+    writer.prepare_global_plan([SavePlan([])])
+    with pytest.raises(DcpTieredError, match="'w'"):
+        writer.finish(Metadata({"w": _tensor((4,), [(offsets, sizes)])}), [])
+    assert not (tmp_path / "ck" / ".metadata").exists()

@@ -72,7 +72,8 @@ def pack_items(sdm: dict, one_string: bool = True) -> "dict | None":
         for c in entry.chunks:
             offsets.extend(c.offsets)
             chunk_sizes.extend(c.sizes)
-    if max(sizes + offsets + chunk_sizes, default=0) >= _MAX_DIM:
+    every = sizes + offsets + chunk_sizes
+    if max(every, default=0) >= _MAX_DIM or min(every, default=0) < 0:  # the finish's checks name it
         return None
     columns = list(zip(*rows))
     return {"fqns": pack_strings(tuple(sdm)) if one_string else tuple(sdm), "props": tuple(p for _, p in props.values()),

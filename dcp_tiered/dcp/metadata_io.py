@@ -83,7 +83,8 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
     problem = _tiling_problem(metadata, packed)  # what readers check, checked first
     if problem is not None:
         raise UnsupportedFormatError(f"{where}: tensor {problem[0]!r}: {problem[1]}; readers would refuse this "
-                                     "checkpoint, nothing was committed")
+                                     "checkpoint, nothing was committed. The save planner's chunks must lie inside "
+                                     "their tensor and tile it exactly")
     body = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
     if len(body) + _TRAILER > MAX_METADATA_BYTES:
         raise MetadataTooLargeError(
@@ -101,7 +102,7 @@ def _tiling_problem(metadata: Metadata, packed: Metadata) -> "tuple[str, str] | 
         return table_chunk_problem(head[_ITEMS], "the save's item table")
     for fqn, item in (metadata.state_dict_metadata or {}).items():
         if type(item) is TensorStorageMetadata:
-            problem = tiling_problem(item.size, [(c.offsets, c.sizes) for c in item.chunks])
+            problem = tensor_chunks_problem(item.size, item.chunks)
             if problem is not None:
                 return fqn, problem
     return None
@@ -343,19 +344,30 @@ def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
         raise _bad(source, f"tensor {fqn!r} has an invalid size {size!r}"[:200])
     if type(chunks) is not list:
         raise _bad(source, f"tensor {fqn!r} has chunks of type {type(chunks).__name__}, not a list")
+    problem = tensor_chunks_problem(size, chunks)
+    if problem is not None:
+        raise _bad(source, f"tensor {fqn!r}: {problem}")
+
+
+def tensor_chunks_problem(size: torch.Size, chunks: list) -> "str | None":
+    """What is wrong with a tensor's chunks: a malformed chunk, one outside the tensor, or chunks that do not
+    tile it exactly (part of it would never be loaded); None if nothing.  The readers' rule, which a save
+    checks before its commit."""
     arrays = _chunk_arrays(size, chunks)
     if arrays is None:  # the per-chunk checks name what is wrong
         for chunk in chunks:
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
             if type(chunk) is not ChunkStorageMetadata or not _size_ok(offsets) or not _size_ok(sizes):
-                raise _bad(source, f"tensor {fqn!r} has an invalid chunk")
+                if type(chunk) is ChunkStorageMetadata and type(offsets) is type(sizes) is torch.Size \
+                        and len(offsets) == len(sizes) <= 64:
+                    return f"chunk {tuple(offsets)}+{tuple(sizes)} has a negative offset or size"
+                return "an invalid chunk"
             if not len(offsets) == len(sizes) == len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
-                raise _bad(source, f"tensor {fqn!r} has chunk {tuple(offsets)}+{tuple(sizes)} outside its size {tuple(size)}")
+                return f"chunk {tuple(offsets)}+{tuple(sizes)} outside its size {tuple(size)}"
         problem = tiling_problem(size, [(c.offsets, c.sizes) for c in chunks])
     else:
         problem = array_tiling_problem(size, *arrays)
-    if problem is not None:  # the chunks must tile the tensor exactly, or part of it would never be loaded
-        raise _bad(source, f"tensor {fqn!r}: {problem}")
+    return problem
 
 
 def _chunk_arrays(size: Any, chunks: list) -> "tuple[np.ndarray, np.ndarray] | None":
