@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
@@ -95,3 +96,33 @@ def test_a_negative_chunk_offset_or_size_is_refused_at_finish_naming_the_tensor(
     with pytest.raises(DcpTieredError, match="'w'"):
         writer.finish(Metadata({"w": _tensor((4,), [(offsets, sizes)])}), [])
     assert not (tmp_path / "ck" / ".metadata").exists()
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts(), st.integers(0, 3), st.integers(-3, 3))
+def test_a_save_commits_only_chunk_layouts_its_readers_accept(layout, shifted, by):
+    """Any chunk layout a planner may hand ``finish`` (grids, damaged ones, a chunk shifted, even before the
+    tensor or past it): the save refuses it before its commit, or its readers accept its layout.  (No rank
+    wrote here, so a committed layout's chunks have no records, which readers refuse next.)"""
+    import tempfile
+
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from dcp_tiered import DcpTieredError
+
+    size, boxes = layout
+    if boxes and by:
+        i = shifted % len(boxes)
+        offsets, sizes = boxes[i]
+        boxes = [*boxes[:i], ((offsets[0] + by, *offsets[1:]), sizes), *boxes[i + 1:]]
+    with tempfile.TemporaryDirectory() as root:
+        writer = CompressedWriter(root)
+        writer.set_up_storage_writer(True)
+        writer.prepare_global_plan([SavePlan([])])
+        try:
+            writer.finish(Metadata({"w": _tensor(size, boxes)}), [])
+        except DcpTieredError:
+            return
+        with pytest.raises(CorruptCheckpointError, match="has no storage record"):
+            CompressedReader(root).read_metadata()
