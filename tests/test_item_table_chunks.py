@@ -126,3 +126,23 @@ def test_a_save_commits_only_chunk_layouts_its_readers_accept(layout, shifted, b
             return
         with pytest.raises(CorruptCheckpointError, match="has no storage record"):
             CompressedReader(root).read_metadata()
+
+
+class _DroppingWriter(CompressedWriter):
+    """A writer whose gathered results lost one item's records (a rank's, say): what finish must not commit."""
+
+    def finish(self, metadata, results):
+        return super().finish(metadata, [[wr for wr in rs if wr.index.fqn != "b"] for rs in results])
+
+
+def test_a_save_missing_an_items_records_is_refused_before_its_commit(tmp_path):
+    """Readers refuse a ``.metadata`` with a chunk that no record holds; finish refuses it first, naming it."""
+    from dcp_tiered import DcpTieredError
+    from failures import failure_of
+
+    state = {"a": torch.ones(4), "b": torch.zeros(2, 3)}
+    exc = failure_of(lambda: dcp.save(state, storage_writer=_DroppingWriter(tmp_path / "ck"), no_dist=True))
+    assert isinstance(exc, DcpTieredError) and "chunk (0, 0) of tensor 'b' has no storage record" in str(exc), exc
+    assert not (tmp_path / "ck" / ".metadata").exists()
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ok"), no_dist=True)  # the same save, whole
+    CompressedReader(tmp_path / "ok").read_metadata()

@@ -48,7 +48,7 @@ from dcp_tiered.dcp.format import (
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.item_table import BroadcastItems, check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import (HEAD_TABLES, TABLE_FIELD, TABLE_VERSION, PackedRecords, RecordTable, head_tables,
+from dcp_tiered.dcp.record_table import (HEAD_TABLES, TABLE_FIELD, TABLE_VERSION, PackedRecords, RecordTable, first_unstored, head_tables,
                                          is_table, pack_storage, pack_strings, unpack_storage)
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
@@ -588,16 +588,9 @@ def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
                 if (fqn, chunk.offsets) not in stored and MetadataIndex(fqn, chunk.offsets) not in storage:
                     raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
         return
-    stored = {(i.fqn, i.offset) for i in storage}  # a torch.Size offset hashes and compares as its tuple
-    fqns = {i.fqn for i in storage}
-    for fqn, item in sdm.items():
-        if type(item) is BytesStorageMetadata:
-            if fqn not in fqns:
-                raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
-            continue
-        for chunk in item.chunks:
-            if (fqn, chunk.offsets) not in stored:
-                raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
+    missing = first_unstored(sdm, storage)
+    if missing is not None:
+        raise _bad(source, f"{missing} has no storage record")
 
 
 def committed_save_id(storage: Storage) -> str | None:

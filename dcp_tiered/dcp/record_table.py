@@ -361,6 +361,22 @@ class _PackedValues(collections.abc.ValuesView):
         return packed_totals(table._sdm, table.packed)[0] if table._records is None else None
 
 
+def first_unstored(sdm: dict, records: Any) -> "str | None":
+    """The first item of ``sdm`` (a non-tensor item, or a tensor's chunk) that no key of ``records`` names, as
+    a message names it; None when each has a record."""
+    stored = {(i.fqn, i.offset) for i in records}  # a torch.Size offset hashes and compares as its tuple
+    fqns = {i.fqn for i in records}
+    for fqn, entry in sdm.items():
+        if type(entry) is not TensorStorageMetadata:
+            if fqn not in fqns:
+                return f"non-tensor item {fqn!r}"
+            continue
+        for chunk in entry.chunks:
+            if (fqn, chunk.offsets) not in stored:
+                return f"chunk {tuple(chunk.offsets)} of tensor {fqn!r}"
+    return None
+
+
 class PackedRecords(collections.abc.Mapping):
     """``storage_data`` of a committed save as DCP broadcasts it to every rank: pickled as the record
     table of format 2 (about 48 bytes a record, where the dicts cost ~330 and stock's records ~205),
@@ -401,6 +417,16 @@ class PackedRecords(collections.abc.Mapping):
 
     def values(self) -> _PackedValues:
         return _PackedValues(self)
+
+    def missing(self) -> "str | None":
+        """The first item, or tensor chunk, that no record holds (readers refuse such a ``.metadata``); None
+        when every one has a record.  The table's rows are distinct chunks of the save's items, so as many
+        rows as chunks is all of them; else the records are looked through."""
+        sdm = self._sdm
+        need = sum(len(e.chunks) if type(e) is TensorStorageMetadata else 1 for e in sdm.values())
+        if is_table(self.packed) and next(iter(self.packed.values()))[TABLE_FIELD]["n"] == need:
+            return None
+        return first_unstored(sdm, self._unpacked())
 
     def totals(self) -> tuple[dict[str, int], SaveStats]:
         """The data files' expected sizes and the save's stats, over the table (:func:`packed_totals`)."""

@@ -40,7 +40,7 @@ from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_gl
 from dcp_tiered.dcp.save_stats import SaveStats
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.checks import check_count, check_frame_size  # noqa: F401  (importable from here, as before)
-from dcp_tiered.errors import CheckpointExistsError, ConfigError, DcpTieredError, StorageError
+from dcp_tiered.errors import CheckpointExistsError, ConfigError, DcpTieredError, StorageError, UnsupportedFormatError
 from dcp_tiered.names import LOCK_FILE, data_file, rank_prefix
 from dcp_tiered.ranks import default_threads
 from dcp_tiered.storage import FileLock, Storage
@@ -315,6 +315,12 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             # what DCP broadcasts to every rank: the items and the records as their tables
             metadata.state_dict_metadata = BroadcastItems.of(metadata.state_dict_metadata)
             records = metadata.storage_data = PackedRecords.of(metadata.state_dict_metadata, storage_md)
+            missing = records.missing()
+            if missing is not None:
+                raise UnsupportedFormatError(
+                    f"{self.storage.url}/{METADATA_FILE}: {missing} has no storage record (no rank's write results "
+                    "hold it); readers would refuse this checkpoint, nothing was committed. Every item the plans "
+                    "name must be written by some rank")
             # each rank checked its own files (write_data); sizes and stats over the table's columns
             expected, stats = records.totals()
             records.stats = stats
