@@ -61,7 +61,10 @@ MAX_METADATA_BYTES = 256 << 20
 #: bounded in time by this as its memory is by the bytes.  A save over either limit fails before its
 #: commit (:func:`~dcp_tiered.dcp.metadata_io.encode_metadata`).
 MAX_METADATA_RECORDS = 1 << 22
-_MAX_DIMS = 64
+#: Most dimensions of a tensor (and of a chunk's offsets and sizes) readers accept.
+MAX_DIMS = 64
+#: Readers accept a tensor's dimensions below this (a shape's product is then checked exactly).
+MAX_DIM = 1 << 62
 _U64 = 1 << 64
 _OPTIONAL = {"checksum": str, "dtype": str, "orig_dtype": str, "shape": tuple}
 _TYPED = (("kind", str), ("filter", str), ("codec", str), ("file", str), ("frames", tuple), ("sums", tuple), *_OPTIONAL.items())
@@ -148,7 +151,7 @@ def _check_contents(record: dict, where: str, max_object_bytes: "int | None") ->
     if stored.itemsize != itemsize:
         raise CorruptCheckpointError(f"{where}: dtype {stored} does not match item size {itemsize}")
     shape = record.get("shape")
-    if type(shape) is not tuple or len(shape) > _MAX_DIMS or not _uints(shape, 1 << 62):
+    if type(shape) is not tuple or len(shape) > MAX_DIMS or not _uints(shape, MAX_DIM):
         raise CorruptCheckpointError(f"{where} has an invalid shape {shape!r}"[:300])
     numel = 1
     for d in shape:

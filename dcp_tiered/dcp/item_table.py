@@ -29,13 +29,12 @@ import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
                                                    TensorStorageMetadata)
 
+from dcp_tiered.dcp.format import MAX_DIM, MAX_DIMS
 from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.record_table import _bad, _column, _read, pack_strings, read_strings
 from dcp_tiered.dcp.tiling import array_tiling_problem, split_tilings
 from dcp_tiered.errors import CorruptCheckpointError
 
-_MAX_DIMS = 64
-_MAX_DIM = 1 << 62
 _ITEM_ROW = ("kind", "prop", "ndim", "nchunks")
 #: Longest int path part stored as digits (a list index or an int key; never a number slow to read)
 _MAX_INDEX_DIGITS = 21
@@ -45,7 +44,7 @@ _INDEX_DIGITS = re.compile(r"0|-?[1-9][0-9]*", re.ASCII)
 
 def _tensor_ok(entry: Any) -> bool:
     size, chunks = entry.size, entry.chunks
-    return (type(entry.properties) is TensorProperties and type(size) is torch.Size and len(size) <= _MAX_DIMS
+    return (type(entry.properties) is TensorProperties and type(size) is torch.Size and len(size) <= MAX_DIMS
             and type(chunks) is list and all(d >= 0 for d in size)
             and all(type(c) is ChunkStorageMetadata and type(c.offsets) is torch.Size and type(c.sizes) is torch.Size
                     and len(c.offsets) == len(c.sizes) == len(size) for c in chunks))
@@ -73,7 +72,7 @@ def pack_items(sdm: dict, one_string: bool = True) -> "dict | None":
             offsets.extend(c.offsets)
             chunk_sizes.extend(c.sizes)
     every = sizes + offsets + chunk_sizes
-    if max(every, default=0) >= _MAX_DIM or min(every, default=0) < 0:  # the finish's checks name it
+    if max(every, default=0) >= MAX_DIM or min(every, default=0) < 0:  # the finish's checks name it
         return None
     columns = list(zip(*rows))
     return {"fqns": pack_strings(tuple(sdm)) if one_string else tuple(sdm), "props": tuple(p for _, p in props.values()),
@@ -158,7 +157,7 @@ def unpack_items(items: Any, source: str) -> dict:
         raise _bad(source, "has tensor properties of the wrong type")
     n = len(fqns)
     cols = {c: _read(items, c, n, source) for c in _ITEM_ROW}
-    _limits(cols, {"kind": 1, "prop": len(props), "ndim": _MAX_DIMS, "nchunks": 1 << 32}, source, "item")
+    _limits(cols, {"kind": 1, "prop": len(props), "ndim": MAX_DIMS, "nchunks": 1 << 32}, source, "item")
     kind, prop, ndim, nchunks = (cols[c].astype(np.uint64) for c in _ITEM_ROW)
     tensor = kind == 0
     if ((prop == 0) != ~tensor).any() or (ndim[~tensor] != 0).any() or (nchunks[~tensor] != 0).any() or (
@@ -167,7 +166,7 @@ def unpack_items(items: Any, source: str) -> dict:
     dims = _read(items, "size", int(ndim.sum()), source)
     count = int((ndim * nchunks).sum())
     offs, csz = (_read(items, c, count, source) for c in ("offsets", "chunk_sizes"))
-    if any(len(a) and int(a.max()) >= _MAX_DIM for a in (dims, offs, csz)):
+    if any(len(a) and int(a.max()) >= MAX_DIM for a in (dims, offs, csz)):
         raise _bad(source, "has a dimension above 2**62")
     if any(type(p.dtype) is not torch.dtype for p in props):
         raise _bad(source, "has tensor properties without a dtype")

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_tiered.codecs import checksum
 from dcp_tiered.dcp.format import (
     KIND_BYTES,
+    MAX_DIMS,
     MAX_METADATA_BYTES,
     MAX_METADATA_RECORDS,
     METADATA_FILE,
@@ -333,7 +334,7 @@ def _bad(source: str, what: str) -> CorruptCheckpointError:
 
 
 def _size_ok(value: Any) -> bool:
-    return type(value) is torch.Size and len(value) <= 64 and all(d >= 0 for d in value)
+    return type(value) is torch.Size and len(value) <= MAX_DIMS and all(d >= 0 for d in value)
 
 
 def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:

@@ -18,6 +18,8 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.serialization import _get_layout
 
+from dcp_tiered.dcp.format import MAX_DIMS  # noqa: F401 - the allow-list's limit, re-exported
+
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     _DCP_METADATA: frozenset(
@@ -52,7 +54,6 @@ MAX_TOTAL_ITEMS = 1 << 26
 MAX_SAME_HASH = 16
 # Largest integer (bytes of LONG4 / digits of LONG) accepted; DCP's are 64-bit.
 MAX_INT_BYTES = 16
-MAX_DIMS = 64
 MAX_PATH_PARTS = 4096
 
 # Dataclasses DCP pickles as NEWOBJ + BUILD.

@@ -29,7 +29,8 @@ from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MIN_FRAME_SIZE, record_fram
 from dcp_tiered.dcp.frame_pipeline import GatedPool, ItemSource, encode_error, write_items
 from dcp_tiered.dcp.dropin import check_stock_writer_args, refuse_positional, storage_options_with, writer_threads
 from dcp_tiered.dcp.format import (
-    DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, METADATA_FILE, OBJECT_FIELD, ItemRecord, dtype_name,
+    DATA_SUFFIX, FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, MAX_DIM, MAX_DIMS, MAX_OBJECT_BYTES, METADATA_FILE, OBJECT_FIELD,
+    ItemRecord, dtype_name,
     expected_sizes,
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
@@ -40,7 +41,8 @@ from dcp_tiered.dcp.objects import SafeGlobals, encode_object, normalize_safe_gl
 from dcp_tiered.dcp.save_stats import SaveStats
 from dcp_tiered.dcp.tensors import tensor_bytes
 from dcp_tiered.checks import check_count, check_frame_size  # noqa: F401  (importable from here, as before)
-from dcp_tiered.errors import CheckpointExistsError, ConfigError, DcpTieredError, StorageError, UnsupportedFormatError
+from dcp_tiered.errors import (CheckpointExistsError, ConfigError, DcpTieredError, SaveError, StorageError,
+                               UnsupportedFormatError)
 from dcp_tiered.names import LOCK_FILE, data_file, rank_prefix
 from dcp_tiered.ranks import default_threads
 from dcp_tiered.storage import FileLock, Storage
@@ -132,6 +134,22 @@ def commit_metadata(storage: Storage, data: bytes, overwrite: bool, own_files: "
 _WRITER_ARGS = ("codec", "storage_options", "byte_group", "frame_size", "threads", "overwrite", "sync_files",
                 "check_sizes", "nice", "cpu_slots", "safe_globals", "save_id", "thread_count", "single_file_per_rank",
                 "per_thread_copy_ahead", "cache_staged_state_dict")
+
+
+def _check_readable_shape(item: WriteItem, data: torch.Tensor) -> None:
+    """Refuse a tensor whose record readers would refuse: too many dimensions, a dimension past their limit,
+    or (a planner's doing) a shape other than its chunk's."""
+    fqn, shape = item.index.fqn, tuple(data.shape)
+    if len(shape) > MAX_DIMS:
+        raise SaveError(f"tensor {fqn!r} has {len(shape)} dimensions, over the {MAX_DIMS} readers accept; nothing "
+                        "was committed. Reshape it (for instance flatten it) before the save")
+    if any(d >= MAX_DIM for d in shape):
+        raise SaveError(f"tensor {fqn!r} has a dimension of {max(shape)}, at or over the {MAX_DIM} readers accept; "
+                        "nothing was committed. Reshape it before the save")
+    chunk = item.tensor_data.chunk.sizes if item.tensor_data is not None else None
+    if chunk is not None and tuple(chunk) != shape:
+        raise SaveError(f"the save planner resolved {fqn!r} to a tensor of shape {shape} for its chunk of shape "
+                        f"{tuple(chunk)}; nothing was committed. resolve_data must return each chunk in its own shape")
 
 
 class CompressedWriter(UrlCheckpointId, StorageWriter):
@@ -374,10 +392,15 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             raw, extra = encode_object(item, data, planner, self.safe_globals, self.storage.url)
+            if len(raw) > MAX_OBJECT_BYTES:
+                raise SaveError(f"non-tensor item {item.index.fqn!r} is {len(raw)} bytes, over the {MAX_OBJECT_BYTES} "
+                                "readers accept by default; nothing was committed. Save large data as a tensor "
+                                "(torch.frombuffer(bytearray(data), dtype=torch.uint8)) or in pieces")
             return ItemSource(item, np.frombuffer(raw, dtype=np.uint8), raw, {
                 "kind": KIND_BYTES, "itemsize": 1, "filter_name": _FILTER_BYTES, "object_kind": extra.get(OBJECT_FIELD)})
         if not isinstance(data, torch.Tensor):
             raise ConfigError(f"planner resolved tensor item {item.index.fqn!r} to {type(data).__name__}, not a tensor")
+        _check_readable_shape(item, data)
         arr, keep = tensor_bytes(data, self.frame_size)
         dtype = keep.dtype
         name = dtype_name(dtype)

@@ -1,0 +1,46 @@
+"""A save commits only what its readers accept: a state dict that would give a ``.metadata`` or a record the
+readers refuse is refused by the save, before its commit, naming the item and what to do (found by a hostile
+review: each of these committed, and every reader then refused the checkpoint as damaged)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from dcp_tiered import CompressedReader, CompressedWriter, DcpTieredError
+from failures import failure_of
+
+
+class _ReshapingPlanner(DefaultSavePlanner):
+    """Resolves each tensor to a flat view: bytes of the right length, in a shape other than its chunk's."""
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        return data.reshape(-1) if isinstance(data, torch.Tensor) else data
+
+
+@pytest.mark.parametrize("state, planner, says", [
+    ({"a": torch.zeros([1] * 65)}, None, r"'a' has 65 dimensions"),
+    ({"a": torch.empty(0, 2**62)}, None, r"'a' has a dimension of 4611686018427387904"),
+    ({"b": b"\x01" * ((256 << 20) + 1)}, None, r"non-tensor item 'b' is \d+ bytes"),
+    ({"a": torch.ones(3, 2)}, _ReshapingPlanner(), r"'a' to a tensor of shape \(6,\) for its chunk of shape \(3, 2\)"),
+], ids=["65-dims", "huge-empty-dim", "object-over-256-MiB", "planner-reshapes"])
+def test_a_state_its_readers_would_refuse_is_refused_by_the_save(tmp_path, state, planner, says):
+    import re
+
+    exc = failure_of(lambda: dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), planner=planner,
+                                      no_dist=True))
+    assert isinstance(exc, DcpTieredError) and re.search(says, str(exc)), exc
+    assert "nothing was committed" in str(exc)
+    assert not (tmp_path / "ck" / ".metadata").exists()
+
+
+def test_the_largest_states_readers_accept_save_and_load(tmp_path):
+    """The limits themselves save and load back: 64 dimensions, an object of just under the limit."""
+    state = {"a": torch.arange(2.0).reshape([2] + [1] * 63), "b": b"\x02" * (1 << 20)}
+    dcp.save(state, storage_writer=CompressedWriter(tmp_path / "ck"), no_dist=True)
+    back = {"a": torch.zeros_like(state["a"]), "b": b""}
+    dcp.load(back, storage_reader=CompressedReader(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(back["a"], state["a"]) and back["b"] == state["b"]
