@@ -171,3 +171,18 @@ def test_higher_zstd_levels_never_store_real_weights_larger_than_zstd_1(minilm_p
     base = stored("zstd:1")
     for level in (3, 6, 9):
         assert stored(f"zstd:{level}") <= base * 1.002, f"zstd:{level} stores more than zstd:1"
+
+
+@pytest.mark.parametrize("raw_len, frame_size, itemsize", [
+    (8 * ((1 << 29) + 1), 4096, 8),   # just over 4 GiB of int64 in 4 KiB frames (found by hostile review)
+    (2 * ((1 << 21) + 3), 1, 2),
+    (12 * (1 << 20) + 36, 4, 12),
+    (12 * ((1 << 20) + 1), 13, 12),  # the frame size alone would do, but frames are cut at 12 bytes
+])
+def test_an_item_too_large_for_its_frame_size_gets_frames_readers_accept(raw_len, frame_size, itemsize) -> None:
+    """The frame size is enlarged so that no item needs more than ``MAX_FRAMES_PER_RECORD`` frames (readers
+    refuse more), counted after frames are cut at whole elements."""
+    from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, frame_bounds, record_frame_size
+
+    size = record_frame_size(raw_len, frame_size, itemsize)
+    assert size >= frame_size and len(frame_bounds(raw_len, size, itemsize)) <= MAX_FRAMES_PER_RECORD

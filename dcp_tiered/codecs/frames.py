@@ -71,17 +71,27 @@ def _frame_layout(filter_name: str, itemsize: int) -> tuple[int, int]:
     return _HEAD.size + planes * _PLANE.size, planes
 
 
-def record_frame_size(raw_len: int, frame_size: int) -> int:
-    """The frame size to use for one item: ``frame_size``, enlarged for an item so large that it
-    would need more than ``MAX_FRAMES_PER_RECORD`` frames (readers refuse such records)."""
-    return max(frame_size, -(-raw_len // MAX_FRAMES_PER_RECORD))
+def frame_step(frame_size: int, itemsize: int) -> int:
+    """The raw bytes of each frame but the last: ``frame_size`` cut to whole elements (at least one)."""
+    unit = max(itemsize, 1)
+    return max(unit, frame_size - frame_size % unit)
+
+
+def record_frame_size(raw_len: int, frame_size: int, itemsize: int = 1) -> int:
+    """The frame size to use for one item of ``itemsize``-byte elements: ``frame_size``, enlarged for an item
+    so large that it would need more than ``MAX_FRAMES_PER_RECORD`` frames (readers refuse such records),
+    to a whole number of elements (:func:`frame_bounds` cuts frames there)."""
+    if -(-raw_len // frame_step(frame_size, itemsize)) <= MAX_FRAMES_PER_RECORD:
+        return frame_size
+    unit, least = max(itemsize, 1), -(-raw_len // MAX_FRAMES_PER_RECORD)
+    return -(-least // unit) * unit
 
 
 def frame_bounds(raw_len: int, frame_size: int, itemsize: int) -> list[tuple[int, int]]:
     """Return the ``(start, end)`` raw byte ranges of the frames of a ``raw_len`` buffer."""
     if frame_size <= 0:
         raise ConfigError(f"frame_size must be positive, got {frame_size}")
-    step = max(itemsize, frame_size - frame_size % max(itemsize, 1))
+    step = frame_step(frame_size, itemsize)
     if raw_len == 0:
         return []
     return [(s, min(s + step, raw_len)) for s in range(0, raw_len, step)]

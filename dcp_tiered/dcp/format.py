@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcp_tiered.codecs import FILTERS
-from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MAX_FRAMES_PER_RECORD, MIN_FRAME_SIZE, stored_frame_bounds
+from dcp_tiered.codecs.frames import MAX_FRAME_SIZE, MAX_FRAMES_PER_RECORD, MIN_FRAME_SIZE, frame_step, stored_frame_bounds
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.names import DATA_SUFFIX, METADATA_FILE  # noqa: F401 - re-exported for the dcp layer
 
@@ -121,7 +121,7 @@ def _check_frames(record: dict, key: str, checkpoint: str, where: str) -> None:
         raise CorruptCheckpointError(f"{where} has a frame table with entries that are not 64-bit unsigned integers")
     if sum(frames) != record["length"]:
         raise CorruptCheckpointError(f"frame table of {key!r} in {checkpoint} does not add up to its stored length")
-    step = record["frame"] - record["frame"] % itemsize
+    step = frame_step(record["frame"], itemsize)
     if len(frames) != -(-raw // step):
         raise CorruptCheckpointError(f"{where} has {len(frames)} frames for {raw} raw bytes in frames of {step}")
     if frames:
@@ -269,7 +269,7 @@ class ItemRecord:
     @property
     def frame_step(self) -> int:
         """Raw bytes per frame: ``frame_size`` cut to whole items (the last frame may be shorter)."""
-        return self.frame_size - self.frame_size % self.itemsize
+        return frame_step(self.frame_size, self.itemsize)
 
     def frame_range(self, start: int, end: int) -> range:
         """Indices of the frames holding raw bytes ``[start, end)`` (empty when ``end <= start``)."""

@@ -229,7 +229,7 @@ def write_items(
         for src in sources:
             fc = codec_for(src.fields)
             fields = src.fields
-            fields["frame_size"] = record_frame_size(src.arr.nbytes, frame_size)
+            fields["frame_size"] = record_frame_size(src.arr.nbytes, frame_size, fields["itemsize"])
             item = _Item(src)
             key = src.item.index.fqn
             for s, e in frame_bounds(src.arr.nbytes, fields["frame_size"], fields["itemsize"]):

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, stored_frame_bounds
+from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, frame_step, stored_frame_bounds
 from dcp_tiered.dcp.format import (MAX_METADATA_RECORDS, READ_VERSIONS, check_against_properties, check_record, dtype_name,
                                    expected_sizes, is_downcast, is_native_record, orig_itemsize)
 from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
@@ -788,7 +788,7 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
     headers, steps, full_lo = (np.empty(len(first), dtype=np.uint64) for _ in range(3))
     for c, r in enumerate(first.tolist()):
         rec = _check_one(records[int(r)], sdm, checkpoint, max_object_bytes)
-        step = rec["frame"] - rec["frame"] % rec["itemsize"]
+        step = frame_step(rec["frame"], rec["itemsize"])
         headers[c] = stored_frame_bounds(rec["codec"], rec["filter"], rec["itemsize"], 0)[1]
         steps[c], full_lo[c] = step, stored_frame_bounds(rec["codec"], rec["filter"], rec["itemsize"], step)[0]
     raw, offset, itemsize, nframes = (cols[c].astype(np.uint64) for c in ("raw", "offset", "itemsize", "nframes"))
