@@ -44,3 +44,33 @@ def test_the_largest_states_readers_accept_save_and_load(tmp_path):
     back = {"a": torch.zeros_like(state["a"]), "b": b""}
     dcp.load(back, storage_reader=CompressedReader(tmp_path / "ck"), no_dist=True)
     assert torch.equal(back["a"], state["a"]) and back["b"] == state["b"]
+
+
+class _MetadataPlanner(DefaultSavePlanner):
+    """Changes the global metadata as a custom planner may: ``change(metadata)``."""
+
+    def __init__(self, change) -> None:
+        super().__init__()
+        self.change = change
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = super().create_global_plan(all_plans)
+        self.change(metadata)
+        return plans, metadata
+
+
+def _size_as_list(metadata) -> None:
+    metadata.state_dict_metadata["a"].size = [3, 2]
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda md: setattr(md, "version", 7), "version is not a string"),
+    (_size_as_list, r"tensor 'a' has an invalid size \[3, 2\]"),
+], ids=["version-int", "size-list"])
+def test_metadata_a_planner_broke_is_refused_before_the_commit(tmp_path, change, says):
+    import re
+
+    exc = failure_of(lambda: dcp.save({"a": torch.ones(3, 2)}, storage_writer=CompressedWriter(tmp_path / "ck"),
+                                      planner=_MetadataPlanner(change), no_dist=True))
+    assert isinstance(exc, DcpTieredError) and re.search(says, str(exc)) and "nothing was committed" in str(exc), exc
+    assert not (tmp_path / "ck" / ".metadata").exists()

@@ -75,11 +75,15 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
             f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
             f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
             "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard over fewer ranks")
-    try:  # the planner paths readers check, checked before the commit too
-        _check_planner_data(getattr(metadata, "planner_data", None), where, metadata.state_dict_metadata or {})
+    try:  # what readers check beside the records and the chunks (checked below), checked before the commit too
+        sdm = metadata.state_dict_metadata or {}
+        _check_entries(sdm, where, chunks=False)
+        _check_planner_data(getattr(metadata, "planner_data", None), where, sdm)
+        _check_fields(metadata, where)
     except CorruptCheckpointError as exc:
         raise UnsupportedFormatError(f"readers would refuse this save ({exc}); nothing was committed. Keep the "
-                                     f"state dict at most {MAX_PATH_PARTS} levels deep") from None
+                                     f"state dict at most {MAX_PATH_PARTS} levels deep, and a save planner's metadata "
+                                     "of DCP's types") from None
     packed = _packed(metadata, items)
     problem = _tiling_problem(metadata, packed)  # what readers check, checked first
     if problem is not None:
@@ -338,6 +342,14 @@ def _size_ok(value: Any) -> bool:
 
 
 def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
+    _check_tensor_fields(fqn, md, source)
+    problem = tensor_chunks_problem(md.size, md.chunks)
+    if problem is not None:
+        raise _bad(source, f"tensor {fqn!r}: {problem}")
+
+
+def _check_tensor_fields(fqn: str, md: TensorStorageMetadata, source: str) -> None:
+    """A tensor entry's properties, size and chunk list, each of its type (the chunks themselves apart)."""
     props, size, chunks = (getattr(md, f, None) for f in ("properties", "size", "chunks"))
     if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
         raise _bad(source, f"tensor {fqn!r} has invalid properties")
@@ -345,9 +357,24 @@ def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
         raise _bad(source, f"tensor {fqn!r} has an invalid size {size!r}"[:200])
     if type(chunks) is not list:
         raise _bad(source, f"tensor {fqn!r} has chunks of type {type(chunks).__name__}, not a list")
-    problem = tensor_chunks_problem(size, chunks)
-    if problem is not None:
-        raise _bad(source, f"tensor {fqn!r}: {problem}")
+
+
+def _check_entries(sdm: dict, source: str, chunks: bool = True) -> None:
+    """Every entry of DCP's tensor table of its type; a tensor's chunks too (``chunks``)."""
+    check = _check_tensor_md if chunks else _check_tensor_fields
+    for fqn, item in sdm.items():
+        if type(item) is TensorStorageMetadata:
+            check(fqn, item, source)
+        elif type(item) is not BytesStorageMetadata:
+            raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
+
+
+def _check_fields(md: Metadata, source: str) -> None:
+    """``storage_meta`` and ``version``: what DCP's planner and the writer set beside the tables."""
+    _check_storage_meta(getattr(md, "storage_meta", None), source)
+    version = getattr(md, "version", None)
+    if not (version is None or type(version) is str):
+        raise _bad(source, "version is not a string")
 
 
 def tensor_chunks_problem(size: torch.Size, chunks: list) -> "str | None":
@@ -526,16 +553,9 @@ def _check_tables(md: Metadata, source: str, tensors_checked: bool = False) -> N
     if type(sdm) is not dict or type(storage) is not dict:
         raise CorruptCheckpointError(f"{source} lacks DCP's state_dict_metadata or storage_data tables")
     if not tensors_checked:
-        for fqn, item in sdm.items():
-            if type(item) is TensorStorageMetadata:
-                _check_tensor_md(fqn, item, source)
-            elif type(item) is not BytesStorageMetadata:
-                raise _bad(source, f"entry {fqn!r} of state_dict_metadata is a {type(item).__name__}")
+        _check_entries(sdm, source)
     _check_planner_data(getattr(md, "planner_data", None), source, sdm)
-    _check_storage_meta(getattr(md, "storage_meta", None), source)
-    version = getattr(md, "version", None)
-    if not (version is None or type(version) is str):
-        raise _bad(source, "version is not a string")
+    _check_fields(md, source)
 
 
 def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", skip: int = 0) -> None:
