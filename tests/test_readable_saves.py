@@ -74,3 +74,21 @@ def test_metadata_a_planner_broke_is_refused_before_the_commit(tmp_path, change,
                                       planner=_MetadataPlanner(change), no_dist=True))
     assert isinstance(exc, DcpTieredError) and re.search(says, str(exc)) and "nothing was committed" in str(exc), exc
     assert not (tmp_path / "ck" / ".metadata").exists()
+
+
+class _SecondChunkWriter(CompressedWriter):
+    """A writer handed a tensor table with an empty second chunk at the offset of another (a planner's
+    doing; DCP's plan check accepts it): one record would stand for both, and loads would read the wrong one."""
+
+    def finish(self, metadata, results):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        metadata.state_dict_metadata["a"].chunks.append(ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([0, 4])))
+        return super().finish(metadata, results)
+
+
+def test_two_chunks_at_one_offset_are_refused_before_the_commit(tmp_path):
+    exc = failure_of(lambda: dcp.save({"a": torch.ones(6, 4)}, storage_writer=_SecondChunkWriter(tmp_path / "ck"),
+                                      no_dist=True))
+    assert isinstance(exc, DcpTieredError) and "tensor 'a' has two chunks at offset (0, 0)" in str(exc), exc
+    assert not (tmp_path / "ck" / ".metadata").exists()

@@ -419,14 +419,26 @@ class PackedRecords(collections.abc.Mapping):
         return _PackedValues(self)
 
     def missing(self) -> "str | None":
-        """The first item, or tensor chunk, that no record holds (readers refuse such a ``.metadata``); None
-        when every one has a record.  The table's rows are distinct chunks of the save's items, so as many
-        rows as chunks is all of them; else the records are looked through."""
+        """Why readers would refuse these records for the save's items: an item or tensor chunk that no record
+        holds, or two chunks of a tensor at one offset (a record is found by its chunk's offset: one would
+        stand for both); None when each chunk has its own record.  The table's rows are distinct chunks of the
+        save's items, so as many rows as chunks is all of them; else the records are looked through."""
         sdm = self._sdm
         need = sum(len(e.chunks) if type(e) is TensorStorageMetadata else 1 for e in sdm.values())
         if is_table(self.packed) and next(iter(self.packed.values()))[TABLE_FIELD]["n"] == need:
             return None
-        return first_unstored(sdm, self._unpacked())
+        records = self._unpacked()
+        unstored = first_unstored(sdm, records)
+        if unstored is not None:
+            return f"{unstored} has no storage record (no rank's write results hold it)"
+        for fqn, entry in sdm.items():  # every chunk found, yet fewer records than chunks: two share an offset
+            if type(entry) is TensorStorageMetadata:
+                seen: set[tuple] = set()
+                for chunk in entry.chunks:
+                    if tuple(chunk.offsets) in seen:
+                        return f"tensor {fqn!r} has two chunks at offset {tuple(chunk.offsets)}"
+                    seen.add(tuple(chunk.offsets))
+        return None
 
     def totals(self) -> tuple[dict[str, int], SaveStats]:
         """The data files' expected sizes and the save's stats, over the table (:func:`packed_totals`)."""

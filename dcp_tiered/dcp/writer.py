@@ -336,9 +336,8 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
             missing = records.missing()
             if missing is not None:
                 raise UnsupportedFormatError(
-                    f"{self.storage.url}/{METADATA_FILE}: {missing} has no storage record (no rank's write results "
-                    "hold it); readers would refuse this checkpoint, nothing was committed. Every item the plans "
-                    "name must be written by some rank")
+                    f"{self.storage.url}/{METADATA_FILE}: {missing}; readers would refuse this checkpoint, nothing "
+                    "was committed. Every chunk the save planner names must be written by some rank, once")
             # each rank checked its own files (write_data); sizes and stats over the table's columns
             expected, stats = records.totals()
             records.stats = stats
