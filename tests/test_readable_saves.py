@@ -92,3 +92,25 @@ def test_two_chunks_at_one_offset_are_refused_before_the_commit(tmp_path):
                                       no_dist=True))
     assert isinstance(exc, DcpTieredError) and "tensor 'a' has two chunks at offset (0, 0)" in str(exc), exc
     assert not (tmp_path / "ck" / ".metadata").exists()
+
+
+class _OffsetBytesWriter(CompressedWriter):
+    """Results whose non-tensor item's index carries an offset (a custom planner's): loads look it up without one."""
+
+    def finish(self, metadata, results):
+        import dataclasses
+
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        def moved(wr):
+            if wr.index.fqn != "o.x":
+                return wr
+            return dataclasses.replace(wr, index=MetadataIndex("o.x", torch.Size([0])))
+        return super().finish(metadata, [[moved(wr) for wr in rs] for rs in results])
+
+
+def test_a_non_tensor_record_with_an_offset_is_refused_before_the_commit(tmp_path):
+    exc = failure_of(lambda: dcp.save({"a": torch.ones(2), "o": {"x": 1}}, no_dist=True,
+                                      storage_writer=_OffsetBytesWriter(tmp_path / "ck")))
+    assert isinstance(exc, DcpTieredError) and "non-tensor item 'o" in str(exc) and "no storage record" in str(exc), exc
+    assert not (tmp_path / "ck" / ".metadata").exists()

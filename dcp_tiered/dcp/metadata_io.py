@@ -596,13 +596,12 @@ def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
     if type(storage) is RecordTable:  # the items whose every chunk has a row, found over the columns
         rest = storage.rest
         stored = {(i.fqn, i.offset) for i in rest}
-        fqns = {i.fqn for i in rest}
         for fqn, covered in zip(sdm, storage.covered().tolist()):
             item = sdm[fqn]
             if covered:
                 continue
             if type(item) is BytesStorageMetadata:
-                if fqn not in fqns:
+                if (fqn, None) not in stored:  # as first_unstored: a non-tensor item's record has no offset
                     raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
                 continue
             for chunk in item.chunks:

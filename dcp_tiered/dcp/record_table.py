@@ -363,12 +363,12 @@ class _PackedValues(collections.abc.ValuesView):
 
 def first_unstored(sdm: dict, records: Any) -> "str | None":
     """The first item of ``sdm`` (a non-tensor item, or a tensor's chunk) that no key of ``records`` names, as
-    a message names it; None when each has a record."""
+    a message names it; None when each has a record.  A non-tensor item's record has no offset: loads look
+    it up without one."""
     stored = {(i.fqn, i.offset) for i in records}  # a torch.Size offset hashes and compares as its tuple
-    fqns = {i.fqn for i in records}
     for fqn, entry in sdm.items():
         if type(entry) is not TensorStorageMetadata:
-            if fqn not in fqns:
+            if (fqn, None) not in stored:
                 return f"non-tensor item {fqn!r}"
             continue
         for chunk in entry.chunks:
