@@ -49,7 +49,7 @@ from dcp_tiered.dcp.format import (
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.item_table import BroadcastItems, check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
-from dcp_tiered.dcp.record_table import (HEAD_TABLES, TABLE_FIELD, TABLE_VERSION, PackedRecords, RecordTable, first_unstored, head_tables,
+from dcp_tiered.dcp.record_table import (HEAD_TABLES, TABLE_FIELD, TABLE_VERSION, PackedRecords, RecordTable, first_unstored, head_tables, unstored,
                                          is_table, pack_storage, pack_strings, unpack_storage)
 from dcp_tiered.dcp.safe_pickle import safe_loads
 from dcp_tiered.dcp.tiling import array_tiling_problem, tiling_problem
@@ -387,7 +387,7 @@ def tensor_chunks_problem(size: torch.Size, chunks: list) -> "str | None":
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
             if type(chunk) is not ChunkStorageMetadata or not _size_ok(offsets) or not _size_ok(sizes):
                 if type(chunk) is ChunkStorageMetadata and type(offsets) is type(sizes) is torch.Size \
-                        and len(offsets) == len(sizes) <= 64:
+                        and len(offsets) == len(sizes) <= MAX_DIMS:
                     return f"chunk {tuple(offsets)}+{tuple(sizes)} has a negative offset or size"
                 return "an invalid chunk"
             if not len(offsets) == len(sizes) == len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
@@ -594,19 +594,15 @@ def _check_records(md: Metadata, source: str, max_object_bytes: "int | None", sk
 def _check_every_item_stored(sdm: dict, storage: dict, source: str) -> None:
     """Every chunk of every tensor, and every non-tensor item, has a record saying where it is."""
     if type(storage) is RecordTable:  # the items whose every chunk has a row, found over the columns
-        rest = storage.rest
-        stored = {(i.fqn, i.offset) for i in rest}
+        stored = {(i.fqn, i.offset) for i in storage.rest}
+
+        def has(fqn: str, offset: Any) -> bool:  # in the records apart, or (a tensor's chunk) in a row
+            return (fqn, offset) in stored or (offset is not None and MetadataIndex(fqn, offset) in storage)
+
         for fqn, covered in zip(sdm, storage.covered().tolist()):
-            item = sdm[fqn]
-            if covered:
-                continue
-            if type(item) is BytesStorageMetadata:
-                if (fqn, None) not in stored:  # as first_unstored: a non-tensor item's record has no offset
-                    raise _bad(source, f"non-tensor item {fqn!r} has no storage record")
-                continue
-            for chunk in item.chunks:
-                if (fqn, chunk.offsets) not in stored and MetadataIndex(fqn, chunk.offsets) not in storage:
-                    raise _bad(source, f"chunk {tuple(chunk.offsets)} of tensor {fqn!r} has no storage record")
+            missing = None if covered else unstored(fqn, sdm[fqn], has)
+            if missing is not None:
+                raise _bad(source, f"{missing} has no storage record")
         return
     missing = first_unstored(sdm, storage)
     if missing is not None:

@@ -28,7 +28,7 @@ import array
 import collections.abc
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -361,20 +361,23 @@ class _PackedValues(collections.abc.ValuesView):
         return packed_totals(table._sdm, table.packed)[0] if table._records is None else None
 
 
-def first_unstored(sdm: dict, records: Any) -> "str | None":
-    """The first item of ``sdm`` (a non-tensor item, or a tensor's chunk) that no key of ``records`` names, as
-    a message names it; None when each has a record.  A non-tensor item's record has no offset: loads look
-    it up without one."""
-    stored = {(i.fqn, i.offset) for i in records}  # a torch.Size offset hashes and compares as its tuple
-    for fqn, entry in sdm.items():
-        if type(entry) is not TensorStorageMetadata:
-            if (fqn, None) not in stored:
-                return f"non-tensor item {fqn!r}"
-            continue
-        for chunk in entry.chunks:
-            if (fqn, chunk.offsets) not in stored:
-                return f"chunk {tuple(chunk.offsets)} of tensor {fqn!r}"
+def unstored(fqn: str, entry: Any, has: Callable[[str, Any], bool]) -> "str | None":
+    """Item ``fqn`` (a non-tensor item, or the first of a tensor's chunks) where ``has(fqn, offset)`` finds no
+    record, as a message names it; None when it has them all.  A non-tensor item's record has no offset:
+    loads look it up without one."""
+    if type(entry) is not TensorStorageMetadata:
+        return None if has(fqn, None) else f"non-tensor item {fqn!r}"
+    for chunk in entry.chunks:
+        if not has(fqn, chunk.offsets):
+            return f"chunk {tuple(chunk.offsets)} of tensor {fqn!r}"
     return None
+
+
+def first_unstored(sdm: dict, records: Any) -> "str | None":
+    """The first item of ``sdm`` that no key of ``records`` names (:func:`unstored`); None when each has one."""
+    stored = {(i.fqn, i.offset) for i in records}  # a torch.Size offset hashes and compares as its tuple
+    has = lambda fqn, offset: (fqn, offset) in stored  # noqa: E731
+    return next((what for fqn, entry in sdm.items() if (what := unstored(fqn, entry, has)) is not None), None)
 
 
 class PackedRecords(collections.abc.Mapping):

@@ -67,8 +67,7 @@ def _memory(t: torch.Tensor) -> tuple:
 def _host_buffer(t: torch.Tensor, pin: bool) -> torch.Tensor:
     """A host tensor shaped like ``t``, pinned where ``pin`` (the buffer of a CUDA tensor).  Pinned blocks come
     from torch's caching host allocator, which rounds each up to a power of two and keeps it for the process
-    after it is freed: up to twice the state's bytes stay pinned.  (Pinning in place at the exact size, as
-    DCP's stager does with ``cudaHostRegister``, needs a GPU run to verify first.)"""
+    after it is freed: up to twice the state's bytes stay pinned."""
     return torch.empty_like(t, device="cpu", memory_format=torch.preserve_format, pin_memory=pin)
 
 
