@@ -573,3 +573,19 @@ def test_restore_says_which_newer_checkpoints_it_passed_over(tmp_path: Path, cap
         assert ck.restore(out) == 2
     skipped = [r.getMessage() for r in caplog.records if "newer checkpoint(s) skipped" in r.getMessage()]
     assert len(skipped) == 1 and "restored step 2" in skipped[0] and "step 3 on local" in skipped[0], skipped
+
+
+def test_a_late_retention_never_deletes_the_newest_save_of_this_run(tmp_path: Path) -> None:
+    """A run resumed from an older step saves 4, 5, 6 beside steps 7 and 8 of an abandoned run (keep=2). The
+    retention queued after step 5's save may run only after step 6 committed: it keeps step 6, this run's
+    newest save, as the retention after step 6 does (the Lightning ckpt_path test failed so under load)."""
+    tier = Tier("local", str(tmp_path / "l"), every_steps=1, keep=2)
+    with TieredCheckpointer([tier]) as old:
+        for step in (7, 8):
+            old.maybe_save(step, {"w": torch.full((4,), float(step))})
+    ck = TieredCheckpointer([tier])
+    for step in (4, 5, 6):
+        ck.maybe_save(step, {"w": torch.full((4,), float(step))})
+    ck.promoter.retention(tier, protect=[5])  # step 5's, late
+    ck.close()
+    assert committed_steps(tmp_path / "l")[-3:] == [6, 7, 8]

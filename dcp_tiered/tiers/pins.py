@@ -21,11 +21,23 @@ class StepMarks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._own: dict[str, set[int]] = {}
+        self._saved: dict[str, int] = {}  # tier -> the step this process committed there last
         self._pinned: dict[str, dict[int, int]] = {}  # tier -> step -> pins
 
     def mark_own(self, tier_name: str, step: int) -> None:
         with self._lock:
             self._own.setdefault(tier_name, set()).add(step)
+
+    def mark_saved(self, tier_name: str, step: int) -> None:
+        """Note that this process committed ``step`` to ``tier_name`` last: retention keeps it (:meth:`last_saved`)."""
+        with self._lock:
+            self._saved[tier_name] = step
+
+    def last_saved(self, tier_name: str) -> "int | None":
+        """The step this process committed to ``tier_name`` last (None: none yet), which no retention deletes:
+        after a resume from an older step, newer steps of another run must not outrank this run's newest save."""
+        with self._lock:
+            return self._saved.get(tier_name)
 
     def pin(self, tier_names: Iterable[str], step: int, pinned: bool) -> None:
         """Pin (or release one pin of) ``step``: pins are counted, so a restore ending never releases

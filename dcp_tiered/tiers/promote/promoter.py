@@ -166,6 +166,10 @@ class Promoter:
             self.jobs.submit(Job(target, self._promote, f"promote step {step} {intent.source}->{target}",
                                  (intent, target), reads=(intent.source, intent.name)))
 
+    def mark_saved(self, tier_name: str, step: int) -> None:
+        """Note that this process just committed ``step`` to ``tier_name``: no retention deletes it until a newer save."""
+        self.marks.mark_saved(tier_name, step)
+
     def mark_own(self, tier_name: str, step: int) -> None:
         """Note that this process writes ``step`` to ``tier_name``: its leftovers need no grace period."""
         self.marks.mark_own(tier_name, step)
@@ -302,6 +306,8 @@ class Promoter:
             self._record(PromotionReport(info.step, tier.name, tier.name, "retention", ok=True,
                                          error=f"delete failed: {exc}"))
 
+        saved = self.marks.last_saved(tier.name)
+        protect = (*protect, saved) if saved is not None else protect
         self.keeper.run(tier, protect, set(busy) | self._reading(tier.name), on_failure=failed)
 
     # -- the promotion job ------------------------------------------------------------

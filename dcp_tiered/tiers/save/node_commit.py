@@ -247,6 +247,7 @@ def commit_after_save(tier: Tier, step: int, metadata: Any, *, rank: int, world:
         return None
     events.emit(done.as_event())
     if done.ok:
+        promoter.mark_saved(tier.name, step)
         promoter.retention(tier, protect=[step])
     return done
 

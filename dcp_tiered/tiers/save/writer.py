@@ -314,6 +314,8 @@ class TieredWriter(StorageWriter):
         if self._intent is not None:
             promoter.submit(self._intent)
         step = parse_step(self.name or "")
+        if step is not None:
+            promoter.mark_saved(self._plan_tiers[0], step)
         promoter.retention(self.by_name[self._plan_tiers[0]], protect=[step] if step is not None else [])
 
     def commit_node(self, metadata: Metadata, world: int) -> NodeCommit | None:
