@@ -20,7 +20,6 @@ def storage_options_for(url: str, args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if endpoint:
         opts["client_kwargs"] = {"endpoint_url": endpoint, "region_name": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
-        opts["skip_instance_cache"] = True
     key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     if key and secret:
         opts["key"], opts["secret"] = key, secret
