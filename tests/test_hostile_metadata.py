@@ -355,7 +355,27 @@ def _two_million_frames(head, t, md) -> None:
     t["nframes"], t["frames"], t["sums"] = _u(counts, 4), b"\1" * sum(counts), bytes(8 * sum(counts))
 
 
+def _max_rows_of_one_value(head, t, md) -> None:
+    """A kilobyte that declares the most rows a table may have, each column one value, no frames: the
+    rows are more than the tensor table's chunks, refused before any column is expanded to them."""
+    from dcp_tiered.dcp.format import MAX_METADATA_RECORDS
+    from dcp_tiered.dcp.record_table import _ROW
+
+    for c in _ROW:
+        t[c] = _col(t, c)[0]
+    t.update(n=MAX_METADATA_RECORDS, nframes=0, raw=0, frames=b"", sums=b"")
+
+
+def _six_million_chunks(head, t, md) -> None:
+    """12 MB of item table declaring 6M chunks of one tensor, over the records a save may write: refused
+    from the declared counts, before a chunk is built."""
+    items, n = head["item_table"], 6_000_000
+    items.update(nchunks=_u([n, 1, 0]), offsets=bytes(n + 1), chunk_sizes=b"\1" * (n + 1))
+
+
 TABLE_CASES = {
+    "max-rows-of-one-value": _max_rows_of_one_value,
+    "items-six-million-chunks": _six_million_chunks,
     "n-huge": lambda head, t, md: t.__setitem__("n", 1 << 40),
     "n-zero": lambda head, t, md: t.__setitem__("n", 0),
     "n-bool": lambda head, t, md: t.__setitem__("n", True),

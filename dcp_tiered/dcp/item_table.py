@@ -147,6 +147,14 @@ def _limits(cols: dict, limits: dict, source: str, table: str) -> None:
             raise _bad(source, f"{table} column {c!r} holds values above {top}")
 
 
+def declared_counts(items: Any, source: str) -> tuple[int, int]:
+    """The items and tensor chunks an item table declares (its names, the sum of its ``nchunks``
+    column), read without building any: the record limit is checked on them before
+    :func:`unpack_items` builds DCP's objects, so a few bytes cannot make it build millions."""
+    fqns = read_strings(items.get("fqns") if type(items) is dict else None, source, "item names")
+    return len(fqns), int(_read(items, "nchunks", len(fqns), source).sum(dtype=np.uint64))
+
+
 def unpack_items(items: Any, source: str) -> dict:
     """``state_dict_metadata`` from its item table (shapes and ranges checked before anything is built)."""
     fqns, props = (items.get(k) if type(items) is dict else None for k in ("fqns", "props"))

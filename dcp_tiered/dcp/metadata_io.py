@@ -48,7 +48,7 @@ from dcp_tiered.dcp.format import (
     is_native_record,
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
-from dcp_tiered.dcp.item_table import BroadcastItems, check_table_chunks, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
+from dcp_tiered.dcp.item_table import BroadcastItems, check_table_chunks, declared_counts, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
 from dcp_tiered.dcp.record_table import (HEAD_TABLES, TABLE_FIELD, TABLE_VERSION, PackedRecords, RecordTable, first_unstored, head_tables, unstored,
                                          is_table, pack_storage, pack_strings, unpack_storage)
 from dcp_tiered.dcp.safe_pickle import safe_loads
@@ -115,12 +115,17 @@ def _tiling_problem(metadata: Metadata, packed: Metadata) -> "tuple[str, str] | 
 
 def _check_counts(md: Metadata, source: str, table: bool) -> None:
     """Refuse a ``.metadata`` declaring more records or chunks than a save may write, before any per-record
-    work: decoding time is bounded by ``MAX_METADATA_RECORDS`` as memory is by ``MAX_METADATA_BYTES``."""
+    work (a format-2 item table's items and chunks are counted from its columns, before they are built):
+    decoding time is bounded by ``MAX_METADATA_RECORDS`` as memory is by ``MAX_METADATA_BYTES``."""
     records, chunks = _counts(md)
     if table:
         head = next(iter(md.storage_data.values()))
         rows = head.get(TABLE_FIELD, {}).get("n") if isinstance(head.get(TABLE_FIELD), dict) else None
         records += rows - 1 if type(rows) is int and rows > 0 else 0
+        items = head_tables(head, source)[0]
+        if items is not None:
+            declared = declared_counts(items, source)
+            records, chunks = max(records, declared[0]), max(chunks, declared[1])
     if max(records, chunks) > MAX_METADATA_RECORDS:
         raise _bad(source, f"it declares {records} records and {chunks} chunks, over the {MAX_METADATA_RECORDS} "
                            "a save writes")
@@ -268,8 +273,8 @@ def _decode(data: bytes, source: str, max_object_bytes: "int | None") -> Metadat
     if type(md) is not Metadata:
         raise UnsafeCheckpointError(f"{source} holds a {type(md).__name__}, not DCP Metadata")
     table = is_table(getattr(md, "storage_data", None))
-    items_checked = table and _unpacked(md, source)
     _check_counts(md, source, table)
+    items_checked = table and _unpacked(md, source)
     if items_checked:  # the tensors' chunks, over the item table's columns
         check_table_chunks(head_tables(next(iter(md.storage_data.values())), source)[0], source)
     _check_tables(md, source, tensors_checked=items_checked)

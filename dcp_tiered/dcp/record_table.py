@@ -522,7 +522,11 @@ def _columns(head: dict, sdm: dict, source: str) -> tuple[dict, list, list, tupl
     table = head[TABLE_FIELD]
     if type(table) is not dict or type(table.get("n")) is not int or not 1 <= table["n"] <= MAX_METADATA_RECORDS:
         raise _bad(source, "has no valid record count")
-    n, names = table["n"], read_strings(table.get("names"), source, "names")
+    n = table["n"]
+    slots = sum(len(e.chunks) if type(e) is TensorStorageMetadata else 1 for e in sdm.values())
+    if n > slots:  # each row holds a distinct chunk or non-tensor item: more rows are refused before any is read
+        raise _bad(source, f"has {n} rows for the {slots} chunks and non-tensor items of the tensor table")
+    names = read_strings(table.get("names"), source, "names")
     cols = {c: _read(table, c, n, source, one_value=True) for c in _ROW}
     limits = {"item": len(sdm) - 1, "kind": len(_KINDS) - 1, "nframes": MAX_FRAMES_PER_RECORD,
               **{c: len(names) for c in _NAMES}}
