@@ -443,14 +443,17 @@ def _check_stock(fqn: str, rec: _StorageInfo, source: str, is_bytes: bool, max_o
 
 def _check_stock_length(fqn: str, index: MetadataIndex, rec: _StorageInfo, entry: TensorStorageMetadata,
                         sizes: dict, source: str) -> None:
-    """An uncompressed stock chunk is a ``torch.save`` of it: its raw bytes fit in its record, so a
-    tensor's declared size (which loads allocate) is bounded by the bytes on disk."""
+    """An uncompressed stock chunk is a ``torch.save`` of it: at least a byte per element fits in its
+    record, so a tensor's declared size (which loads allocate) is bounded by the bytes on disk.  Per
+    element, not per byte of the declared dtype: a planner may store another dtype than the one the
+    metadata declares (``DowncastSavePlanner`` stores 16-bit values of fp32 tensors)."""
     chunk = sizes.get((fqn, tuple(index.offset))) if index.offset is not None else None
     if chunk is None:
         return
-    raw = int(np.prod(chunk, dtype=object)) * entry.properties.dtype.itemsize
-    if raw > rec.length:
-        raise _bad(source, f"record of {fqn!r} holds {rec.length} bytes for a chunk of {raw} raw bytes")
+    elements = int(np.prod(chunk, dtype=object))
+    if elements > rec.length:
+        raise _bad(source, f"record of {fqn!r} holds {rec.length} bytes for a chunk of {elements} elements, at "
+                           "least one raw byte each")
 
 
 #: Longest planner path (names and indices from the state-dict root to a leaf).
