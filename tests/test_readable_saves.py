@@ -63,10 +63,25 @@ def _size_as_list(metadata) -> None:
     metadata.state_dict_metadata["a"].size = [3, 2]
 
 
+def _declared_bfloat16(metadata) -> None:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    metadata.state_dict_metadata["a"].properties = TensorProperties(dtype=torch.bfloat16)
+
+
+def _reshaped_same_numel(metadata) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    entry = metadata.state_dict_metadata["a"]
+    entry.size, entry.chunks = torch.Size([2, 3]), [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))]
+
+
 @pytest.mark.parametrize("change, says", [
     (lambda md: setattr(md, "version", 7), "version is not a string"),
     (_size_as_list, r"tensor 'a' has an invalid size \[3, 2\]"),
-], ids=["version-int", "size-list"])
+    (_declared_bfloat16, r"'a' in .* holds float32 values, but the checkpoint's tensor table says bfloat16"),
+    (_reshaped_same_numel, r"'a' in .* has shape \(3, 2\), but the checkpoint's tensor table says \(2, 3\)"),
+], ids=["version-int", "size-list", "dtype-changed", "shape-changed-same-numel"])
 def test_metadata_a_planner_broke_is_refused_before_the_commit(tmp_path, change, says):
     import re
 

@@ -35,8 +35,8 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_tiered.codecs.frames import MAX_FRAMES_PER_RECORD, frame_step, stored_frame_bounds
-from dcp_tiered.dcp.format import (MAX_METADATA_RECORDS, READ_VERSIONS, check_against_properties, check_record, dtype_name,
-                                   expected_sizes, is_downcast, is_native_record, orig_itemsize)
+from dcp_tiered.dcp.format import (MAX_METADATA_RECORDS, READ_VERSIONS, check_against_chunks, check_against_properties,
+                                   check_record, chunk_sizes, dtype_name, expected_sizes, is_downcast, is_native_record, orig_itemsize)
 from dcp_tiered.dcp.save_stats import SaveStats, stats_from_records
 from dcp_tiered.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_tiered.storage import safe_relative_name
@@ -441,6 +441,33 @@ class PackedRecords(collections.abc.Mapping):
                     if tuple(chunk.offsets) in seen:
                         return f"tensor {fqn!r} has two chunks at offset {tuple(chunk.offsets)}"
                     seen.add(tuple(chunk.offsets))
+        return None
+
+    def inconsistent(self, checkpoint: str) -> "str | None":
+        """Why readers would refuse a record against the tensor table (a planner changed the table after
+        the ranks wrote: a dtype other than the one written, a chunk in another shape), in their checks'
+        words; None when every record agrees with it.  The table's rows by their dtype columns (a row's
+        shape is its chunk's by construction); each record kept apart from the table by the readers'
+        per-record checks."""
+        sdm, packed = self._sdm, self.packed
+        rest = itertools.islice(packed.items(), 1, None) if is_table(packed) else packed.items()
+        sizes = None
+        try:
+            for index, rec in rest:
+                if is_native_record(rec) and type(index) is MetadataIndex and index.fqn in sdm:
+                    sizes = chunk_sizes(sdm) if sizes is None else sizes
+                    _check_one((index, rec), sdm, checkpoint, None)
+                    check_against_chunks(rec, index, sizes, checkpoint)
+            if is_table(packed):
+                arrays, _frames, _sums, names = _columns(next(iter(packed.values())), sdm, checkpoint)
+                tensor = np.flatnonzero(arrays["kind"] == 0)
+                item = arrays["item"].astype(np.int64)[tensor]
+                bad = _dtype_ids(list(sdm.values()), names)[item] != _row_dtype(arrays)[tensor]
+                if bad.any():
+                    index, rec = list(self._unpacked().items())[int(tensor[np.argmax(bad)])]  # rows first, in order
+                    check_against_properties(rec, sdm[index.fqn], index.fqn, checkpoint)
+        except CorruptCheckpointError as exc:
+            return str(exc)
         return None
 
     def totals(self) -> tuple[dict[str, int], SaveStats]:

@@ -338,6 +338,11 @@ class CompressedWriter(UrlCheckpointId, StorageWriter):
                 raise UnsupportedFormatError(
                     f"{self.storage.url}/{METADATA_FILE}: {missing}; readers would refuse this checkpoint, nothing "
                     "was committed. Every chunk the save planner names must be written by some rank, once")
+            inconsistent = records.inconsistent(self.storage.url)
+            if inconsistent is not None:
+                raise UnsupportedFormatError(
+                    f"{inconsistent}; readers would refuse this checkpoint, nothing was committed. The save "
+                    "planner's metadata must give each tensor the dtype and chunk shapes its ranks wrote")
             # each rank checked its own files (write_data); sizes and stats over the table's columns
             expected, stats = records.totals()
             records.stats = stats
