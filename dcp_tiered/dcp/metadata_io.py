@@ -74,7 +74,8 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
         raise MetadataTooLargeError(
             f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
             f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
-            "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard over fewer ranks")
+            "rank: save fewer, larger tensors (e.g. flattened or fused parameters), or shard each over fewer ranks "
+            "(HSDP: shard within a group of ranks, replicate across groups; DCP stores a replicated shard once)")
     try:  # what readers check beside the records and the chunks (checked below), checked before the commit too
         sdm = metadata.state_dict_metadata or {}
         _check_entries(sdm, where, chunks=False)
@@ -95,7 +96,7 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
         raise MetadataTooLargeError(
             f"{where}: this save's metadata is {len(body) + _TRAILER} bytes, over the {MAX_METADATA_BYTES}-byte "
             f"limit readers accept ({records} records); nothing was committed. Save fewer, larger tensors "
-            "(e.g. flattened or fused parameters), or shard over fewer ranks")
+            "(e.g. flattened or fused parameters), or shard each over fewer ranks (HSDP)")
     return body + _MAGIC + checksum((body,)).to_bytes(8, "little")
 
 
