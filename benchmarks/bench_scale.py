@@ -19,8 +19,8 @@ Each rank's write results are built as its writer would return them (ours: ``Ite
 records with frame tables of ``DEFAULT_FRAME_SIZE`` frames stored at 0.8x their raw bytes;
 stock: ``_StorageInfo``), pickled as that rank would send them, and unpickled by the
 coordinator (the gather, timed).  Data files exist (sparse files of the right length) where a
-restore and a node leader's commit check their sizes (each rank checks its own at ``write_data``).  Steps timed in CPU seconds (``time.process_time``, every thread of
-the process), best of a few runs where they are short:
+restore checks their sizes (each rank checks its own at ``write_data``).  Steps timed in CPU
+seconds (``time.process_time``, every thread of the process), best of a few runs where short:
 
 - DCP's own global planning (``DefaultSavePlanner.create_global_plan``, with dedup): DCP's, not ours;
 - ``prepare_global_plan``; the gather of the write results; ``finish``;
@@ -78,7 +78,7 @@ from dcp_tiered.dcp.format import FORMAT_VERSION, KIND_BYTES, KIND_TENSOR, MAX_M
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.writer import CompressedWriter, RankFilePrefix
 from dcp_tiered.errors import MetadataTooLargeError
-from dcp_tiered.names import METADATA_FILE, NODE_COPIES, data_file, node_copies_prefix, rank_prefix
+from dcp_tiered.names import METADATA_FILE, data_file, node_copies_prefix, rank_prefix
 from dcp_tiered.tiers.checkpointer import TieredCheckpointer
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.promote.promoter import Promoter
@@ -421,9 +421,10 @@ def writers(planned: tuple[list[SavePlan], Metadata], base: str, best: Best, run
         blob = best.time(f"{who}.bcast_pickle", functools.partial(pickle.dumps, md))
         row[f"{who}.bcast_bytes"] = len(blob)
         received = best.time(f"{who}.bcast_unpickle", functools.partial(pickle.loads, blob))
-    leader_md, leader = with_node_copies(received, n_ranks=len(glob))  # as the save hands it to a node leader
+    copies, leader = node_copies(received, n_ranks=len(glob))  # what a node leader's ranks listed
     for _ in range(runs):  # a node leader of a node-local tier: its view (node copies) and the bytes it commits
-        best.time("node_commit", lambda: metadata_io.encode_metadata(node_view(leader_md, range(leader, leader + 8))[0]))
+        best.time("node_commit", lambda: metadata_io.encode_metadata(
+            node_view(received, range(leader, leader + 8), copies)[0]))
     del finished, blob
     row["ours.file_bytes"] = os.path.getsize(os.path.join(ours_dir, METADATA_FILE))
     row["stock.file_bytes"] = os.path.getsize(os.path.join(stock_dir, METADATA_FILE))
@@ -436,21 +437,19 @@ def writers(planned: tuple[list[SavePlan], Metadata], base: str, best: Best, run
     return row
 
 
-def with_node_copies(received: Metadata, n_ranks: int) -> tuple[Metadata, int]:
-    """``received`` as a save to a node-local tier returns it to the leader of the second node (a rank of
-    the first 8 ranks' next directory): with node copies of the replicated items (each one chunk covering
-    its tensor, or a non-tensor value) in that leader's file; and the leader's rank."""
-    md = copy.copy(received)
-    sdm, leader = md.state_dict_metadata, min(8, n_ranks - 1)
-    plain = record_table.PackedRecords(sdm, md.storage_data.packed)
+def node_copies(received: Metadata, n_ranks: int) -> tuple[list, int]:
+    """The node copies the ranks of the second node's directory list for its leader after a save to a
+    node-local tier (each replicated item, one chunk covering its tensor or a non-tensor value, copied
+    into that leader's node-copies file), and the leader's rank (a rank past the first 8)."""
+    sdm, leader = received.state_dict_metadata, min(8, n_ranks - 1)
+    plain = record_table.PackedRecords(sdm, received.storage_data.packed)
     copies = []
     for fqn, entry in sdm.items():
         if not hasattr(entry, "chunks") or (len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.size):
             index = MetadataIndex(fqn, entry.chunks[0].offsets if hasattr(entry, "chunks") else None)
             if index in plain:
                 copies.append((index, {**plain[index], "file": data_file(node_copies_prefix(rank_prefix(leader)))}))
-    setattr(md, NODE_COPIES, tuple(copies))
-    return md, leader
+    return copies, leader
 
 
 def tiered(planned: tuple[list[SavePlan], Metadata], results: list[list[WriteResult]], sizes: dict[str, int],

@@ -2,7 +2,7 @@
 
 A checkpoint directory holds one data file per rank (``__{rank}_{tag}0.distcp``, the tag
 unique to a save on object stores; on a node-local tier also a node-copies file
-``__{rank}_{tag}node_0.distcp``), the commit marker ``.metadata`` (written last: the
+``__{rank}_{tag}node_0.distcp`` and the list of those copies, ``.node-copies-{rank}.json``), the commit marker ``.metadata`` (written last: the
 checkpoint is committed if and only if it exists) and, while a save runs locally, a lock.
 """
 
@@ -34,10 +34,11 @@ def node_copies_prefix(prefix: str) -> str:
     return f"{prefix}node_"
 
 
-#: Attribute of the ``Metadata`` that ``dcp.save`` returns on every rank (set by ``TieredWriter.finish``
-#: after the coordinator's commit, so never in a ``.metadata``): the save's node copies,
-#: ``((MetadataIndex, record), ...)``, in files named by :func:`node_copies_prefix`.
-NODE_COPIES = "dcp_tiered_node_copies"
+def node_copies_list(rank: int) -> str:
+    """The file in which ``rank`` lists the node copies it wrote for a save into its directory of a
+    node-local tier (their records, which the directory's leader commits; ``tiers/save/node_commit``):
+    ``.node-copies-{rank}.json``, written by every rank of a directory other than the coordinator's."""
+    return f".node-copies-{rank}.json"
 
 
 def data_file(prefix: str) -> str:

@@ -21,17 +21,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_tiered.dcp.format import record_view
 from dcp_tiered.tiers.config import Tier
-from dcp_tiered.tiers.save.node_commit import (
-    NODE_COPIES,
-    NodeCopy,
-    node_view,
-    place_replicated,
-    split_node_copies,
-)
+from dcp_tiered.tiers.save.node_commit import copies_list, node_view, place_replicated, read_copies
 from dcp_tiered.tiers.topology import dir_leaders
 
 
@@ -96,17 +89,57 @@ def test_items_held_by_other_nodes_only_stay_and_a_rank_tier_copies_into_every_d
 
 
 def test_node_view_names_its_own_copies_only() -> None:
-    """The copies' results travel apart from DCP's records; each directory's view names its own."""
+    """Each directory's view names the copies its own ranks listed, and nothing changes the save's records."""
     rec, copy = _StorageInfo("__0_0.distcp", 0, 8), _StorageInfo("__2_node_0.distcp", 0, 9)
-    results = [[WriteResult(C.index, 8, rec)], [], [WriteResult(C.index, 9, NodeCopy(copy))], []]
-    kept, copies = split_node_copies(results)
-    assert kept == [[results[0][0]], [], [], []] and copies == [(C.index, copy)]
     md = Metadata({}, storage_data={C.index: rec})
-    setattr(md, NODE_COPIES, tuple(copies))
-    node1, copied = node_view(md, [2, 3])
+    node1, copied = node_view(md, [2, 3], [(C.index, copy)])
     assert record_view(node1.storage_data[C.index]).file == "__2_node_0.distcp" and copied == 9
-    assert not hasattr(node1, NODE_COPIES) and md.storage_data[C.index] is rec
-    assert node_view(md, [0, 1])[0].storage_data == {C.index: rec}
+    assert md.storage_data[C.index] is rec
+    assert node_view(md, [0, 1], [(C.index, copy)])[0].storage_data == {C.index: rec}
+
+
+def _listed(tmp_path, save_id, copies, rank: int = 2):
+    from dcp_tiered.names import node_copies_list
+    from dcp_tiered.storage import Storage
+
+    store = Storage(str(tmp_path))
+    store.makedirs()
+    store.commit_bytes(node_copies_list(rank), copies if isinstance(copies, bytes) else copies_list(save_id, copies))
+    return store
+
+
+def test_a_node_copies_list_round_trips_and_anything_else_is_refused(tmp_path) -> None:
+    """A rank's list of its node copies reads back as the records it wrote; a list that is missing, of
+    another save, malformed, or naming another rank's file is refused, naming the list."""
+    import json
+
+    import pytest
+
+    from dcp_tiered.errors import CorruptCheckpointError
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_tiered import CompressedWriter
+
+    md = dcp.save({"a": torch.arange(4.0)}, storage_writer=CompressedWriter(tmp_path / "ck", sync_files=False), no_dist=True)
+    (index, rec), = md.storage_data.items()
+    rec = {**rec, "file": "__2_node_0.distcp"}
+    store = _listed(tmp_path / "ok", "s1", [(index, rec)])
+    assert read_copies(store, 2, "s1") == [(index, rec)]
+    bad = {
+        "missing": None,
+        "another save": copies_list("s0", [(index, rec)]),
+        "not json": b"{",
+        "deep": b"[" * 100000,
+        "entry not a dict": json.dumps({"save_id": "s1", "copies": [5]}).encode(),
+        "negative offset": copies_list("s1", [(index, rec)]).replace(b'"offset": [0]', b'"offset": [-1]'),
+        "another rank's file": copies_list("s1", [(index, {**rec, "file": "__3_node_0.distcp"})]),
+        "a bad record": copies_list("s1", [(index, {**rec, "raw": -1})]),
+    }
+    for case, data in bad.items():
+        store = _listed(tmp_path / case.replace(" ", "-"), "s1", data) if data is not None else _listed(tmp_path / "none", "s1", [], rank=3)
+        with pytest.raises(CorruptCheckpointError, match=r"\.node-copies-2\.json"):
+            read_copies(store, 2, "s1")
 
 
 def test_a_packed_node_view_swaps_rows_without_unpacking_or_packing(tmp_path, monkeypatch) -> None:
@@ -126,13 +159,12 @@ def test_a_packed_node_view_swaps_rows_without_unpacking_or_packing(tmp_path, mo
     plain = dict(record_table.PackedRecords(md.state_dict_metadata, md.storage_data.packed).items())
     first, middle = list(plain)[0], list(plain)[3]
     copies = tuple((i, {**plain[i], "file": "__2_node_0.distcp", "offset": 7 * n}) for n, i in enumerate((first, middle)))
-    setattr(md, NODE_COPIES, copies)
     calls = {"add": 0, "unpack": 0}
     add, unpack = record_table._Packer.add, record_table.unpack_storage
     monkeypatch.setattr(record_table._Packer, "add", lambda *a: (calls.__setitem__("add", calls["add"] + 1), add(*a))[1])
     monkeypatch.setattr(record_table, "unpack_storage",
                         lambda *a, **k: (calls.__setitem__("unpack", calls["unpack"] + 1), unpack(*a, **k))[1])
-    view, copied = node_view(md, [2, 3])
+    view, copied = node_view(md, [2, 3], copies)
     sizes = expected_sizes(view.storage_data.values())
     data = encode_metadata(view)
     assert calls == {"add": 0, "unpack": 0}

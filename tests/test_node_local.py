@@ -223,6 +223,19 @@ def _direct(root: Path, out: Path, mesh, rank: int) -> None:
         assert (done is not None and done.ok) == (rank == LOCAL), f"rank {rank}: commit_node returned {done}"
         writer.close()
         dist.barrier()
+    # replicated items (Adam's): the copies' records reach node 1's leader through its directory, never
+    # through the Metadata DCP broadcasts to every rank (every node's copies to every rank: N^2 bytes)
+    import pickle
+
+    writer, name = TieredWriter(tiers(root), due=["local"]), step_dir(60)
+    md = dcp.save(fsdp_adam_state(mesh, 1), storage_writer=writer, checkpoint_id=name)
+    assert b"node_0.distcp" not in pickle.dumps(md), f"rank {rank}: the broadcast Metadata carries node copies"
+    done = writer.commit_node(md, WS)
+    assert (done is not None and done.ok and done.copied_bytes > 0) == (rank == LOCAL), f"rank {rank}: {done}"
+    writer.close()
+    dist.barrier()
+    files = {record_view(r).file for r in load_metadata(Storage(f"{root}/local/1/{name}")).storage_data.values()}
+    assert files & {"__2_node_0.distcp", "__3_node_0.distcp"}, f"node 1 names no node copies: {sorted(files)}"
 
 
 def _save_worker(rank: int, world_size: int, data: str, out: str) -> None:

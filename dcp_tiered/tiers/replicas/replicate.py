@@ -36,7 +36,7 @@ import torch.distributed as dist
 from dcp_tiered.dcp.agree import agree
 from dcp_tiered.dcp.format import expected_sizes
 from dcp_tiered.errors import ConfigError, DcpTieredError, ReplicationError
-from dcp_tiered.names import NODE_COPIES, rank_of_file
+from dcp_tiered.names import rank_of_file
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.config import Tier
 from dcp_tiered.tiers.replicas.markers import is_replicated, marker_files, marker_name, new_marker, read_markers
@@ -67,8 +67,7 @@ def owner_files(storage: Storage, metadata: Any, owner: int) -> list[FileEntry]:
 def offer_problem(entries: Sequence[FileEntry], metadata: Any, owner: int) -> str | None:
     """Why the files ``entries`` offered as rank ``owner``'s do not match what the committed ``metadata``
     records for ``owner`` (names, sizes; nothing more may be sent than it says), or None."""
-    records = [*metadata.storage_data.values(), *(record for _index, record in getattr(metadata, NODE_COPIES, ()))]
-    expected = expected_sizes(records, lambda f: rank_of_file(f) == owner)  # its node copies' file too
+    expected = expected_sizes(metadata.storage_data.values(), lambda f: rank_of_file(f) == owner)
     for name, size, _digest in entries:
         if expected.get(name) != size:
             return (f"offered {name} of rank {owner} with {size} bytes, the checkpoint's metadata records "

@@ -15,11 +15,14 @@ node-local tier (with or without ``replicas``), :func:`place_replicated` (run by
 coordinator, from what every rank's local plan held) keeps every replicated item that a rank of
 the coordinator's directory holds in that directory (so its ``.metadata``, which promotions copy,
 stays the plain checkpoint), and names for each other directory a rank of it holding the item to
-write a copy into its node-copies file (:func:`~dcp_tiered.names.node_copies_prefix`).  The copies' records travel
-with the ``Metadata`` that ``dcp.save`` returns (:data:`NODE_COPIES`, never in a ``.metadata``);
-each other directory commits its :func:`node_view`, which names its own copies, so every rank loads
-from its own node.  A directory never holds more than one copy of an item; the coordinator's and
-the shared tiers' checkpoints hold none.
+write a copy into its node-copies file (:func:`~dcp_tiered.names.node_copies_prefix`).  Each rank of
+such a directory lists the copies it wrote, with their records, in its directory
+(:func:`~dcp_tiered.names.node_copies_list`, empty where it wrote none; :func:`copies_list`); the
+directory's leader reads its ranks' lists (:func:`read_copies`) and commits its :func:`node_view`, which
+names those copies, so every rank loads from its own node.  The copies' records never travel through
+the coordinator: the ``Metadata`` DCP broadcasts to every rank would otherwise carry every node's
+copies (nodes x replicated items, to every rank: bytes growing as N^2).  A directory never holds more
+than one copy of an item; the coordinator's and the shared tiers' checkpoints hold none.
 
 A node's directory holds its own ranks' files, and with peer replication other ranks' files
 as replicas, which count only under a committed replica marker of the same save
@@ -32,22 +35,23 @@ plan first) and every rank falls back to the next candidate together.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
-from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_tiered.dcp.format import expected_sizes, record_view
+from dcp_tiered.dcp.format import MAX_DIMS, check_record, expected_sizes, record_view
 from dcp_tiered.dcp.metadata_io import encode_metadata, load_metadata
 from dcp_tiered.dcp.record_table import PackedRecords, replace_records
 from dcp_tiered.dcp.writer import commit_metadata
-from dcp_tiered.errors import DcpTieredError
+from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError
 from dcp_tiered.storage import MissingFileError, Storage
-from dcp_tiered.names import NODE_COPIES, rank_of_file
+from dcp_tiered.names import node_copies_list, rank_of_file
 from dcp_tiered.tiers.layout import step_name
 from dcp_tiered.tiers.replicas.markers import vouched_files
 from dcp_tiered.tiers.topology import COORDINATOR, dir_ranks, step_dir
@@ -98,10 +102,13 @@ def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: 
     if not tier.node_local or ranks[0] != rank or COORDINATOR in ranks:
         return None
     child = step_dir(tier, rank, name)
-    view, copied = node_view(metadata, ranks)
-    result = NodeCommit(tier.name, step, child.url, ranks, ok=False, copied_bytes=copied)
+    result = NodeCommit(tier.name, step, child.url, ranks, ok=False, copied_bytes=0)
     try:
+        save_id = getattr(metadata.storage_meta, "save_id", None)
+        view, result.copied_bytes = node_view(metadata, ranks, [c for r in ranks for c in read_copies(child, r, save_id)])
         problems = _problems(child, expected_sizes(view.storage_data.values(), lambda f: rank_of_file(f) in ranks))
+        if not problems and type(view.storage_data) is PackedRecords:
+            problems = [p for p in (view.storage_data.inconsistent(child.url),) if p]  # a node copy readers refuse
         if problems:
             result.error = (f"not committing {child.url} for rank(s) {ranks}: {'; '.join(problems[:4])}"
                             f"{' ...' if len(problems) > 4 else ''}; restore uses another tier or step")
@@ -126,14 +133,6 @@ class HeldItems:
     """The ``storage_data`` of a rank's local ``SavePlan`` (before DCP drops duplicates): the items it holds."""
 
     indexes: tuple[MetadataIndex, ...]
-
-
-@dataclass(frozen=True)
-class NodeCopy:
-    """The ``storage_data`` of the ``WriteResult`` of a node copy: its record, kept apart from DCP's one
-    record per item (``TieredWriter.finish`` moves it to :data:`NODE_COPIES`)."""
-
-    record: dict
 
 
 def _size(item: WriteItem) -> int:
@@ -205,25 +204,56 @@ def with_copies(plans: Sequence[SavePlan], copies: Sequence[Sequence[WriteItem]]
     return [dataclasses.replace(p, items=[*p.items, *c]) if c else p for p, c in zip(plans, copies)]
 
 
-def split_node_copies(results: Sequence[Sequence[WriteResult]]
-                      ) -> tuple[list[list[WriteResult]], list[tuple[MetadataIndex, dict]]]:
-    """Every rank's write results without its node copies, and the node copies' ``(index, record)``."""
-    kept: list[list[WriteResult]] = []
-    copies: list[tuple[MetadataIndex, dict]] = []
-    for rank_results in results:
-        kept.append([r for r in rank_results if not isinstance(r.storage_data, NodeCopy)])
-        copies += [(r.index, r.storage_data.record) for r in rank_results if isinstance(r.storage_data, NodeCopy)]
-    return kept, copies
+#: Largest node-copies list read: a rank lists at most the replicated items it holds, a few hundred bytes each.
+MAX_COPIES_LIST_BYTES = 64 << 20
 
 
-def node_view(metadata: Metadata, ranks: Collection[int]) -> tuple[Metadata, int]:
+def copies_list(save_id: "str | None", copies: Sequence[tuple[MetadataIndex, dict]]) -> bytes:
+    """The node-copies list a rank writes (:func:`~dcp_tiered.names.node_copies_list`): the save's id and
+    each copy's index and record, as JSON."""
+    entries = [{"fqn": i.fqn, "offset": None if i.offset is None else list(i.offset), "index": i.index, "record": rec}
+               for i, rec in copies]
+    return json.dumps({"save_id": save_id, "copies": entries}).encode()
+
+
+def read_copies(storage: Storage, rank: int, save_id: "str | None") -> list[tuple[MetadataIndex, dict]]:
+    """The node copies that ``rank`` listed in ``storage`` (its directory) for the save ``save_id``, each
+    record checked as readers check one, in ``rank``'s own file.  A list that is missing, of another save
+    or malformed raises :class:`CorruptCheckpointError` naming it (the directory is then not committed)."""
+    name = node_copies_list(rank)
+    where = storage.url_of(name)
+    try:
+        doc = json.loads(storage.read_bytes(name, max_bytes=MAX_COPIES_LIST_BYTES))
+    except MissingFileError:
+        raise CorruptCheckpointError(f"{where} is missing: rank {rank} did not list its node copies of this save") from None
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a node-copies list ({exc})") from None
+    if type(doc) is not dict or type(doc.get("copies")) is not list or doc.get("save_id") != save_id:
+        raise CorruptCheckpointError(f"{where} is not the node-copies list of save {save_id!r}")
+    out = []
+    for entry in doc["copies"]:
+        fqn, offset, hint, rec = (entry.get(k) for k in ("fqn", "offset", "index", "record")) if type(entry) is dict else [None] * 4
+        if not (type(fqn) is str and type(rec) is dict and (hint is None or type(hint) is int) and (offset is None or (
+                type(offset) is list and len(offset) <= MAX_DIMS and all(type(o) is int and o >= 0 for o in offset)))):
+            raise CorruptCheckpointError(f"{where} holds an entry that is not a node copy's index and record")
+        rec = {k: tuple(v) if type(v) is list else v for k, v in rec.items()}  # JSON lists: the record's tuples
+        check_record(rec, fqn, where)
+        if rank_of_file(rec["file"]) != rank:
+            raise CorruptCheckpointError(f"{where} lists a copy of {fqn!r} in {rec['file'][:80]!r}, not a file of rank {rank}")
+        out.append((MetadataIndex(fqn, None if offset is None else torch.Size(offset), hint), rec))
+    return out
+
+
+def node_view(metadata: Metadata, ranks: Collection[int], copies: Sequence[tuple[MetadataIndex, dict]]
+              ) -> tuple[Metadata, int]:
     """The ``Metadata`` the directory of ``ranks`` commits: the save's, each item that one of ``ranks``
-    wrote a node copy of pointing to that copy; and the stored bytes of those copies.  The records as
-    ``dcp.save`` returned them (packed) stay packed: the copies' rows are swapped over the table's
-    columns, so a node leader neither unpacks nor packs every record of the save."""
+    wrote a node copy of (``copies``: what they listed, :func:`read_copies`) pointing to that copy; and
+    the stored bytes of those copies.  The records as ``dcp.save`` returned them (packed) stay packed:
+    the copies' rows are swapped over the table's columns, so a node leader neither unpacks nor packs
+    every record of the save."""
     storage, sdm = metadata.storage_data, metadata.state_dict_metadata
     packed = type(storage) is PackedRecords
-    mine = {index: record for index, record in getattr(metadata, NODE_COPIES, ())
+    mine = {index: record for index, record in copies
             if rank_of_file(record_view(record).file) in ranks and (packed or index in storage)}
     copied = sum(record_view(record).length for record in mine.values())
     if packed:

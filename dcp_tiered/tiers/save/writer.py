@@ -30,14 +30,13 @@ from dcp_tiered.dcp.writer import (
     unique_tag,
 )
 from dcp_tiered.errors import ConfigError, UnsafeCheckpointError
-from dcp_tiered.names import data_file, node_copies_prefix, rank_prefix
+from dcp_tiered.names import data_file, node_copies_list, node_copies_prefix, rank_prefix
 from dcp_tiered.storage import Storage, safe_relative_name
 from dcp_tiered.thread_priority import yield_to_caller
 from dcp_tiered.tiers.layout import parse_step, step_name
 from dcp_tiered.tiers.save.budget import check_save_fits
 from dcp_tiered.tiers.save.node_commit import (
-    NODE_COPIES, HeldItems, NodeCommit, NodeCopy, commit_node, copies_node_local, place_replicated, split_node_copies,
-    with_copies,
+    HeldItems, NodeCommit, commit_node, copies_list, copies_node_local, place_replicated, with_copies,
 )
 from dcp_tiered.tiers.topology import dir_leaders, node_of, shares_coordinator_dir, step_dir
 from dcp_tiered.tiers.promote.promoter import Promoter
@@ -278,36 +277,36 @@ class TieredWriter(StorageWriter):
                                                       self.is_coordinator, tp.save_id or None)
                 if self._intent is not None and not self.is_coordinator:
                     promoter.submit(self._intent)  # data files are final; the coordinator commits targets later
-            return results + self._write_node_copies(inner, inner_plan, planner, tp, target)
+            if primary.node_local and not self._coordinator_dir(primary):
+                self._write_node_copies(inner, inner_plan, planner, tp, target)
+            return results
 
         return completed(write)
 
     def _write_node_copies(self, inner: CompressedWriter, plan: SavePlan, planner: SavePlanner, tp: TieredPlan,
-                           target: Storage) -> list[WriteResult]:
+                           target: Storage) -> None:
         """Write this rank's node copies (items of its local plan that the coordinator named) into its
-        node-copies file; their results carry the records as :class:`NodeCopy`, apart from DCP's."""
+        node-copies file and list them, with their records, for its directory's leader (an empty list
+        where it wrote none): they stay out of the results DCP gathers and the Metadata it broadcasts."""
         prefix = node_copies_prefix(tp.prefix)
         wanted = set(tp.copies)
         items = [item for item in self._local_items if item.index in wanted]
-        if not items:
-            if self.overwrite and target.exists(data_file(prefix)):
-                target.remove(data_file(prefix))  # an earlier save's copies, which no .metadata names now
-            return []
-        done = inner.write_data(dataclasses.replace(plan, items=items, storage_data=RankFilePrefix(prefix)), planner)
-        return [WriteResult(index=r.index, size_in_bytes=r.size_in_bytes, storage_data=NodeCopy(r.storage_data))
-                for r in done.value()]
+        copies: list = []
+        if items:
+            done = inner.write_data(dataclasses.replace(plan, items=items, storage_data=RankFilePrefix(prefix)), planner)
+            copies = [(r.index, r.storage_data) for r in done.value()]
+        elif self.overwrite and target.exists(data_file(prefix)):
+            target.remove(data_file(prefix))  # an earlier save's copies, which no .metadata names now
+        target.commit_bytes(node_copies_list(self.rank), copies_list(tp.save_id or None, copies))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self._inner is not None, "finish called before write_data"
-        results, copies = split_node_copies(results)
         committed = False
         try:
             self._inner.finish(metadata, results)
             committed = True
         finally:
             self._release(committed=committed)
-        if copies:  # for the other directories' commits, after this one: never in a .metadata
-            setattr(metadata, NODE_COPIES, tuple(copies))
         self.last_stats = self._inner.last_stats
         self.last_tiers = self._plan_tiers
         promoter = self._promoter()
