@@ -109,6 +109,13 @@ def _both(root_dir: Path, out: Path, mesh, rank: int) -> None:
     counter = DecodeCounter()  # TieredCheckpointer is imported: its modules are loaded
     facts = {"peers": _restore(counter, tiers(root_dir), mesh, rank)}
     facts["shared"] = _restore(counter, [t for t in tiers(root_dir) if t.name == "shared"], mesh, rank)
+    import dcp_tiered.dcp.metadata_io as metadata_io
+
+    cap, metadata_io.DECODE_CACHE_BYTES = metadata_io.DECODE_CACHE_BYTES, 0  # as for a .metadata over 32 MiB
+    try:
+        facts["uncached"] = _restore(counter, [t for t in tiers(root_dir) if t.name == "shared"], mesh, rank)
+    finally:
+        metadata_io.DECODE_CACHE_BYTES = cap
     (out / f"restore.rank{rank}.json").write_text(json.dumps(facts))
 
 
@@ -173,3 +180,13 @@ def test_plain_restore_of_a_shared_tier_decodes_each_candidates_metadata_once_pe
         assert isinstance(s["step"], int) and s["diffs"] == [], f"rank {rank}: {s['step']} {s['diffs']} {s['events']}"
         assert [e[2:] for e in s["events"]] == [["shared", False]], f"rank {rank}: {s['events']}"
     _check_once(data, facts, "shared")
+
+
+def test_a_restore_decodes_once_where_the_cache_declines_the_file(restored) -> None:
+    """The decode cache keeps files up to 32 MiB (of the issue's scale: about 0.9M records); a larger
+    ``.metadata`` is still decoded once per restore, not once by the listing and again by the reader."""
+    data, facts = restored
+    for rank, f in enumerate(facts):
+        u = f["uncached"]
+        assert isinstance(u["step"], int) and u["diffs"] == [], f"rank {rank}: {u['step']} {u['diffs']} {u['events']}"
+    _check_once(data, facts, "uncached")

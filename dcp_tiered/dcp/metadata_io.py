@@ -13,6 +13,7 @@ through the allow-list, and every table and record is then checked for types and
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import itertools
 import os
@@ -214,6 +215,28 @@ DECODE_CACHE_BYTES = 1 << 30
 DECODED_PER_BYTE = 32
 
 
+#: Decodes past the cache's bound kept while a :func:`decoded_once` scope is open (a restore's), by digest.
+_PINNED: "dict[bytes, tuple[Metadata, int, int]]" = {}
+_PIN_DEPTH = 0
+
+
+@contextlib.contextmanager
+def decoded_once() -> Any:
+    """Within it, the same ``.metadata`` bytes are decoded once whatever their size: a restore lists,
+    checks and reads each candidate, and a file past :data:`DECODE_CACHE_BYTES` (about 0.9M records)
+    was decoded by each of them.  Such decodes are kept until the outermost scope ends."""
+    global _PIN_DEPTH
+    with _DECODED_LOCK:
+        _PIN_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _DECODED_LOCK:
+            _PIN_DEPTH -= 1
+            if not _PIN_DEPTH:
+                _PINNED.clear()
+
+
 def _fresh(md: Metadata) -> Metadata:
     """A ``Metadata`` of its own for the caller (who may replace tables or the storage meta), sharing the
     immutable parts (records, tensor properties) with the cached one."""
@@ -247,18 +270,20 @@ def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" 
     """
     key = xxhash.xxh3_128_digest(data)
     with _DECODED_LOCK:
-        hit = _DECODED.get(key)
-        if hit is not None:
+        hit = _DECODED.get(key) or _PINNED.get(key)
+        if key in _DECODED:
             _DECODED.move_to_end(key)
     if hit is None:
         with gc_paused():
             md = _decode(data, source, None)
         hit = (md, _largest_object(md), len(data) * DECODED_PER_BYTE)
-        if hit[2] <= DECODE_CACHE_BYTES:
-            with _DECODED_LOCK:
+        with _DECODED_LOCK:
+            if hit[2] <= DECODE_CACHE_BYTES:
                 _DECODED[key] = hit
                 while len(_DECODED) > DECODE_CACHE_ENTRIES or sum(h[2] for h in _DECODED.values()) > DECODE_CACHE_BYTES:
                     _DECODED.popitem(last=False)
+            elif _PIN_DEPTH:
+                _PINNED[key] = hit
     if max_object_bytes is not None and hit[1] > max_object_bytes:
         _decode(data, source, max_object_bytes)  # raises, naming the item
     return _fresh(hit[0])

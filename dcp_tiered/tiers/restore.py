@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_tiered.dcp.agree import agree, failures
 from dcp_tiered.dcp.broadcast import check_broadcastable, load_and_broadcast
+from dcp_tiered.dcp.metadata_io import decoded_once
 from dcp_tiered.dcp.reader import CompressedReader
 from dcp_tiered.dcp.statedict import expand_stateful, flatten_keys
 from dcp_tiered.errors import ConfigError, RestoreError
@@ -67,8 +68,14 @@ class Restorer:
 
         Returns the restored step and the indexes of the tiers that offered candidates, or
         None when no tier holds a committed checkpoint; raises :class:`RestoreError` when
-        committed checkpoints exist but none could be restored, naming each and why.
+        committed checkpoints exist but none could be restored, naming each and why.  Each candidate's
+        ``.metadata`` is decoded once on this rank, whatever its size (:func:`decoded_once`).
         """
+        with decoded_once():
+            return self._restore(state_dict, step, broadcast, bucket_bytes)
+
+    def _restore(self, state_dict: dict[str, Any], step: int | None, broadcast: Any,
+                 bucket_bytes: int) -> "tuple[int, set[int]] | None":
         if self._nothing_to_restore():
             return None  # decided before any Stateful's state_dict() runs: it may change the live state
         plain = expand_stateful(state_dict)[0]
