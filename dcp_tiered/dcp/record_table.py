@@ -590,6 +590,7 @@ def unpack_storage(sdm: dict, storage: dict, source: str, *, checkpoint: "str | 
             if index in table:
                 raise _bad(source, f"and another record both hold {getattr(index, 'fqn', index)!r}")
             table.rest[index] = rec
+        table._packed = storage
         return table
     cols = {c: v.tolist() for c, v in arrays.items()}
     frames, sums = frame_col.tolist(), sum_col.tolist()
@@ -669,6 +670,7 @@ class RecordTable(collections.abc.Mapping):
         self._keys: list = [None] * self.n
         self._built: list = [None] * self.n
         self.rest: dict = {}
+        self._sdm, self._packed = sdm, None  # the on-disk form (head and records apart), set by unpack_storage
 
     def _row_of(self, index: Any) -> "int | None":
         item = self._item_of.get(getattr(index, "fqn", None)) if type(index) is MetadataIndex else None
@@ -729,6 +731,15 @@ class RecordTable(collections.abc.Mapping):
         """The rows as a sequence of ``(index, record)``, built when indexed."""
         return _Rows(self)
 
+    def file_ends(self) -> dict[str, int]:
+        """Each data file's size as :func:`~dcp_tiered.dcp.format.expected_sizes` gives it, over the
+        table's columns (:func:`packed_totals`): no record is built."""
+        return packed_totals(self._sdm, self._packed)[0]
+
+    def row_codecs(self) -> set[str]:
+        """The codecs the table's rows name (not the records kept apart, ``rest``)."""
+        return {self._names[i] for i in set(self._cols["codec"])}
+
     def covered(self) -> np.ndarray:
         """Per item of the tensor table, whether the table's rows hold every chunk (non-tensor: a row)."""
         counts = np.bincount(np.array(self._cols["item"], dtype=np.int64), minlength=len(self._fqns))
@@ -775,7 +786,10 @@ class _Items(collections.abc.ItemsView):
 
 
 class _Values(collections.abc.ValuesView):
-    """A :class:`RecordTable`'s records, row by row."""
+    """A :class:`RecordTable`'s records, row by row; their file ends come from the table's columns."""
+
+    def file_ends(self) -> dict[str, int]:
+        return self._mapping.file_ends()
 
     def __iter__(self) -> Iterator[dict]:
         table = self._mapping
@@ -828,9 +842,10 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
     n = len(records)
     first, combo = _combinations([cols[c] for c in _STATIC] + [(cols["file"] != 0).astype(np.uint8)])
     files, at = np.unique(cols["file"], return_index=True)
+    key = records.table.key if type(records) is _Rows else (lambda r: records[r][0])  # no record built for a name
     for f, r in zip(files.tolist(), at.tolist()):
         if f:  # a row without a file is its combination's: check_record refuses it
-            safe_relative_name(names[f], f"record of {records[r][0].fqn!r} in {checkpoint}")
+            safe_relative_name(names[f], f"record of {key(r).fqn!r} in {checkpoint}")
     headers, steps, full_lo = (np.empty(len(first), dtype=np.uint64) for _ in range(3))
     for c, r in enumerate(first.tolist()):
         rec = _check_one(records[int(r)], sdm, checkpoint, max_object_bytes)

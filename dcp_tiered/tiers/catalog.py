@@ -99,8 +99,11 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
         md = load_metadata(child)
         info.keys = frozenset(md.state_dict_metadata)
         info.save_id = getattr(md.storage_meta, "save_id", None) or ""
-        needed = expected_sizes(md.storage_data.values())
-        codecs = {item.codec if item.native else "stock" for item in map(record_view, md.storage_data.values())}
+        needed = expected_sizes(md.storage_data.values())  # a record table's over its columns: none built
+        rest = getattr(md.storage_data, "rest", None)
+        codecs = md.storage_data.row_codecs() if rest is not None else set()
+        codecs |= {item.codec if item.native else "stock"
+                   for item in map(record_view, (md.storage_data if rest is None else rest).values())}
         info.codec = ",".join(sorted(codecs)) or None
         missing = [f for f, size in needed.items() if files.get(f, -1) < size and (holds is None or holds(f))]
         info.complete = not missing
