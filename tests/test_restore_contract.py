@@ -639,3 +639,16 @@ def test_wait_and_close_refuse_a_timeout_that_is_no_duration(tmp_path: Path, tim
         with pytest.raises(ConfigError, match="timeout"):
             call(timeout=timeout)
     ck.close()
+
+
+def test_every_ranks_listing_problems_reach_every_rank_as_a_bounded_sample() -> None:
+    """The coordinator's decision goes to every rank: with a problem on each of N ranks (a node-local tier
+    no node can list) it carried N lines to N ranks; now a sample and a count."""
+    from dcp_tiered.tiers.restore import MAX_PROBLEM_LINES, Restorer
+
+    restorer = object.__new__(Restorer)
+    restorer.distributed, restorer.tiers = True, []
+    views = [([], [f"tier 'local' could not be listed: /nvme/{rank} is gone"], []) for rank in range(4096)]
+    lines = restorer._decide(views, None)[3]
+    assert len(lines) == MAX_PROBLEM_LINES + 1 and lines[0] == "rank 0: tier 'local' could not be listed: /nvme/0 is gone"
+    assert lines[-1] == f"(and {4096 - MAX_PROBLEM_LINES} more listing problems on other ranks)"

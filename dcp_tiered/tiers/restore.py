@@ -40,6 +40,11 @@ NEEDS_OTHERS = "its load needs "
 View = tuple[int, int, "str | None", "str | None"]  # (step, tier index, why unusable or None, save id)
 
 
+#: Listing problems the coordinator's decision carries to every rank (then a count): one line per rank
+#: would make it N lines to N ranks.
+MAX_PROBLEM_LINES = 8
+
+
 class Restorer:
     """Restore for one checkpointer: its tiers as ``rank`` on ``node`` sees them.
 
@@ -232,13 +237,18 @@ class Restorer:
         restore order, why each other one is not, whether any exists, every rank's listing problems and
         the plans of the candidates usable through peers."""
         lines: list[str] = []
+        more = 0
         seen: dict[Candidate, dict[int, str | None]] = {}
         save_ids: dict[Candidate, set[str | None]] = {}
         for rank, (v, probs, _held) in enumerate(views):
             for p in probs:
                 line = f"rank {rank}: {p}" if self.distributed else p
-                if line not in lines:
+                if line in lines:
+                    continue
+                if len(lines) < MAX_PROBLEM_LINES:
                     lines.append(line)
+                else:
+                    more += 1
             for s, i, why, save_id in v:
                 seen.setdefault((s, i), {})[rank] = why
                 save_ids.setdefault((s, i), set()).add(save_id)
@@ -264,6 +274,8 @@ class Restorer:
                 reasons[(s, i)] = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} ranks)" if len(problems) > 3 else "")
             else:
                 usable.append((s, i))
+        if more:
+            lines.append(f"(and {more} more listing problems on other ranks)")
         return restore_order(usable), reasons, bool(seen), lines, fetch
 
     def _through_peers(self, cand: Candidate, by_rank: dict[int, str | None], save_ids: set[str | None],
