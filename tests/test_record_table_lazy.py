@@ -89,3 +89,19 @@ def test_listing_a_checkpoint_builds_none_of_its_records(tmp_path, monkeypatch):
     assert type(md.storage_data) is RecordTable
     assert expected_sizes(md.storage_data.values()) == expected_sizes(list(md.storage_data.values()))
     assert not md.storage_data.rest and md.storage_data.row_codecs() == {record_view(r).codec for r in md.storage_data.values()}
+
+
+def test_a_callers_edit_of_its_records_stays_its_own(tmp_path):
+    """The same bytes are decoded once per process, and each caller gets records of its own: a tool that
+    rewrites a record in place does not change what the next load of that checkpoint reads."""
+    path, data = _checkpoint(tmp_path)
+    mine = decode_metadata(data, "ckpt/.metadata").storage_data
+    w = next(i for i in mine if i.fqn == "w")
+    b = next(i for i in mine if i.fqn == "b")
+    mine[w].clear()
+    mine[w].update(mine[b])
+    again = decode_metadata(data, "ckpt/.metadata").storage_data
+    assert again[w]["shape"] == (4, 3) and again[w] != again[b]
+    out = {"w": torch.zeros(4, 3), "b": torch.zeros(5), "note": {"lr": 0.0}, "s": torch.tensor(0)}
+    dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)
+    assert torch.equal(out["w"], torch.arange(12.0).reshape(4, 3))

@@ -242,7 +242,11 @@ def _fresh(md: Metadata) -> Metadata:
     immutable parts (records, tensor properties) with the cached one."""
     out = copy.copy(md)
     out.state_dict_metadata = dict(md.state_dict_metadata)
-    out.storage_data = dict(md.storage_data) if isinstance(md.storage_data, dict) else md.storage_data
+    storage = md.storage_data
+    if type(storage) is RecordTable:  # its records built for this caller
+        out.storage_data = storage.view()
+    else:
+        out.storage_data = {i: dict(r) if type(r) is dict else r for i, r in storage.items()} if isinstance(storage, dict) else storage
     out.planner_data = dict(md.planner_data) if isinstance(md.planner_data, dict) else md.planner_data
     out.storage_meta = copy.copy(md.storage_meta)
     return out

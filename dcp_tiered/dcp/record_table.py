@@ -731,6 +731,15 @@ class RecordTable(collections.abc.Mapping):
         """The rows as a sequence of ``(index, record)``, built when indexed."""
         return _Rows(self)
 
+    def view(self) -> "RecordTable":
+        """The same table for another caller: the columns and indexes shared (read-only), the records it
+        builds and the records kept apart its own, so one caller's edit of a record is not another's."""
+        out = object.__new__(RecordTable)  # not copy.copy: the table pickles (and so copies) as a dict
+        out.__dict__.update(self.__dict__)
+        out._built = [None] * self.n
+        out.rest = {index: dict(rec) if type(rec) is dict else rec for index, rec in self.rest.items()}
+        return out
+
     def file_ends(self) -> dict[str, int]:
         """Each data file's size as :func:`~dcp_tiered.dcp.format.expected_sizes` gives it, over the
         table's columns (:func:`packed_totals`): no record is built."""
