@@ -8,6 +8,10 @@ trailer (written by stock DCP) are read without the integrity check.
 A ``.metadata`` is untrusted input: its size is checked before it is read, it is unpickled
 through the allow-list, and every table and record is then checked for types and ranges
 (:func:`check_metadata`), so later code never meets a ``str`` where it expects an ``int``.
+
+One concept over 600 lines: the encode and the checked decode of one file, whose checks (tables,
+planner paths, storage meta, records) the writer runs too before a commit, so that the same
+definitions say what a save may commit and what a reader accepts, and the decode cache.
 """
 
 from __future__ import annotations

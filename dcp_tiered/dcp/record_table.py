@@ -20,6 +20,12 @@ odd indices, int fields or frame tables that are not exact ints, names that are 
 before building anything, then returns the dicts, which ``check_metadata`` validates as
 every record is; a checked decode (``checkpoint`` given) returns a :class:`RecordTable`, which
 builds each dict when it is asked for.  ``unpack_storage(sdm, pack_storage(sdm, s)) == s``, index hints included.
+
+One concept, the record table, over 600 lines: its packing, its reading with the checks of its rows,
+the mappings over it (``PackedRecords`` as a save returns it, ``RecordTable`` as a decode does) and what
+is computed over its columns (file sizes, stats, coverage, consistency with the tensor table) share
+the column layout and its private helpers (``_columns``, ``_read``, ``_combinations``); cut apart,
+each piece would reach into the others' internals.
 """
 
 from __future__ import annotations
