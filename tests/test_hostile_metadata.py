@@ -738,3 +738,22 @@ def test_stock_record_smaller_than_its_declared_chunk_is_refused(tmp_path):
     assert MetadataIndex("w", torch.Size([0, 0])) in md.storage_data
     with pytest.raises(CorruptCheckpointError, match="elements, at least one raw byte each"):
         CompressedReader(path)
+
+
+@pytest.mark.parametrize("dim", [1 << 62, 1 << 63])
+def test_a_stock_tensor_dimension_past_the_readers_limit_is_refused_at_open(tmp_path, dim):
+    """One rule for a shape readers accept (dimensions below ``MAX_DIM``, as the writer refuses them): a
+    stock ``.metadata`` declaring a (0, 2**62) tensor was accepted, one of (0, 2**63) refused."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    path = tmp_path / "stock"
+    dcp.save({"w": torch.ones(4, 4)}, storage_writer=FileSystemWriter(path, sync_files=False), no_dist=True)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    huge = torch.Size([0, dim])
+    md.state_dict_metadata["w"] = dataclasses.replace(
+        md.state_dict_metadata["w"], size=huge, chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=huge)])
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CorruptCheckpointError, match="'w' has an invalid size"):
+        CompressedReader(path)

@@ -82,6 +82,12 @@ def _uints(values: tuple, limit: int = _U64) -> bool:
     return not values or (set(map(type, values)) == {int} and min(values) >= 0 and max(values) < limit)
 
 
+def shape_ok(shape: Any) -> bool:
+    """The one rule of a shape readers accept (a tensor's size, a chunk's offsets and sizes, a record's
+    shape): at most :data:`MAX_DIMS` exact ints, each in ``[0, MAX_DIM)``."""
+    return isinstance(shape, tuple) and len(shape) <= MAX_DIMS and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)
+
+
 def _check_fields(record: dict, where: str) -> None:
     missing = [f for f in _REQUIRED if f not in record]
     if missing:
@@ -151,7 +157,7 @@ def _check_contents(record: dict, where: str, max_object_bytes: "int | None") ->
     if stored.itemsize != itemsize:
         raise CorruptCheckpointError(f"{where}: dtype {stored} does not match item size {itemsize}")
     shape = record.get("shape")
-    if type(shape) is not tuple or len(shape) > MAX_DIMS or not _uints(shape, MAX_DIM):
+    if type(shape) is not tuple or not shape_ok(shape):
         raise CorruptCheckpointError(f"{where} has an invalid shape {shape!r}"[:300])
     numel = 1
     for d in shape:

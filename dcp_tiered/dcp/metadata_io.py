@@ -51,6 +51,7 @@ from dcp_tiered.dcp.format import (
     check_record,
     chunk_sizes,
     is_native_record,
+    shape_ok,
 )
 from dcp_tiered.dcp.gc_pause import gc_paused
 from dcp_tiered.dcp.item_table import BroadcastItems, check_table_chunks, declared_counts, pack_items, pack_paths, table_chunk_problem, unpack_items, unpack_paths
@@ -377,7 +378,7 @@ def _bad(source: str, what: str) -> CorruptCheckpointError:
 
 
 def _size_ok(value: Any) -> bool:
-    return type(value) is torch.Size and len(value) <= MAX_DIMS and all(d >= 0 for d in value)
+    return type(value) is torch.Size and shape_ok(value)
 
 
 def _check_tensor_md(fqn: str, md: TensorStorageMetadata, source: str) -> None:
@@ -392,8 +393,9 @@ def _check_tensor_fields(fqn: str, md: TensorStorageMetadata, source: str) -> No
     props, size, chunks = (getattr(md, f, None) for f in ("properties", "size", "chunks"))
     if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
         raise _bad(source, f"tensor {fqn!r} has invalid properties")
-    if not _size_ok(size):
-        raise _bad(source, f"tensor {fqn!r} has an invalid size {size!r}"[:200])
+    if not _size_ok(size):  # (a torch.Size past int64 fails its own repr)
+        text = f"({', '.join(str(d) for d in size)})" if isinstance(size, tuple) else repr(size)
+        raise _bad(source, f"tensor {fqn!r} has an invalid size {text}"[:200])
     if type(chunks) is not list:
         raise _bad(source, f"tensor {fqn!r} has chunks of type {type(chunks).__name__}, not a list")
 
@@ -427,7 +429,7 @@ def tensor_chunks_problem(size: torch.Size, chunks: list) -> "str | None":
             if type(chunk) is not ChunkStorageMetadata or not _size_ok(offsets) or not _size_ok(sizes):
                 if type(chunk) is ChunkStorageMetadata and type(offsets) is type(sizes) is torch.Size \
                         and len(offsets) == len(sizes) <= MAX_DIMS:
-                    return f"chunk {tuple(offsets)}+{tuple(sizes)} has a negative offset or size"
+                    return f"chunk {tuple(offsets)}+{tuple(sizes)} has an offset or size that is negative or at least 2**62"
                 return "an invalid chunk"
             if not len(offsets) == len(sizes) == len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
                 return f"chunk {tuple(offsets)}+{tuple(sizes)} outside its size {tuple(size)}"
