@@ -76,7 +76,7 @@ def encode_metadata(metadata: Metadata, where: str = METADATA_FILE) -> bytes:
     :class:`UnsupportedFormatError` for a chunk layout readers cannot verify (:mod:`~dcp_tiered.dcp.tiling`)."""
     metadata, items = _plain(metadata)
     records, chunks = _counts(metadata)
-    if max(records, chunks) > MAX_METADATA_RECORDS:
+    if _over_record_limit(records, chunks):
         raise MetadataTooLargeError(
             f"{where}: this save has {records} storage records and {chunks} tensor chunks, over the "
             f"{MAX_METADATA_RECORDS} a reader accepts; nothing was committed. A record is one tensor shard of one "
@@ -120,6 +120,12 @@ def _tiling_problem(metadata: Metadata, packed: Metadata) -> "tuple[str, str] | 
     return None
 
 
+def _over_record_limit(records: int, chunks: int) -> bool:
+    """The one rule of how many records and tensor chunks a ``.metadata`` may hold: what a save may commit
+    (:func:`encode_metadata`) and what a reader decodes (:func:`_check_counts`)."""
+    return max(records, chunks) > MAX_METADATA_RECORDS
+
+
 def _check_counts(md: Metadata, source: str, table: bool) -> None:
     """Refuse a ``.metadata`` declaring more records or chunks than a save may write, before any per-record
     work (a format-2 item table's items and chunks are counted from its columns, before they are built):
@@ -133,7 +139,7 @@ def _check_counts(md: Metadata, source: str, table: bool) -> None:
         if items is not None:
             declared = declared_counts(items, source)
             records, chunks = max(records, declared[0]), max(chunks, declared[1])
-    if max(records, chunks) > MAX_METADATA_RECORDS:
+    if _over_record_limit(records, chunks):
         raise _bad(source, f"it declares {records} records and {chunks} chunks, over the {MAX_METADATA_RECORDS} "
                            "a save writes")
 
