@@ -190,3 +190,34 @@ def test_a_restore_decodes_once_where_the_cache_declines_the_file(restored) -> N
         u = f["uncached"]
         assert isinstance(u["step"], int) and u["diffs"] == [], f"rank {rank}: {u['step']} {u['diffs']} {u['events']}"
     _check_once(data, facts, "uncached")
+
+
+def test_a_restore_keeps_one_large_decode_not_every_candidates(tmp_path, monkeypatch) -> None:
+    """With the cache declining every file (as past 32 MiB), a restore over four committed steps decodes
+    the step it restores once and keeps at most one decode past the cache's bound at a time, not every
+    candidate's (each of which may be gigabytes)."""
+    import torch
+
+    import dcp_tiered.dcp.metadata_io as metadata_io
+    from dcp_tiered import Tier
+
+    tier = [Tier("t", str(tmp_path / "t"), keep=10)]
+    ckpt = TieredCheckpointer(tier)
+    for step in range(1, 5):
+        ckpt.save_now(step, {"w": torch.full((8,), float(step))})
+    ckpt.close()
+    monkeypatch.setattr(metadata_io, "DECODE_CACHE_BYTES", 0)
+    metadata_io._DECODED.clear()
+    seen, original = [], metadata_io._decode
+
+    def counted(data, source, *args, **kwargs):
+        seen.append((source, len(metadata_io._PINNED)))
+        return original(data, source, *args, **kwargs)
+
+    monkeypatch.setattr(metadata_io, "_decode", counted)
+    ckpt = TieredCheckpointer(tier)
+    sd = {"w": torch.zeros(8)}
+    assert ckpt.restore(sd) == 4 and torch.equal(sd["w"], torch.full((8,), 4.0))
+    ckpt.close()
+    assert max(n for _s, n in seen) <= 1 and not metadata_io._PINNED, seen
+    assert sum("step_000000004" in s for s, _n in seen) == 1, seen

@@ -105,3 +105,22 @@ def test_a_callers_edit_of_its_records_stays_its_own(tmp_path):
     out = {"w": torch.zeros(4, 3), "b": torch.zeros(5), "note": {"lr": 0.0}, "s": torch.tensor(0)}
     dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)
     assert torch.equal(out["w"], torch.arange(12.0).reshape(4, 3))
+
+
+def test_a_callers_edit_of_a_stock_record_stays_its_own(tmp_path):
+    """Stock records (``_StorageInfo``, mutable) are the caller's own too: pointing one at another item's
+    bytes does not change the next load of the checkpoint in the process."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from dcp_tiered.dcp.metadata_io import load_metadata
+    from dcp_tiered.storage import Storage
+
+    path = tmp_path / "stock"
+    sd = {"a": torch.tensor([100.0, 101.0]), "b": torch.tensor([200.0, 201.0])}
+    dcp.save(sd, storage_writer=FileSystemWriter(path, sync_files=False), no_dist=True)
+    mine = load_metadata(Storage(str(path))).storage_data
+    a, b = (next(i for i in mine if i.fqn == k) for k in "ab")
+    mine[a].offset, mine[a].length = mine[b].offset, mine[b].length
+    out = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    dcp.load(out, storage_reader=CompressedReader(path), no_dist=True)
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])

@@ -233,9 +233,11 @@ _PIN_DEPTH = 0
 
 @contextlib.contextmanager
 def decoded_once() -> Any:
-    """Within it, the same ``.metadata`` bytes are decoded once whatever their size: a restore lists,
-    checks and reads each candidate, and a file past :data:`DECODE_CACHE_BYTES` (about 0.9M records)
-    was decoded by each of them.  Such decodes are kept until the outermost scope ends."""
+    """Within it, a ``.metadata`` past :data:`DECODE_CACHE_BYTES` (about 0.9M records), which the cache
+    declines, is decoded once: a restore lists, checks and reads its candidate, and each decoded it.
+    The first such decode is kept until the outermost scope ends, later ones while their estimated
+    size stays within the cache's bound: a restore lists the newest step first and tries it first,
+    and it never holds every candidate's decode at once."""
     global _PIN_DEPTH
     with _DECODED_LOCK:
         _PIN_DEPTH += 1
@@ -257,7 +259,8 @@ def _fresh(md: Metadata) -> Metadata:
     if type(storage) is RecordTable:  # its records built for this caller
         out.storage_data = storage.view()
     else:
-        out.storage_data = {i: dict(r) if type(r) is dict else r for i, r in storage.items()} if isinstance(storage, dict) else storage
+        out.storage_data = {i: dict(r) if type(r) is dict else copy.copy(r) for i, r in storage.items()} \
+            if isinstance(storage, dict) else storage  # records of its own: stock's _StorageInfo is mutable
     out.planner_data = dict(md.planner_data) if isinstance(md.planner_data, dict) else md.planner_data
     out.storage_meta = copy.copy(md.storage_meta)
     return out
@@ -297,8 +300,8 @@ def decode_metadata(data: bytes, source: str, *, max_object_bytes: "int | None" 
                 _DECODED[key] = hit
                 while len(_DECODED) > DECODE_CACHE_ENTRIES or sum(h[2] for h in _DECODED.values()) > DECODE_CACHE_BYTES:
                     _DECODED.popitem(last=False)
-            elif _PIN_DEPTH:
-                _PINNED[key] = hit
+            elif _PIN_DEPTH and (not _PINNED or sum(h[2] for h in _PINNED.values()) + hit[2] <= DECODE_CACHE_BYTES):
+                _PINNED[key] = hit  # the first (a restore lists the newest step first), more within the bound
     if max_object_bytes is not None and hit[1] > max_object_bytes:
         _decode(data, source, max_object_bytes)  # raises, naming the item
     return _fresh(hit[0])

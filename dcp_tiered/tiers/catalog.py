@@ -123,7 +123,7 @@ def list_tier(tier: Tier, index: int = 0, rank: int = 0, node: int = 0, with_met
     """Every checkpoint directory of ``tier`` (newest step first); ``holds`` and ``known`` as for
     :func:`inspect_checkpoint`."""
     storage = tier_storage(tier, rank, node)
-    names = [n for n in storage.listdir() if parse_step(n) is not None]
+    names = sorted((n for n in storage.listdir() if parse_step(n) is not None), key=parse_step, reverse=True)
     infos = [inspect_checkpoint(storage, tier, index, n, with_metadata, holds, known) for n in names]
     return sorted(infos, key=lambda i: i.step, reverse=True)
 
