@@ -9,7 +9,6 @@ checkpoint is committed if and only if it exists) and, while a save runs locally
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 #: The commit marker of a checkpoint: DCP's ``Metadata`` pickle plus an integrity trailer.
 METADATA_FILE = ".metadata"
@@ -38,20 +37,8 @@ def node_copies_prefix(prefix: str) -> str:
 def node_copies_list(rank: int) -> str:
     """The file in which ``rank`` lists the node copies it wrote for a save into its directory of a
     node-local tier (their records, which the directory's leader commits; ``tiers/save/node_commit``):
-    ``.node-copies-{rank}.json``, written by every rank of a node-local tier (empty where it wrote none),
-    so a node's directory also tells whose files it holds (:func:`directory_ranks`)."""
+    ``.node-copies-{rank}.json``, written by every rank of a directory other than the coordinator's."""
     return f".node-copies-{rank}.json"
-
-
-_NODE_COPIES_LIST = re.compile(r"^\.node-copies-([0-9]{1,9})\.json$", re.ASCII)
-
-
-def directory_ranks(names: "Iterable[str]") -> "frozenset[int] | None":
-    """The ranks whose files a node-local tier's directory holds (the files of other ranks are in other
-    nodes' directories), told by their node-copies lists among ``names``; None for a directory without
-    any (a checkpoint of another tier, or of an older version), which holds every file it names."""
-    ranks = frozenset(int(m.group(1)) for n in names if (m := _NODE_COPIES_LIST.match(n)))
-    return ranks or None
 
 
 def data_file(prefix: str) -> str:

@@ -528,12 +528,10 @@ def test_node_local_tier_holds_each_ranks_own_files(main, root: Path, mode: str)
     """Each rank's local directory holds its own data file and is committed (``.metadata``: the
     coordinator's by the save, rank 1's by rank 1 once its files are in); rank 1's also holds its
     node copies of the replicated items (``model.b``, ``optim.step``), which DCP stores in rank 0's
-    file; each rank's directory also holds its list of node copies (for its leader; empty for rank 0), which
-    tells whose files the directory holds; no promotion intents or temp files are left after wait()."""
+    file, and its list of them for its leader; no promotion intents or temp files are left after wait()."""
     read_records(main[0], f"save[{mode}]", WS, main[1])
     local = root / "main" / mode / "local"
-    for rank, want in ((0, {".metadata", "__0_0.distcp", ".node-copies-0.json"}),
-                       (1, {".metadata", "__1_0.distcp", "__1_node_0.distcp", ".node-copies-1.json"})):
+    for rank, want in ((0, {".metadata", "__0_0.distcp"}), (1, {".metadata", "__1_0.distcp", "__1_node_0.distcp", ".node-copies-1.json"})):
         dirs = sorted((local / str(rank)).glob("step_*"))
         assert dirs, f"no checkpoint in {local / str(rank)}"
         for d in dirs:

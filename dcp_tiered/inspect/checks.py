@@ -34,30 +34,18 @@ class VerifyResult:
     frames: int = 0
     files: int = 0
     bytes_read: int = 0
-    #: A node-local tier's directory: the ranks whose files it holds and was checked for, and the items
-    #: in the other ranks' files (in other nodes' directories, not checked here); None elsewhere.
-    ranks: "tuple[int, ...] | None" = None
-    elsewhere: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def counts(self) -> dict[str, int]:
-        """The counts as a JSON-ready dict: ``items``, ``frames``, ``files``, ``bytes`` (and, for a node's
-        directory, its ``ranks`` and the items ``elsewhere``)."""
-        out = {"items": self.items, "frames": self.frames, "files": self.files, "bytes": self.bytes_read}
-        if self.ranks is not None:
-            out |= {"ranks": list(self.ranks), "elsewhere": self.elsewhere}
-        return out
+        """The counts as a JSON-ready dict: ``items``, ``frames``, ``files``, ``bytes``."""
+        return {"items": self.items, "frames": self.frames, "files": self.files, "bytes": self.bytes_read}
 
     def counts_text(self, size: Callable[[int], str] = "{} bytes".format) -> str:
         """The counts in words, ``size`` formatting the bytes read."""
-        text = f"{self.items} items, {self.frames} frames checksummed, {self.files} files, {size(self.bytes_read)} read"
-        if self.ranks is not None:
-            text += (f"; a node's directory holding the files of ranks {list(self.ranks)}: {self.elsewhere} items in "
-                     "other ranks' files are in other nodes' directories, verify those too")
-        return text
+        return f"{self.items} items, {self.frames} frames checksummed, {self.files} files, {size(self.bytes_read)} read"
 
 
 def verify(source: str | os.PathLike[str] | CompressedReader, storage_options: dict[str, Any] | None = None,
@@ -78,13 +66,9 @@ def verify(source: str | os.PathLike[str] | CompressedReader, storage_options: d
 
 def _verify_items(storage: Storage, path: str, md: Metadata, on_bytes: Callable[[int], None]) -> VerifyResult:
     from dcp_tiered.dcp.format import record_view
-    from dcp_tiered.names import directory_ranks, rank_of_file
     from dcp_tiered.storage import MissingFileError
 
     result = VerifyResult(path)
-    own = directory_ranks(storage.listdir())
-    if own is not None:
-        result.ranks = tuple(sorted(own))
     sizes: dict[str, int | None] = {}
 
     def size_of(name: str) -> int | None:
@@ -99,9 +83,6 @@ def _verify_items(storage: Storage, path: str, md: Metadata, on_bytes: Callable[
     items = sorted(((index.fqn, record_view(rec)) for index, rec in md.storage_data.items()),
                    key=lambda ki: (ki[1].file, ki[1].offset))
     for key, item in items:
-        if own is not None and rank_of_file(item.file) not in own:
-            result.elsewhere += 1
-            continue
         result.items += 1
         size = size_of(item.file)
         end = item.end

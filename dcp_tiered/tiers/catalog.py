@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dcp_tiered.errors import DcpTieredError
-from dcp_tiered.names import METADATA_FILE, directory_ranks, rank_of_file
+from dcp_tiered.names import METADATA_FILE
 from dcp_tiered.storage import Storage
 from dcp_tiered.tiers.layout import INTENT_FILE, parse_step, read_intent
 from dcp_tiered.tiers.config import Tier
@@ -59,8 +59,7 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
                        holds: Callable[[str], bool] | None = None,
                        known: Collection[str] | None = None) -> CheckpointInfo:
     """Describe one checkpoint directory ``name`` of ``tier``; ``holds``: which data files the
-    directory must hold to be ``complete`` (a node-local directory: its ranks' files), by default
-    those of the ranks its node-copies lists name (:func:`~dcp_tiered.names.directory_ranks`), else all;
+    directory must hold to be ``complete`` (a node-local directory: its ranks' files), default all;
     ``known``: the job's tier names, so that an intent naming another tier counts as invalid."""
     step = parse_step(name)
     child = storage.child(name)
@@ -72,9 +71,6 @@ def inspect_checkpoint(storage: Storage, tier: Tier, index: int, name: str, with
                     "the tier instead, or remove the link)",
         )
     files = child.file_sizes()
-    own = directory_ranks(files) if holds is None else None
-    if own is not None:  # a node's directory: the other ranks' files are in the other nodes' directories
-        holds = lambda f: rank_of_file(f) in own  # noqa: E731
     info = CheckpointInfo(
         tier=tier.name, tier_index=index, step=step if step is not None else -1, name=name, url=child.url,
         committed=METADATA_FILE in files, size_bytes=sum(files.values()), files=files,

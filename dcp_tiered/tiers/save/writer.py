@@ -277,7 +277,7 @@ class TieredWriter(StorageWriter):
                                                       self.is_coordinator, tp.save_id or None)
                 if self._intent is not None and not self.is_coordinator:
                     promoter.submit(self._intent)  # data files are final; the coordinator commits targets later
-            if primary.node_local:
+            if primary.node_local and not self._coordinator_dir(primary):
                 self._write_node_copies(inner, inner_plan, planner, tp, target)
             return results
 
