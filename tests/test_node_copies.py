@@ -125,7 +125,8 @@ def test_a_node_copies_list_round_trips_and_anything_else_is_refused(tmp_path) -
     (index, rec), = md.storage_data.items()
     rec = {**rec, "file": "__2_node_0.distcp"}
     store = _listed(tmp_path / "ok", "s1", [(index, rec)])
-    assert read_copies(store, 2, "s1") == [(index, rec)]
+    sdm = md.state_dict_metadata
+    assert read_copies(store, 2, "s1", sdm) == [(index, rec)]
     bad = {
         "missing": None,
         "another save": copies_list("s0", [(index, rec)]),
@@ -135,11 +136,13 @@ def test_a_node_copies_list_round_trips_and_anything_else_is_refused(tmp_path) -
         "negative offset": copies_list("s1", [(index, rec)]).replace(b'"offset": [0]', b'"offset": [-1]'),
         "another rank's file": copies_list("s1", [(index, {**rec, "file": "__3_node_0.distcp"})]),
         "a bad record": copies_list("s1", [(index, {**rec, "raw": -1})]),
+        "no item of the save": copies_list("s1", [(MetadataIndex("zzz", torch.Size([0])), rec)]),
+        "no chunk of the tensor": copies_list("s1", [(MetadataIndex("a", torch.Size([5])), rec)]),
     }
     for case, data in bad.items():
         store = _listed(tmp_path / case.replace(" ", "-"), "s1", data) if data is not None else _listed(tmp_path / "none", "s1", [], rank=3)
         with pytest.raises(CorruptCheckpointError, match=r"\.node-copies-2\.json"):
-            read_copies(store, 2, "s1")
+            read_copies(store, 2, "s1", sdm)
 
 
 def test_a_packed_node_view_swaps_rows_without_unpacking_or_packing(tmp_path, monkeypatch) -> None:

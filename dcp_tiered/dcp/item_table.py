@@ -152,7 +152,7 @@ def declared_counts(items: Any, source: str) -> tuple[int, int]:
     column), read without building any: the record limit is checked on them before
     :func:`unpack_items` builds DCP's objects, so a few bytes cannot make it build millions."""
     fqns = read_strings(items.get("fqns") if type(items) is dict else None, source, "item names")
-    return len(fqns), int(_read(items, "nchunks", len(fqns), source).sum(dtype=np.uint64))
+    return len(fqns), sum(_read(items, "nchunks", len(fqns), source).tolist())  # exact: a uint64 sum could wrap
 
 
 def unpack_items(items: Any, source: str) -> dict:

@@ -457,18 +457,19 @@ class PackedRecords(collections.abc.Mapping):
         per-record checks."""
         sdm, packed = self._sdm, self.packed
         rest = itertools.islice(packed.items(), 1, None) if is_table(packed) else packed.items()
-        sizes = None
+        sizes: dict[str, dict] = {}  # by item: a node leader checks a few copies of a large save
         try:
             for index, rec in rest:
                 if is_native_record(rec) and type(index) is MetadataIndex and index.fqn in sdm:
-                    sizes = chunk_sizes(sdm) if sizes is None else sizes
                     _check_one((index, rec), sdm, checkpoint, None)
-                    check_against_chunks(rec, index, sizes, checkpoint)
+                    if index.fqn not in sizes:
+                        sizes[index.fqn] = chunk_sizes({index.fqn: sdm[index.fqn]})
+                    check_against_chunks(rec, index, sizes[index.fqn], checkpoint)
             if is_table(packed):
                 arrays, _frames, _sums, names = _columns(next(iter(packed.values())), sdm, checkpoint)
                 tensor = np.flatnonzero(arrays["kind"] == 0)
                 item = arrays["item"].astype(np.int64)[tensor]
-                bad = _dtype_ids(list(sdm.values()), names)[item] != _row_dtype(arrays)[tensor]
+                bad = _dtype_differs(list(sdm.values()), names, arrays, item, tensor)
                 if bad.any():
                     index, rec = list(self._unpacked().items())[int(tensor[np.argmax(bad)])]  # rows first, in order
                     check_against_properties(rec, sdm[index.fqn], index.fqn, checkpoint)
@@ -884,7 +885,7 @@ def _check_rows(cols: dict, frames: np.ndarray, names: tuple, sdm: dict, records
         base, numels = _chunk_numels(entries)
         at = base[item[tensor]] + chunk[tensor] - 1
         bad[tensor] |= numels[at] != raw[tensor] // itemsize[tensor]
-        bad[tensor] |= _dtype_ids(entries, names)[item[tensor]] != _row_dtype(cols)[tensor]
+        bad[tensor] |= _dtype_differs(entries, names, cols, item[tensor], tensor)
     if len(frames):
         row = np.repeat(np.arange(n), nframes.astype(np.int64))
         last = np.zeros(len(frames), dtype=bool)
@@ -929,6 +930,12 @@ def _refuse(records: list, bad: np.ndarray, sdm: dict, checkpoint: str, max_obje
     raise CorruptCheckpointError(f"record of {records[r][0].fqn!r} in {checkpoint} has sizes, a dtype or a place in "
                                  "its data file that are impossible for its codec, shape and the other records (the "
                                  "metadata is damaged or crafted)")
+
+
+def _dtype_differs(entries: list, names: tuple, cols: dict, items: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Of the tensor ``rows`` (of the items ``items``), which were saved in another dtype than the one their
+    item's tensor properties give: the rule of ``check_against_properties``, over the columns."""
+    return _dtype_ids(entries, names)[items] != _row_dtype(cols)[rows]
 
 
 def _dtype_ids(entries: list, names: tuple) -> np.ndarray:

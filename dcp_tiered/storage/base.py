@@ -190,10 +190,13 @@ class Storage:
     def child(self, name: str) -> "Storage":
         """A storage of the same backend for the subdirectory ``name`` (contained)."""
         sub = safe_relative_name(name, self.url)
-        # on this storage's filesystem object: opening the URL again can make a new one (a new S3
-        # client and session, about half a second of CPU, where the options skip fsspec's cache)
         child = super().__new__(type(self))
-        child._opened = (self.fs, posixpath.join(self.root, sub))
+        # on this storage's filesystem object where it serves every thread (an async one, whose calls run
+        # on fsspec's own loop, or the local one): opening the URL again can make a new one (a new S3
+        # client and session, about half a second of CPU, where the options skip fsspec's cache); a
+        # filesystem of one connection (sftp, ftp) is opened again, as fsspec caches it per thread
+        if getattr(self.fs, "async_impl", False) or self.is_local:
+            child._opened = (self.fs, posixpath.join(self.root, sub))
         child.__init__(self.url.rstrip("/") + "/" + sub, self.storage_options)
         return child
 

@@ -49,7 +49,7 @@ from dcp_tiered.dcp.format import MAX_DIMS, check_record, expected_sizes, record
 from dcp_tiered.dcp.metadata_io import encode_metadata, load_metadata
 from dcp_tiered.dcp.record_table import PackedRecords, replace_records
 from dcp_tiered.dcp.writer import commit_metadata
-from dcp_tiered.errors import CorruptCheckpointError, DcpTieredError
+from dcp_tiered.errors import CorruptCheckpointError
 from dcp_tiered.storage import MissingFileError, Storage
 from dcp_tiered.names import node_copies_list, rank_of_file
 from dcp_tiered.tiers.layout import step_name
@@ -105,7 +105,8 @@ def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: 
     result = NodeCommit(tier.name, step, child.url, ranks, ok=False, copied_bytes=0)
     try:
         save_id = getattr(metadata.storage_meta, "save_id", None)
-        view, result.copied_bytes = node_view(metadata, ranks, [c for r in ranks for c in read_copies(child, r, save_id)])
+        copies = [c for r in ranks for c in read_copies(child, r, save_id, metadata.state_dict_metadata)]
+        view, result.copied_bytes = node_view(metadata, ranks, copies)
         problems = _problems(child, expected_sizes(view.storage_data.values(), lambda f: rank_of_file(f) in ranks))
         if not problems and type(view.storage_data) is PackedRecords:
             problems = [p for p in (view.storage_data.inconsistent(child.url),) if p]  # a node copy readers refuse
@@ -117,8 +118,8 @@ def commit_node(tier: Tier, name: str, metadata: Metadata, *, rank: int, world: 
                 view.storage_meta = dataclasses.replace(view.storage_meta, checkpoint_id=child.url)
             commit_metadata(child, encode_metadata(view), overwrite, ())
             result.ok = True
-    except DcpTieredError as exc:
-        result.error = f"committing {child.url} failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - never raises: one node's commit must not fail its rank's save
+        result.error = f"committing {child.url} failed: {type(exc).__name__}: {exc}"
     if result.error:
         log.warning("node-local tier %s: %s", tier.name, result.error)
     return result
@@ -216,10 +217,11 @@ def copies_list(save_id: "str | None", copies: Sequence[tuple[MetadataIndex, dic
     return json.dumps({"save_id": save_id, "copies": entries}).encode()
 
 
-def read_copies(storage: Storage, rank: int, save_id: "str | None") -> list[tuple[MetadataIndex, dict]]:
+def read_copies(storage: Storage, rank: int, save_id: "str | None", sdm: dict) -> list[tuple[MetadataIndex, dict]]:
     """The node copies that ``rank`` listed in ``storage`` (its directory) for the save ``save_id``, each
-    record checked as readers check one, in ``rank``'s own file.  A list that is missing, of another save
-    or malformed raises :class:`CorruptCheckpointError` naming it (the directory is then not committed)."""
+    of an item of the save (``sdm``: its tensor table; a tensor's at one of its chunks), its record checked
+    as readers check one, in ``rank``'s own file.  A list that is missing, of another save or malformed
+    raises :class:`CorruptCheckpointError` naming it (the directory is then not committed)."""
     name = node_copies_list(rank)
     where = storage.url_of(name)
     try:
@@ -236,6 +238,12 @@ def read_copies(storage: Storage, rank: int, save_id: "str | None") -> list[tupl
         if not (type(fqn) is str and type(rec) is dict and (hint is None or type(hint) is int) and (offset is None or (
                 type(offset) is list and len(offset) <= MAX_DIMS and all(type(o) is int and o >= 0 for o in offset)))):
             raise CorruptCheckpointError(f"{where} holds an entry that is not a node copy's index and record")
+        entry = sdm.get(fqn)
+        chunks = getattr(entry, "chunks", None)
+        if entry is None or (offset is None) != (chunks is None) or (
+                chunks is not None and tuple(offset) not in {tuple(c.offsets) for c in chunks}):
+            raise CorruptCheckpointError(f"{where} lists a copy of {fqn[:80]!r} at {offset}, which is no item or chunk "
+                                         "of this save")
         rec = {k: tuple(v) if type(v) is list else v for k, v in rec.items()}  # JSON lists: the record's tuples
         check_record(rec, fqn, where)
         if rank_of_file(rec["file"]) != rank:
