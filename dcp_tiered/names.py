@@ -2,8 +2,9 @@
 
 A checkpoint directory holds one data file per rank (``__{rank}_{tag}0.distcp``, the tag
 unique to a save on object stores; on a node-local tier also a node-copies file
-``__{rank}_{tag}node_0.distcp`` and the list of those copies, ``.node-copies-{rank}.json``), the commit marker ``.metadata`` (written last: the
-checkpoint is committed if and only if it exists) and, while a save runs locally, a lock.
+``__{rank}_{tag}node_0.distcp`` and the list of those copies, ``.node-copies-{rank}.json``),
+the commit marker ``.metadata`` (written last: the checkpoint is committed if and only if it
+exists) and, while a save runs locally, a lock.
 """
 
 from __future__ import annotations

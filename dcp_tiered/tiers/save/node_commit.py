@@ -233,6 +233,7 @@ def read_copies(storage: Storage, rank: int, save_id: "str | None", sdm: dict) -
     if type(doc) is not dict or type(doc.get("copies")) is not list or doc.get("save_id") != save_id:
         raise CorruptCheckpointError(f"{where} is not the node-copies list of save {save_id!r}")
     out = []
+    offsets: dict[str, set] = {}  # by item, made once: linear in the list, however many entries name one item
     for entry in doc["copies"]:
         fqn, offset, hint, rec = (entry.get(k) for k in ("fqn", "offset", "index", "record")) if type(entry) is dict else [None] * 4
         if not (type(fqn) is str and type(rec) is dict and (hint is None or type(hint) is int) and (offset is None or (
@@ -240,8 +241,9 @@ def read_copies(storage: Storage, rank: int, save_id: "str | None", sdm: dict) -
             raise CorruptCheckpointError(f"{where} holds an entry that is not a node copy's index and record")
         entry = sdm.get(fqn)
         chunks = getattr(entry, "chunks", None)
-        if entry is None or (offset is None) != (chunks is None) or (
-                chunks is not None and tuple(offset) not in {tuple(c.offsets) for c in chunks}):
+        if chunks is not None and fqn not in offsets:
+            offsets[fqn] = {tuple(c.offsets) for c in chunks}
+        if entry is None or (offset is None) != (chunks is None) or (chunks is not None and tuple(offset) not in offsets[fqn]):
             raise CorruptCheckpointError(f"{where} lists a copy of {fqn[:80]!r} at {offset}, which is no item or chunk "
                                          "of this save")
         rec = {k: tuple(v) if type(v) is list else v for k, v in rec.items()}  # JSON lists: the record's tuples
